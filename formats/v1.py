@@ -1,0 +1,259 @@
+"""Container format v1: the byte layout, its limits and the strict header schema.
+
+SPEC.md is the prose version of this module; the two must agree.  Every integer
+is little-endian.  Everything a reader must trust before allocating is either a
+fixed-size struct or bounded by a limit below, and is covered by an xxh3-64
+checksum that is verified before any length inside it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedVersionError
+
+MAGIC = b"\x89KVC\r\n\x1a\n"
+VERSION_MAJOR = 1
+VERSION_MINOR = 0
+
+# magic(8) | major u16 | minor u16 | header_len u32
+PREAMBLE = struct.Struct("<8sHHI")
+CHECKSUM = struct.Struct("<Q")
+FRAME_MAGIC = b"KVCK"
+# magic(4) | variant u32 | token_start u32 | token_count u32 | layer_start u32 | layer_count u32
+FRAME_HEAD = struct.Struct("<4sIIIII")
+# one per layer of the chunk: section length u64 | section xxh3-64
+SECTION_ENTRY = struct.Struct("<QQ")
+INDEX_MAGIC = b"KVIX"
+INDEX_HEAD = struct.Struct("<4sI")
+# variant u32 | token_start u32 | token_count u32 | layer_start u32 | layer_count u32 | offset u64 | length u64 | frame checksum u64
+INDEX_ENTRY = struct.Struct("<IIIIIQQQ")
+FOOTER_MAGIC = b"KVCEND01"
+# index offset u64 | index length u64 | magic(8)
+FOOTER = struct.Struct("<QQ8s")
+
+MAX_HEADER_BYTES = 16 << 20
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 4096
+MAX_TOKENS = 1 << 26
+MAX_CHUNK_TOKENS = 1 << 20
+MAX_VARIANTS = 64
+MAX_CHUNKS = 1 << 24
+MAX_SECTION_BYTES = 1 << 36
+DTYPES = ("float32", "float16", "bfloat16")
+ROPE_STATES = ("pre", "post")
+
+
+def checksum(*parts: bytes | memoryview) -> int:
+    """xxh3-64 of the concatenation of ``parts``."""
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Shape of one layer: keys are ``[heads, tokens, key_dim]``, values ``[heads, tokens, value_dim]``."""
+
+    heads: int
+    tokens: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def elements(self) -> int:
+        return self.heads * self.tokens * (self.key_dim + self.value_dim)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One encoding of the chunks: a codec id and its config."""
+
+    codec: str
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Header:
+    """Everything the JSON header of a container says."""
+
+    dtype: str
+    layers: tuple[LayerShape, ...]
+    variants: tuple[Variant, ...]
+    chunk_tokens: int
+    chunk_layers: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_tokens(self) -> int:
+        return max((s.tokens for s in self.layers), default=0)
+
+    @property
+    def token_blocks(self) -> int:
+        return math.ceil(self.max_tokens / self.chunk_tokens)
+
+    @property
+    def layer_groups(self) -> int:
+        return math.ceil(len(self.layers) / self.chunk_layers)
+
+    def slots(self) -> list[tuple[int, int, int, int]]:
+        """(token_start, token_count, layer_start, layer_count) of every chunk, in file order."""
+        out = []
+        for b in range(self.token_blocks):
+            t0 = b * self.chunk_tokens
+            tn = min(self.chunk_tokens, self.max_tokens - t0)
+            for g in range(self.layer_groups):
+                l0 = g * self.chunk_layers
+                out.append((t0, tn, l0, min(self.chunk_layers, len(self.layers) - l0)))
+        return out
+
+    def local_range(self, layer: int, token_start: int, token_count: int) -> tuple[int, int]:
+        """The slice of ``layer``'s own token axis that a chunk's token range covers.
+
+        A layer holding fewer tokens than the longest (a sliding window) holds the
+        *last* tokens of the sequence, so its axis is right-aligned.
+        """
+        shift = self.max_tokens - self.layers[layer].tokens
+        lo = max(token_start - shift, 0)
+        hi = max(token_start + token_count - shift, 0)
+        return lo, hi
+
+    def to_json(self) -> bytes:
+        obj = {
+            "dtype": self.dtype,
+            "layers": [[s.heads, s.tokens, s.key_dim, s.value_dim] for s in self.layers],
+            "variants": [{"codec": v.codec, "config": v.config} for v in self.variants],
+            "chunk_tokens": self.chunk_tokens,
+            "chunk_layers": self.chunk_layers,
+            "meta": self.meta,
+        }
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Header:
+        """Parse and validate a header; any deviation from the schema is corrupt data."""
+        try:
+            obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CorruptDataError(f"container header is not valid JSON: {e}") from None
+        _require(isinstance(obj, dict), "header is not a JSON object")
+        expected = {"dtype", "layers", "variants", "chunk_tokens", "chunk_layers", "meta"}
+        _require(expected <= set(obj), f"header lacks {sorted(expected - set(obj))}")
+        _require(obj["dtype"] in DTYPES, f"header dtype {obj['dtype']!r} is not one of {DTYPES}")
+        layers = obj["layers"]
+        _require(isinstance(layers, list) and len(layers) <= MAX_LAYERS, "header layers must be a list of at most 4096")
+        shapes = []
+        for i, s in enumerate(layers):
+            _require(isinstance(s, list) and len(s) == 4 and all(_is_int(x) for x in s), f"layer {i} shape must be 4 integers")
+            h, t, dk, dv = s
+            _require(1 <= h <= MAX_HEADS and 0 <= t <= MAX_TOKENS and 1 <= dk <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM,
+                     f"layer {i} shape {s} is out of bounds")
+            shapes.append(LayerShape(h, t, dk, dv))
+        variants = obj["variants"]
+        _require(isinstance(variants, list) and 1 <= len(variants) <= MAX_VARIANTS, "header needs 1 to 64 variants")
+        vs = []
+        for v in variants:
+            _require(isinstance(v, dict) and isinstance(v.get("codec"), str) and isinstance(v.get("config"), dict),
+                     "variant must be {codec: str, config: object}")
+            vs.append(Variant(v["codec"], v["config"]))
+        ct, cl = obj["chunk_tokens"], obj["chunk_layers"]
+        _require(_is_int(ct) and 1 <= ct <= MAX_CHUNK_TOKENS, f"chunk_tokens {ct!r} out of bounds")
+        _require(_is_int(cl) and 1 <= cl <= MAX_LAYERS, f"chunk_layers {cl!r} out of bounds")
+        _require(isinstance(obj["meta"], dict), "meta must be an object")
+        header = cls(obj["dtype"], tuple(shapes), tuple(vs), ct, cl, obj["meta"])
+        _require(len(header.slots()) <= MAX_CHUNKS, "too many chunks")
+        return header
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidInputError` if this header cannot be written."""
+        try:
+            Header.from_json(self.to_json())
+        except CorruptDataError as e:
+            raise InvalidInputError(str(e)) from None
+        except (TypeError, ValueError) as e:
+            raise InvalidInputError(f"header is not JSON-serialisable: {e}") from None
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One row of the chunk index: where a chunk frame is and what it covers."""
+
+    variant: int
+    token_start: int
+    token_count: int
+    layer_start: int
+    layer_count: int
+    offset: int
+    length: int
+    checksum: int
+
+
+def pack_preamble(header_json: bytes) -> bytes:
+    return PREAMBLE.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, len(header_json))
+
+
+def parse_preamble(buf: bytes) -> int:
+    """Check magic and version; return the header length."""
+    magic, major, minor, header_len = PREAMBLE.unpack(buf)
+    if magic != MAGIC:
+        raise CorruptDataError("not a kvcodec container (bad magic)")
+    if major != VERSION_MAJOR:
+        raise UnsupportedVersionError(
+            f"container format version {major}.{minor} is not supported (this build reads {VERSION_MAJOR}.x)")
+    if header_len > MAX_HEADER_BYTES:
+        raise CorruptDataError(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    return header_len
+
+
+def frame_head_size(layer_count: int) -> int:
+    """Bytes of a chunk frame before its first section: fixed part, section table, checksum."""
+    return FRAME_HEAD.size + layer_count * SECTION_ENTRY.size + CHECKSUM.size
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise CorruptDataError(f"invalid container header: {msg}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name}")
+
+
+class SlotCursor:
+    """Checks that frames come in file order: the header's slots in turn, each with
+    one or more variants in increasing order.  Raises ``ValueError`` on a violation;
+    writers report it as invalid input, readers as corrupt data."""
+
+    def __init__(self, header: Header) -> None:
+        self.slots = header.slots()
+        self.num_variants = len(header.variants)
+        self.pos = -1
+        self.last_variant = -1
+
+    def advance(self, slot: tuple[int, int, int, int], variant: int) -> None:
+        if not 0 <= variant < self.num_variants:
+            raise ValueError(f"chunk {slot} names variant {variant}, the header has {self.num_variants}")
+        if self.pos >= 0 and slot == self.slots[self.pos] and variant > self.last_variant:
+            pass
+        elif self.pos + 1 < len(self.slots) and slot == self.slots[self.pos + 1]:
+            self.pos += 1
+        else:
+            want = self.slots[self.pos + 1] if self.pos + 1 < len(self.slots) else "the index"
+            raise ValueError(f"chunk {slot} variant {variant} is out of order; expected {want}")
+        self.last_variant = variant
+
+    def finish(self) -> None:
+        if self.pos != len(self.slots) - 1:
+            raise ValueError(f"{len(self.slots) - 1 - self.pos} chunk(s) of the header are missing")

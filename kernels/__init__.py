@@ -1,0 +1,5 @@
+"""Triton kernels for kvcodec's GPU paths (installed as ``kvcodec.kernels``).
+
+Kept at the top of the repository so kernel work is easy to find; the build
+maps this folder into the package.  Kernels arrive with the CacheGen GPU issue.
+"""

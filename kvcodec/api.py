@@ -1,0 +1,104 @@
+"""The Python API: encode, decode, save, load and open."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, BinaryIO, Iterable, Iterator, Sequence
+
+import torch
+
+from kvcodec.cache import KVCache
+from kvcodec.chunking import DEFAULT_CHUNK_TOKENS, decode_all, encode_frames, make_header
+from kvcodec.codecs import Codec, get_codec
+from kvcodec.container import iter_frames, write_container
+from kvcodec.errors import InvalidInputError
+from kvcodec.reader import ProgressFn, Reader, build_codecs
+
+
+
+
+def _codec(codec: str | Codec, config: dict[str, Any]) -> Codec:
+    if isinstance(codec, Codec):
+        if config:
+            raise InvalidInputError("pass either a Codec instance or a codec id with options, not both")
+        return codec
+    return get_codec(codec, **config)
+
+
+def iter_encode(kv: KVCache, codec: str | Codec = "raw", *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                chunk_layers: int | None = None, progress: ProgressFn | None = None, **config: Any) -> Iterator[bytes]:
+    """Encode ``kv`` and yield the container piece by piece (one chunk frame at a time).
+
+    ``codec`` is a registered codec id (its options as keyword arguments) or a
+    :class:`Codec`.  Chunks hold ``chunk_tokens`` tokens of ``chunk_layers``
+    layers (default: all layers).  The same input and config give the same bytes.
+    """
+    c = _codec(codec, config)
+    header = make_header(kv, [c], chunk_tokens, chunk_layers)
+    frames: Iterable[Any] = encode_frames(kv, header, [c])
+    if progress:
+        frames = progress(frames, len(header.slots()))
+    return write_container(header, frames)
+
+
+def encode(kv: KVCache, codec: str | Codec = "raw", **options: Any) -> bytes:
+    """Encode ``kv`` to container bytes; options as for :func:`iter_encode`."""
+    return b"".join(iter_encode(kv, codec, **options))
+
+
+def save(path: str | os.PathLike[str], kv: KVCache, codec: str | Codec = "raw", **options: Any) -> int:
+    """Encode ``kv`` into the file ``path``, streaming; returns the bytes written.
+
+    The file appears atomically: it is written beside ``path`` under a temporary
+    name, flushed to disk and renamed, so a crash never leaves a partial file.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".kvcodec-", suffix=".tmp", dir=directory)
+    try:
+        written = 0
+        with os.fdopen(fd, "wb") as f:
+            for piece in iter_encode(kv, codec, **options):
+                f.write(piece)
+                written += len(piece)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return written
+
+
+def open(source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> Reader:  # noqa: A001
+    """Open a container for random access (bytes, a path or a seekable binary file)."""
+    return Reader(source)
+
+
+def decode(data: Any, *, device: torch.device | str | None = None, layers: Sequence[int] | None = None,
+           chunks: Sequence[int] | None = None, progress: ProgressFn | None = None) -> KVCache:
+    """Decode a container to a :class:`KVCache`.
+
+    ``data`` is bytes, a path, a seekable binary file, or an iterable of byte
+    pieces as they arrive (decoded as a stream, chunk by chunk).  ``layers``
+    and ``chunks`` select part of the cache (``chunks`` needs random access).
+    """
+    if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
+        with Reader(data) as reader:
+            return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress)
+    if chunks is not None:
+        raise InvalidInputError("chunk selection needs random access; pass bytes, a path or a seekable file")
+    header, frames = iter_frames(data)
+    codecs = build_codecs(header)
+    rows: Iterable[Any] = ((h.variant, h.token_start, h.token_count, h.layer_start,
+                            {h.layer_start + j: s for j, s in enumerate(sections)}) for h, sections in frames)
+    if progress:
+        rows = progress(rows, len(header.slots()))
+    return decode_all(header, rows, codecs, layers, (0, header.max_tokens), torch.device(device or "cpu"))
+
+
+def load(path: str | os.PathLike[str], **options: Any) -> KVCache:
+    """Decode the container file at ``path``; options as for :func:`decode`."""
+    return decode(os.fspath(path), **options)

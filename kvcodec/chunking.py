@@ -1,0 +1,144 @@
+"""How a :class:`KVCache` maps onto container chunks and sections, and back."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from kvcodec.cache import SUPPORTED_DTYPES, KVCache
+from kvcodec.codecs import Codec, LayerContext
+from kvcodec.container import Frame
+from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError
+from kvcodec.formats.v1 import Header, Variant
+
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def make_header(kv: KVCache, codecs: Sequence[Codec], chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                chunk_layers: int | None = None) -> Header:
+    """The header describing ``kv`` encoded with ``codecs`` (one variant each)."""
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise InvalidInputError(f"chunk_tokens must be a positive integer, not {chunk_tokens!r}")
+    header = Header(
+        dtype=SUPPORTED_DTYPES[kv.dtype],
+        layers=tuple(kv.shapes),
+        variants=tuple(Variant(c.codec_id, c.get_config()) for c in codecs),
+        chunk_tokens=chunk_tokens,
+        chunk_layers=kv.num_layers if chunk_layers is None else chunk_layers,
+        meta=kv.meta,
+    )
+    header.validate()
+    return header
+
+
+def layer_context(header: Header, layer: int, token_count: int, device: torch.device) -> LayerContext:
+    s = header.layers[layer]
+    shape = type(s)(s.heads, token_count, s.key_dim, s.value_dim)
+    return LayerContext(layer, len(header.layers), shape, getattr(torch, header.dtype), device)
+
+
+def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec]) -> Iterator[Frame]:
+    """Encode every chunk of ``kv`` with every codec, in file order."""
+    for t0, tn, l0, lc in header.slots():
+        for variant, codec in enumerate(codecs):
+            sections = []
+            for layer in range(l0, l0 + lc):
+                lo, hi = header.local_range(layer, t0, tn)
+                if hi == lo:
+                    sections.append(b"")
+                    continue
+                k, v = kv.layers[layer]
+                ctx = layer_context(header, layer, hi - lo, kv.device)
+                sections.append(codec.encode_layer(k[:, lo:hi], v[:, lo:hi], ctx))
+            yield Frame(variant, t0, tn, l0, sections)
+
+
+def decode_section(codec: Codec, header: Header, layer: int, token_start: int, token_count: int, data: bytes,
+                   device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """Decode one section; returns (first local token, keys, values), or None for an empty section."""
+    lo, hi = header.local_range(layer, token_start, token_count)
+    if hi == lo:
+        if data:
+            raise CorruptDataError(f"layer {layer} holds no tokens in chunk at {token_start}, but its section is not empty")
+        return None
+    ctx = layer_context(header, layer, hi - lo, device)
+    try:
+        keys, values = codec.decode_layer(data, ctx)
+    except KVCodecError:
+        raise
+    except Exception as e:  # a codec's own parsing failing on bad bytes is still bad bytes
+        raise CorruptDataError(f"{codec.codec_id} could not decode layer {layer} at token {token_start}: {e}") from e
+    s = ctx.shape
+    if keys.shape != (s.heads, s.tokens, s.key_dim) or values.shape != (s.heads, s.tokens, s.value_dim):
+        raise CorruptDataError(f"{codec.codec_id} decoded layer {layer} to the wrong shape")
+    return lo, keys, values
+
+
+class Assembler:
+    """Collects decoded sections and builds the KVCache they cover."""
+
+    def __init__(self, header: Header, layers: Sequence[int], token_start: int, token_end: int) -> None:
+        self.header, self.layers = header, list(layers)
+        self.token_start, self.token_end = token_start, token_end
+        self.parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {l: [] for l in self.layers}
+
+    def add(self, layer: int, decoded: tuple[int, torch.Tensor, torch.Tensor] | None) -> None:
+        if decoded is not None and layer in self.parts:
+            self.parts[layer].append(decoded)
+
+    def build(self, device: torch.device) -> KVCache:
+        dtype = getattr(torch, self.header.dtype)
+        out = []
+        for layer in self.layers:
+            s = self.header.layers[layer]
+            lo, hi = self.header.local_range(layer, self.token_start, self.token_end - self.token_start)
+            parts = sorted(self.parts[layer], key=lambda p: p[0])
+            pos = lo
+            for start, k, _ in parts:
+                if start != pos:
+                    raise CorruptDataError(f"layer {layer}: tokens {pos}..{start} are missing")
+                pos += k.shape[1]
+            if pos != hi:
+                raise CorruptDataError(f"layer {layer}: tokens {pos}..{hi} are missing")
+            if not parts:
+                empty = dict(dtype=dtype, device=device)
+                out.append((torch.empty(s.heads, 0, s.key_dim, **empty), torch.empty(s.heads, 0, s.value_dim, **empty)))
+            elif len(parts) == 1:
+                out.append(parts[0][1:])
+            else:
+                out.append((torch.cat([p[1] for p in parts], 1), torch.cat([p[2] for p in parts], 1)))
+        meta = dict(self.header.meta)
+        for key in ("token_ids", "positions"):
+            if isinstance(meta.get(key), list):
+                meta[key] = meta[key][self.token_start:self.token_end]
+        return KVCache(out, **_known_meta(meta))
+
+
+def _known_meta(meta: dict) -> dict:
+    """The metadata KVCache understands; keys written by newer versions are ignored."""
+    known = {k: meta[k] for k in ("model", "token_ids", "rope", "positions") if k in meta}
+    try:
+        if "token_ids" in known and not all(isinstance(t, int) for t in known["token_ids"]):
+            raise ValueError("token_ids")
+        if "positions" in known and not all(isinstance(t, int) for t in known["positions"]):
+            raise ValueError("positions")
+    except (TypeError, ValueError) as e:
+        raise CorruptDataError(f"header metadata {e} is malformed") from None
+    return known
+
+
+def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]],
+               codecs: Sequence[Codec], layers: Sequence[int] | None, token_range: tuple[int, int],
+               device: torch.device) -> KVCache:
+    """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache."""
+    wanted = list(range(len(header.layers))) if layers is None else list(layers)
+    asm = Assembler(header, wanted, *token_range)
+    for variant, t0, tn, _, sections in frames:
+        for layer, data in sections.items():
+            if layer in asm.parts:
+                asm.add(layer, decode_section(codecs[variant], header, layer, t0, tn, data, device))
+    try:
+        return asm.build(device)
+    except InvalidInputError as e:
+        raise CorruptDataError(f"decoded cache is inconsistent: {e}") from None

@@ -1,0 +1,81 @@
+"""The codec interface: what a container needs from a compression scheme."""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.formats.v1 import LayerShape
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """Where a section sits: which layer of how many, its shape, dtype and device.
+
+    ``shape.tokens`` is the number of tokens in this section (one chunk of one layer).
+    """
+
+    layer: int
+    num_layers: int
+    shape: LayerShape
+    dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
+
+
+class Codec(abc.ABC):
+    """A compression scheme for one layer of one chunk (a *section*).
+
+    Subclasses set ``codec_id`` and ``lossless``, take their configuration as
+    keyword arguments of ``__init__`` (JSON-serialisable values only), and
+    implement :meth:`encode_layer`, :meth:`decode_layer` and :meth:`get_config`.
+    The container calls them once per section; sections are independent.
+    """
+
+    codec_id: ClassVar[str]
+    lossless: ClassVar[bool]
+
+    @abc.abstractmethod
+    def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
+        """Encode ``[H, T, Dk]`` keys and ``[H, T, Dv]`` values to bytes."""
+
+    @abc.abstractmethod
+    def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode a section to keys and values of ``ctx.shape`` in ``ctx.dtype`` on ``ctx.device``.
+
+        Must raise :class:`CorruptDataError` (never allocate blindly) when ``data``
+        cannot be a section of that shape.
+        """
+
+    @abc.abstractmethod
+    def get_config(self) -> dict[str, Any]:
+        """The keyword arguments that rebuild this codec with :meth:`from_config`."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Codec:
+        """Build from a config dict; unknown keys are an error that names them."""
+        params = inspect.signature(cls.__init__).parameters
+        unknown = sorted(set(config) - set(params) - {"self"})
+        if unknown:
+            raise InvalidInputError(f"codec {cls.codec_id!r} has no option(s) {unknown}; it takes {sorted(set(params) - {'self'})}")
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.get_config() == other.get_config()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.codec_id, repr(sorted(self.get_config().items()))))
+
+
+def expect_size(data: bytes, expected: int, what: str) -> None:
+    """Reject a section whose length is not exactly what its shape implies."""
+    if len(data) != expected:
+        raise CorruptDataError(f"{what}: section is {len(data)} bytes, its shape needs {expected}")

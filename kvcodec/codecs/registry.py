@@ -1,0 +1,53 @@
+"""The codec registry: built-in codecs plus those other packages declare under
+the entry-point group ``kvcodec.codecs`` (``name = "package.module:CodecClass"``)."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+from kvcodec.codecs.base import Codec
+from kvcodec.errors import InvalidInputError, UnknownCodecError
+
+ENTRY_POINT_GROUP = "kvcodec.codecs"
+_registry: dict[str, type[Codec]] = {}
+_entry_points_loaded = False
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Register ``cls`` under its ``codec_id`` (usable as a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise InvalidInputError(f"{cls!r} is not a kvcodec.Codec subclass")
+    _registry[cls.codec_id] = cls
+    return cls
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _registry:
+            register_codec(ep.load())
+
+
+def codec_class(codec_id: str) -> type[Codec]:
+    """The class registered as ``codec_id``."""
+    if codec_id not in _registry:
+        _load_entry_points()
+    try:
+        return _registry[codec_id]
+    except KeyError:
+        raise UnknownCodecError(f"unknown codec {codec_id!r}; registered: {', '.join(list_codecs())}") from None
+
+
+def get_codec(codec_id: str, **config: Any) -> Codec:
+    """An instance of codec ``codec_id`` built from ``config``."""
+    return codec_class(codec_id).from_config(config)
+
+
+def list_codecs() -> list[str]:
+    """Ids of every registered codec, entry points included."""
+    _load_entry_points()
+    return sorted(_registry)

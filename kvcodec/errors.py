@@ -1,0 +1,28 @@
+"""Exception hierarchy: callers catch :class:`KVCodecError` for anything kvcodec raises."""
+
+from __future__ import annotations
+
+
+class KVCodecError(Exception):
+    """Base class of every error kvcodec raises on purpose."""
+
+
+class CorruptDataError(KVCodecError):
+    """The input is damaged or truncated: a checksum, a length or a structure is wrong."""
+
+
+class UnsupportedError(KVCodecError):
+    """The input is well formed but asks for something this build cannot do:
+    a newer container version, or a codec that is not registered."""
+
+
+class UnsupportedVersionError(UnsupportedError):
+    """The container's major version is not one this build reads."""
+
+
+class UnknownCodecError(UnsupportedError):
+    """No codec with the given id is registered."""
+
+
+class InvalidInputError(KVCodecError, ValueError):
+    """A caller passed arguments that cannot be encoded (bad shapes, dtypes, configs)."""

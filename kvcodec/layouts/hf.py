@@ -1,0 +1,36 @@
+"""HuggingFace transformers caches (5.x ``DynamicCache``: ``cache.layers[i].keys``, ``[B, H, T, D]``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcodec.cache import KVCache
+from kvcodec.errors import InvalidInputError
+
+
+def from_hf(cache: Any, *, batch_index: int = 0, **meta: Any) -> KVCache:
+    """Take one sequence of the batch out of a transformers cache.
+
+    Accepts a ``DynamicCache`` (or any object with ``.layers[i].keys/.values``) and
+    the legacy tuple-of-``(keys, values)`` form.
+    """
+    if hasattr(cache, "layers"):
+        pairs = [(l.keys, l.values) for l in cache.layers]
+    else:
+        pairs = [(k, v) for k, v in cache]
+    if any(k is None or k.dim() != 4 for k, _ in pairs):
+        raise InvalidInputError("every layer of the transformers cache must hold [B, H, T, D] tensors (is it empty?)")
+    return KVCache([(k[batch_index], v[batch_index]) for k, v in pairs], **meta)
+
+
+def to_hf(kv: KVCache, config: Any = None) -> Any:
+    """A ``DynamicCache`` holding ``kv`` with batch size 1.
+
+    Pass the model's ``config`` so that sliding-window layers get their own layer type.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    for i, layer in enumerate(kv.layers):
+        cache.update(layer.keys.unsqueeze(0), layer.values.unsqueeze(0), i)
+    return cache

@@ -1,0 +1,30 @@
+"""LMCache's chunk layout: one tensor ``[2, L, T, H*D]`` (keys then values)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcodec.cache import KVCache
+from kvcodec.errors import InvalidInputError
+
+
+def to_lmcache(kv: KVCache) -> torch.Tensor:
+    """Stack ``kv`` as ``[2, L, T, H*D]``; every layer must have the same shape."""
+    if len(set(kv.shapes)) != 1:
+        raise InvalidInputError("LMCache's layout needs every layer to have the same shape")
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        h, t, d = x.shape
+        return x.transpose(0, 1).reshape(t, h * d)
+    return torch.stack([torch.stack([flat(l.keys) for l in kv.layers]), torch.stack([flat(l.values) for l in kv.layers])])
+
+
+def from_lmcache(chunk: torch.Tensor, num_heads: int, **meta: Any) -> KVCache:
+    """Split ``[2, L, T, H*D]`` back into layers of ``[H, T, D]``."""
+    if chunk.dim() != 4 or chunk.shape[0] != 2 or chunk.shape[3] % num_heads:
+        raise InvalidInputError(f"expected [2, L, T, H*D] with H={num_heads}, got {tuple(chunk.shape)}")
+    _, layers, t, hd = chunk.shape
+    def unflat(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(t, num_heads, hd // num_heads).transpose(0, 1).contiguous()
+    return KVCache([(unflat(chunk[0, i]), unflat(chunk[1, i])) for i in range(layers)], **meta)

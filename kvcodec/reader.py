@@ -1,0 +1,200 @@
+"""The public reader: random access to a container's chunks, decoded to tensors."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from kvcodec.cache import KVCache, KVLayer
+from kvcodec.chunking import decode_all, decode_section
+from kvcodec.codecs import Codec, get_codec
+from kvcodec.container import ContainerReader
+from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
+from kvcodec.formats.v1 import VERSION_MAJOR, VERSION_MINOR, ChunkEntry, Header, LayerShape
+
+ProgressFn = Callable[[Iterable[Any], int], Iterable[Any]]
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    """What a container's header and index say, plus sizes."""
+
+    version: str
+    dtype: str
+    variants: list[dict[str, Any]]
+    layers: list[LayerShape]
+    num_tokens: int
+    chunk_tokens: int
+    chunk_layers: int
+    num_chunks: int
+    file_size: int
+    meta: dict[str, Any] = field(repr=False)
+
+    @property
+    def codec(self) -> str:
+        return self.variants[0]["codec"]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.variants[0]["config"]
+
+    @property
+    def num_elements(self) -> int:
+        return sum(s.elements for s in self.layers)
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of the decoded tensors in their dtype."""
+        return self.num_elements * getattr(torch, self.dtype).itemsize
+
+    @property
+    def bits_per_element(self) -> float:
+        """Every byte of the file (headers, index, tables) per KV element, in bits."""
+        return 8 * self.file_size / max(self.num_elements, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "dtype": self.dtype, "variants": self.variants,
+            "layers": [[s.heads, s.tokens, s.key_dim, s.value_dim] for s in self.layers],
+            "num_tokens": self.num_tokens, "chunk_tokens": self.chunk_tokens, "chunk_layers": self.chunk_layers,
+            "num_chunks": self.num_chunks, "file_size": self.file_size, "raw_bytes": self.raw_bytes,
+            "num_elements": self.num_elements, "bits_per_element": self.bits_per_element,
+            "ratio": self.raw_bytes / max(self.file_size, 1),
+            "meta": {k: v for k, v in self.meta.items() if k not in ("token_ids", "positions")},
+        }
+
+
+@dataclass
+class Chunk:
+    """One decoded chunk: a token range of some layers (sliding-window layers may hold fewer tokens)."""
+
+    index: int
+    token_start: int
+    token_count: int
+    layers: dict[int, KVLayer]
+
+
+def build_codecs(header: Header) -> list[Codec]:
+    """Instantiate the codec of every variant; unknown ids or bad configs name themselves."""
+    codecs = []
+    for v in header.variants:
+        try:
+            codecs.append(get_codec(v.codec, **v.config))
+        except UnsupportedError:
+            raise
+        except InvalidInputError as e:
+            raise CorruptDataError(f"container's {v.codec} config is invalid: {e}") from None
+    return codecs
+
+
+class Reader:
+    """An open container.  Use :func:`kvcodec.open` to get one.
+
+    ``info`` describes it; ``read_chunk(i)`` decodes chunk ``i`` alone (reading
+    nothing else), ``read_chunk(i, layers=[j])`` only layer ``j`` of it, and
+    ``decode()`` the whole cache or a selection.
+    """
+
+    def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> None:
+        self._container = ContainerReader(source)
+        self.header = self._container.header
+        try:
+            self.codecs = build_codecs(self.header)
+        except BaseException:
+            self._container.close()
+            raise
+
+    @property
+    def info(self) -> ContainerInfo:
+        h = self.header
+        return ContainerInfo(f"{VERSION_MAJOR}.{VERSION_MINOR}", h.dtype,
+                             [{"codec": v.codec, "config": v.config} for v in h.variants], list(h.layers),
+                             h.max_tokens, h.chunk_tokens, h.chunk_layers, self.num_chunks,
+                             self._container.file_size, dict(h.meta))
+
+    @property
+    def num_chunks(self) -> int:
+        return self._container.num_chunks
+
+    @property
+    def chunks(self) -> list[ChunkEntry]:
+        """The chunk index: token range, layer range, offset, length and checksum of each chunk."""
+        return list(self._container.entries)
+
+    def read_chunk(self, i: int, *, layers: Sequence[int] | None = None,
+                   device: torch.device | str | None = None) -> Chunk:
+        """Decode chunk ``i`` (or only ``layers`` of it)."""
+        dev = torch.device(device or "cpu")
+        frame = self._container.read_frame(i, layers)
+        e = frame.entry
+        out = {}
+        for layer, data in frame.sections.items():
+            decoded = decode_section(self.codecs[e.variant], self.header, layer, e.token_start, e.token_count, data, dev)
+            if decoded is not None:
+                out[layer] = KVLayer(decoded[1], decoded[2])
+        return Chunk(i, e.token_start, e.token_count, out)
+
+    def verify(self, progress: ProgressFn | None = None) -> None:
+        """Check every checksum and decode every chunk; raises :class:`CorruptDataError` on the first fault."""
+        indices: Iterable[int] = range(self.num_chunks)
+        for i in (progress(indices, self.num_chunks) if progress else indices):
+            self.read_chunk(i)
+
+    def decode(self, *, layers: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
+               device: torch.device | str | None = None, progress: ProgressFn | None = None) -> KVCache:
+        """Decode the cache, or the ``layers`` and ``chunks`` asked for.
+
+        ``chunks`` are indices into :attr:`chunks`; their token ranges must join
+        up.  Where a chunk is stored in several variants, the highest (best) is used.
+        """
+        entries = self._select(chunks)
+        if layers is None and chunks is not None:
+            layers = sorted({l for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)})
+        if layers is not None:
+            layers = list(layers)
+            bad = [l for l in layers if not 0 <= l < len(self.header.layers)]
+            if bad:
+                raise InvalidInputError(f"layers {bad} do not exist; the container has {len(self.header.layers)}")
+        if entries:
+            token_range = (entries[0][1].token_start, max(e.token_start + e.token_count for _, e in entries))
+        else:
+            token_range = (0, 0)
+        wanted = set(range(len(self.header.layers)) if layers is None else layers)
+
+        def frames() -> Iterator[tuple[int, int, int, int, dict[int, bytes]]]:
+            for i, e in (progress(entries, len(entries)) if progress else entries):
+                own = [l for l in range(e.layer_start, e.layer_start + e.layer_count) if l in wanted]
+                if own:
+                    data = self._container.read_frame(i, own)
+                    yield e.variant, e.token_start, e.token_count, e.layer_start, data.sections
+
+        return decode_all(self.header, frames(), self.codecs, layers, token_range, torch.device(device or "cpu"))
+
+    def _select(self, chunks: Sequence[int] | None) -> list[tuple[int, ChunkEntry]]:
+        entries = self._container.entries
+        picked = range(len(entries)) if chunks is None else sorted(set(chunks))
+        for i in picked:
+            self._container.entry(i)
+        best: dict[tuple[int, int], tuple[int, ChunkEntry]] = {}
+        for i in picked:
+            e = entries[i]
+            key = (e.token_start, e.layer_start)
+            if key not in best or e.variant > best[key][1].variant:
+                best[key] = (i, e)
+        out = [best[k] for k in sorted(best)]
+        starts = sorted({(e.token_start, e.token_count) for _, e in out})
+        if any(a + n != b for (a, n), (b, _) in zip(starts, starts[1:])):
+            raise InvalidInputError("the chunks asked for do not cover one contiguous token range")
+        return out
+
+    def close(self) -> None:
+        self._container.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
