@@ -141,7 +141,7 @@ class Header:
     def from_json(cls, raw: bytes) -> Header:
         """Parse and validate a header; any deviation from the schema is corrupt data."""
         try:
-            obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+            obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, ValueError) as e:
             raise CorruptDataError(f"container header is not valid JSON: {e}") from None
         _require(isinstance(obj, dict), "header is not a JSON object")
@@ -149,7 +149,7 @@ class Header:
         _require(expected <= set(obj), f"header lacks {sorted(expected - set(obj))}")
         _require(obj["dtype"] in DTYPES, f"header dtype {obj['dtype']!r} is not one of {DTYPES}")
         layers = obj["layers"]
-        _require(isinstance(layers, list) and len(layers) <= MAX_LAYERS, "header layers must be a list of at most 4096")
+        _require(isinstance(layers, list) and 1 <= len(layers) <= MAX_LAYERS, "header layers must be a list of 1 to 4096")
         shapes = []
         for i, s in enumerate(layers):
             _require(isinstance(s, list) and len(s) == 4 and all(_is_int(x) for x in s), f"layer {i} shape must be 4 integers")
@@ -170,7 +170,18 @@ class Header:
         _require(isinstance(obj["meta"], dict), "meta must be an object")
         header = cls(obj["dtype"], tuple(shapes), tuple(vs), ct, cl, obj["meta"])
         _require(len(header.slots()) <= MAX_CHUNKS, "too many chunks")
+        header._check_meta()
         return header
+
+    def _check_meta(self) -> None:
+        meta = self.meta
+        _require(isinstance(meta.get("model", ""), str), "meta.model must be a string")
+        _require(meta.get("rope", "pre") in ROPE_STATES, f"meta.rope must be one of {ROPE_STATES}")
+        for key in ("token_ids", "positions"):
+            if key in meta:
+                seq = meta[key]
+                _require(isinstance(seq, list) and all(_is_int(x) for x in seq), f"meta.{key} must be a list of integers")
+                _require(len(seq) == self.max_tokens, f"meta.{key} has {len(seq)} entries for {self.max_tokens} tokens")
 
     def validate(self) -> None:
         """Raise :class:`InvalidInputError` if this header cannot be written."""
@@ -200,8 +211,8 @@ def pack_preamble(header_json: bytes) -> bytes:
     return PREAMBLE.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, len(header_json))
 
 
-def parse_preamble(buf: bytes) -> int:
-    """Check magic and version; return the header length."""
+def parse_preamble(buf: bytes) -> tuple[int, int]:
+    """Check magic and major version; return the header length and the minor version."""
     magic, major, minor, header_len = PREAMBLE.unpack(buf)
     if magic != MAGIC:
         raise CorruptDataError("not a kvcodec container (bad magic)")
@@ -210,7 +221,7 @@ def parse_preamble(buf: bytes) -> int:
             f"container format version {major}.{minor} is not supported (this build reads {VERSION_MAJOR}.x)")
     if header_len > MAX_HEADER_BYTES:
         raise CorruptDataError(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
-    return header_len
+    return header_len, minor
 
 
 def frame_head_size(layer_count: int) -> int:
@@ -225,6 +236,13 @@ def _require(cond: bool, msg: str) -> None:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
+    return dict(pairs)
 
 
 def _reject_constant(name: str) -> None:

@@ -93,10 +93,21 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
     header, frames = iter_frames(data)
     codecs = build_codecs(header)
     rows: Iterable[Any] = ((h.variant, h.token_start, h.token_count, h.layer_start,
-                            {h.layer_start + j: s for j, s in enumerate(sections)}) for h, sections in frames)
+                            {h.layer_start + j: s for j, s in enumerate(sections)}) for h, sections in _best(frames))
     if progress:
         rows = progress(rows, len(header.slots()))
     return decode_all(header, rows, codecs, layers, (0, header.max_tokens), torch.device(device or "cpu"))
+
+
+def _best(frames: Iterable[Any]) -> Iterator[Any]:
+    """Of the variants of each chunk (consecutive, in increasing order), keep the last: the best."""
+    held = None
+    for frame in frames:
+        if held is not None and held[0].slot != frame[0].slot:
+            yield held
+        held = frame
+    if held is not None:
+        yield held
 
 
 def load(path: str | os.PathLike[str], **options: Any) -> KVCache:

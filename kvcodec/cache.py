@@ -91,8 +91,10 @@ class KVCache:
                 raise InvalidInputError(f"layer {i}: all tensors must be on device {device}")
         if self.rope not in (None, *ROPE_STATES):
             raise InvalidInputError(f"rope must be None, 'pre' or 'post', not {self.rope!r}")
-        if self.positions is not None and len(self.positions) != self.num_tokens:
-            raise InvalidInputError(f"{len(self.positions)} positions for {self.num_tokens} tokens")
+        for name in ("token_ids", "positions"):
+            seq = getattr(self, name)
+            if seq is not None and len(seq) != self.num_tokens:
+                raise InvalidInputError(f"{len(seq)} {name} for {self.num_tokens} tokens")
 
     @property
     def dtype(self) -> torch.dtype:

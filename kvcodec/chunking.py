@@ -108,24 +108,14 @@ class Assembler:
                 out.append(parts[0][1:])
             else:
                 out.append((torch.cat([p[1] for p in parts], 1), torch.cat([p[2] for p in parts], 1)))
-        meta = dict(self.header.meta)
+        kv = KVCache(out)
+        # token_ids and positions describe the longest layer; the selection keeps the last tokens of the range
+        meta = {k: self.header.meta[k] for k in ("model", "rope", "token_ids", "positions") if k in self.header.meta}
         for key in ("token_ids", "positions"):
-            if isinstance(meta.get(key), list):
-                meta[key] = meta[key][self.token_start:self.token_end]
-        return KVCache(out, **_known_meta(meta))
-
-
-def _known_meta(meta: dict) -> dict:
-    """The metadata KVCache understands; keys written by newer versions are ignored."""
-    known = {k: meta[k] for k in ("model", "token_ids", "rope", "positions") if k in meta}
-    try:
-        if "token_ids" in known and not all(isinstance(t, int) for t in known["token_ids"]):
-            raise ValueError("token_ids")
-        if "positions" in known and not all(isinstance(t, int) for t in known["positions"]):
-            raise ValueError("positions")
-    except (TypeError, ValueError) as e:
-        raise CorruptDataError(f"header metadata {e} is malformed") from None
-    return known
+            if key in meta:
+                seq = meta[key][self.token_start:self.token_end]
+                meta[key] = seq[len(seq) - kv.num_tokens:]
+        return KVCache(kv.layers, **meta)
 
 
 def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]],
@@ -133,6 +123,8 @@ def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[i
                device: torch.device) -> KVCache:
     """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache."""
     wanted = list(range(len(header.layers))) if layers is None else list(layers)
+    if not wanted:
+        raise InvalidInputError("no layers selected")
     asm = Assembler(header, wanted, *token_range)
     for variant, t0, tn, _, sections in frames:
         for layer, data in sections.items():

@@ -13,7 +13,7 @@ from kvcodec.chunking import decode_all, decode_section
 from kvcodec.codecs import Codec, get_codec
 from kvcodec.container import ContainerReader
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
-from kvcodec.formats.v1 import VERSION_MAJOR, VERSION_MINOR, ChunkEntry, Header, LayerShape
+from kvcodec.formats.v1 import VERSION_MAJOR, ChunkEntry, Header, LayerShape
 
 ProgressFn = Callable[[Iterable[Any], int], Iterable[Any]]
 
@@ -78,15 +78,22 @@ class Chunk:
 
 
 def build_codecs(header: Header) -> list[Codec]:
-    """Instantiate the codec of every variant; unknown ids or bad configs name themselves."""
+    """Instantiate the codec of every variant; unknown ids or bad configs name themselves.
+
+    A file's config must be complete and canonical (what ``get_config`` writes),
+    so that no decoder falls back on defaults that another version might change.
+    """
     codecs = []
     for v in header.variants:
         try:
-            codecs.append(get_codec(v.codec, **v.config))
+            codec = get_codec(v.codec, **v.config)
         except UnsupportedError:
             raise
         except InvalidInputError as e:
             raise CorruptDataError(f"container's {v.codec} config is invalid: {e}") from None
+        if codec.get_config() != v.config:
+            raise CorruptDataError(f"container's {v.codec} config {v.config} is not the canonical {codec.get_config()}")
+        codecs.append(codec)
     return codecs
 
 
@@ -110,7 +117,7 @@ class Reader:
     @property
     def info(self) -> ContainerInfo:
         h = self.header
-        return ContainerInfo(f"{VERSION_MAJOR}.{VERSION_MINOR}", h.dtype,
+        return ContainerInfo(f"{VERSION_MAJOR}.{self._container.minor_version}", h.dtype,
                              [{"codec": v.codec, "config": v.config} for v in h.variants], list(h.layers),
                              h.max_tokens, h.chunk_tokens, h.chunk_layers, self.num_chunks,
                              self._container.file_size, dict(h.meta))

@@ -22,7 +22,7 @@ from kvcodec.codecs.base import Codec, LayerContext, expect_size
 from kvcodec.codecs.quantize import dequantize, group_tokens, minmax_params, quantize
 from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
 from kvcodec.codecs.registry import register_codec
-from kvcodec.errors import InvalidInputError
+from kvcodec.errors import CorruptDataError, InvalidInputError
 
 
 @register_codec
@@ -33,7 +33,7 @@ class Kivi(Codec):
     lossless = False
 
     def __init__(self, bits: int = 4, group: int = 128) -> None:
-        if bits not in (2, 4, 8):
+        if not isinstance(bits, int) or bits not in (2, 4, 8):
             raise InvalidInputError(f"kivi bits must be 2, 4 or 8, not {bits!r}")
         if not (isinstance(group, int) and 1 <= group <= 65536):
             raise InvalidInputError(f"kivi group must be an integer in 1..65536, not {group!r}")
@@ -74,6 +74,8 @@ class Kivi(Codec):
         kz = tensor_from_bytes(kz_b, torch.float16, (s.heads, groups, 1, s.key_dim))
         vs = tensor_from_bytes(vs_b, torch.float16, (s.heads, s.tokens, 1))
         vz = tensor_from_bytes(vz_b, torch.float16, (s.heads, s.tokens, 1))
+        if not all(bool(torch.isfinite(t).all()) for t in (ks, kz, vs, vz)):
+            raise CorruptDataError("kivi section has non-finite scales or zeros")
         pad = groups * self.group - s.tokens
         kq_g = torch.nn.functional.pad(kq, (0, 0, 0, pad)).reshape(s.heads, groups, self.group, s.key_dim)
         keys = dequantize(kq_g, ks, kz).reshape(s.heads, -1, s.key_dim)[:, : s.tokens]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from kvcodec.errors import CorruptDataError
-from kvcodec.formats.v1 import (CHECKSUM, FRAME_HEAD, FRAME_MAGIC, MAX_LAYERS, SECTION_ENTRY, Header, checksum,
+from kvcodec.formats.v1 import (CHECKSUM, FRAME_HEAD, FRAME_MAGIC, MAX_LAYERS, MAX_SECTION_BYTES, SECTION_ENTRY, Header, checksum,
                                 parse_preamble)
 
 
@@ -52,6 +53,8 @@ def parse_frame_head(fixed: bytes, rest: bytes) -> FrameHead:
     if digest != stored:
         raise CorruptDataError(f"checksum mismatch in the head of chunk (tokens {t0}+{tn}, layers {l0}+{lc})")
     sections = tuple(SECTION_ENTRY.iter_unpack(table))
+    if any(length > MAX_SECTION_BYTES for length, _ in sections):
+        raise CorruptDataError(f"chunk at token {t0} claims a section over the {MAX_SECTION_BYTES}-byte limit")
     return FrameHead(variant, t0, tn, l0, sections, digest)
 
 
@@ -60,11 +63,12 @@ def verify_section(data: bytes | memoryview, expected: int, where: str) -> None:
         raise CorruptDataError(f"checksum mismatch in {where}")
 
 
-def parse_header_block(preamble: bytes, read: "callable") -> Header:
-    """Parse the header after ``preamble``; ``read(n)`` must return exactly n more bytes."""
-    header_len = parse_preamble(preamble)
+def parse_header_block(preamble: bytes, read: Callable[[int], bytes]) -> tuple[Header, int]:
+    """Parse the header after ``preamble``; ``read(n)`` must return exactly n more bytes.
+    Returns the header and the file's minor version."""
+    header_len, minor = parse_preamble(preamble)
     header_json = read(header_len)
     (stored,) = CHECKSUM.unpack(read(CHECKSUM.size))
     if checksum(preamble, header_json) != stored:
         raise CorruptDataError("checksum mismatch in the container header")
-    return Header.from_json(header_json)
+    return Header.from_json(header_json), minor

@@ -66,7 +66,7 @@ class ContainerReader:
             pos += n
             return data
 
-        self.header: Header = parse_header_block(self._read_at(0, PREAMBLE.size), read)
+        self.header, self.minor_version = parse_header_block(self._read_at(0, PREAMBLE.size), read)
         self.data_start = pos
         index_offset, index_len, magic = FOOTER.unpack(self._read_at(size - FOOTER.size, FOOTER.size))
         if magic != FOOTER_MAGIC:

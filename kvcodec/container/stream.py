@@ -52,7 +52,7 @@ def iter_frames(pieces: Iterable[bytes]) -> tuple[Header, Iterator[tuple[FrameHe
     against the frames it saw; anything left over is corrupt data.
     """
     src = _Pieces(pieces)
-    header = parse_header_block(src.read(PREAMBLE.size), src.read)
+    header, _ = parse_header_block(src.read(PREAMBLE.size), src.read)
     return header, _frames(src, header)
 
 

@@ -7,7 +7,7 @@ from typing import Iterable, Iterator, Sequence
 
 from kvcodec.errors import InvalidInputError
 from kvcodec.formats.v1 import (CHECKSUM, FOOTER, FOOTER_MAGIC, FRAME_HEAD, FRAME_MAGIC, INDEX_ENTRY, INDEX_HEAD,
-                                INDEX_MAGIC, MAX_SECTION_BYTES, SECTION_ENTRY, ChunkEntry, Header, SlotCursor,
+                                INDEX_MAGIC, MAX_CHUNKS, MAX_SECTION_BYTES, SECTION_ENTRY, ChunkEntry, Header, SlotCursor,
                                 checksum, pack_preamble)
 
 
@@ -50,6 +50,8 @@ def write_container(header: Header, frames: Iterable[Frame]) -> Iterator[bytes]:
             cursor.advance((frame.token_start, frame.token_count, frame.layer_start, len(frame.sections)), frame.variant)
         except ValueError as e:
             raise InvalidInputError(str(e)) from None
+        if len(entries) == MAX_CHUNKS:
+            raise InvalidInputError(f"more than {MAX_CHUNKS} chunk frames")
         if any(len(s) > MAX_SECTION_BYTES for s in frame.sections):
             raise InvalidInputError("a section exceeds the format's size limit")
         head, digest = frame_head(frame)

@@ -1,0 +1,68 @@
+"""Regenerate the golden containers in ``golden/`` from real SmolLM2 KV.
+
+    python -m kvcodec.formats.make_golden KV_DUMP.safetensors
+
+The containers are frozen: regenerate only when the format version changes.
+``golden/expected.json`` records, per file, the SHA-256 of the container and of
+its decoded tensors (see :func:`decoded_digest`); the tests decode every file
+and compare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import kvcodec
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+LAYERS = (0, 1, 15, 29)
+TOKENS = 40
+
+
+def decoded_digest(kv: kvcodec.KVCache) -> str:
+    """SHA-256 of every layer's keys then values, as little-endian C-order bytes."""
+    h = hashlib.sha256()
+    for layer in kv.layers:
+        for t in layer:
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def cases(source: kvcodec.KVCache) -> dict[str, tuple[str, kvcodec.KVCache, dict]]:
+    meta = dict(model=source.model, rope=source.rope, token_ids=source.token_ids[:TOKENS])
+    f16 = kvcodec.KVCache([(source.layers[i].keys[:, :TOKENS], source.layers[i].values[:, :TOKENS]) for i in LAYERS], **meta)
+    window = kvcodec.KVCache([(l.keys[:, -24:], l.values[:, -24:]) if i == 3 else (l.keys, l.values)
+                              for i, l in enumerate(f16.to(dtype=torch.float32).layers)], **meta)
+    grid = dict(chunk_tokens=16, chunk_layers=2)
+    return {
+        "raw-f16.kvc": ("raw", f16, grid),
+        "raw-bf16.kvc": ("raw", f16.to(dtype=torch.bfloat16), grid),
+        "raw-f32-window.kvc": ("raw", window, grid),
+        "kivi2-f16.kvc": ("kivi:bits=2,group=16", f16, grid),
+        "kivi4-f16.kvc": ("kivi:bits=4,group=32", f16, dict(chunk_tokens=32)),
+        "kivi8-f16.kvc": ("kivi:bits=8,group=128", f16, {}),
+    }
+
+
+def main(dump: str) -> None:
+    from kvcodec.cli import parse_codec
+
+    source = kvcodec.KVCache.load_safetensors(dump)
+    GOLDEN.mkdir(exist_ok=True)
+    expected = {}
+    for name, (spec, kv, grid) in cases(source).items():
+        blob = kvcodec.encode(kv, parse_codec(spec), **grid)
+        (GOLDEN / name).write_bytes(blob)
+        expected[name] = {"codec": spec, "container_sha256": hashlib.sha256(blob).hexdigest(),
+                          "decoded_sha256": decoded_digest(kvcodec.decode(blob)),
+                          "source_sha256": decoded_digest(kv)}
+    (GOLDEN / "expected.json").write_text(json.dumps(expected, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

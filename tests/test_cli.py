@@ -1,0 +1,116 @@
+"""The ``kvcodec`` command line end to end on real KV."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import kvcodec
+from kvcodec.cli import EXIT_FAILED, EXIT_IO, EXIT_OK, EXIT_UNSUPPORTED, build_parser, main
+
+SUBCOMMANDS = ["dump", "encode", "decode", "info", "verify", "eval", "bench", "codecs"]
+
+
+def run(capsys, *argv):
+    capsys.readouterr()  # drop what fixtures printed
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("sub", [None, *SUBCOMMANDS])
+def test_help_explains_itself(capsys, sub):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--help"] if sub is None else [sub, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and len(out) > 400
+    if sub is None:
+        assert all(s in out for s in SUBCOMMANDS)
+
+
+def test_console_script_runs():
+    exe = shutil.which("kvcodec") or pytest.fail("the kvcodec console script is not installed")
+    res = subprocess.run([exe, "codecs", "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    ids = [c["id"] for c in json.loads(res.stdout)["codecs"]]
+    assert "raw" in ids and "kivi" in ids
+
+
+def test_dump_encode_decode_verify_round_trip(capsys, real_dump, tmp_path):
+    dump = str(real_dump("pydoc-topics", 300))
+    kvc, back = str(tmp_path / "kv.kvc"), str(tmp_path / "back.safetensors")
+    code, out, _ = run(capsys, "encode", dump, "-o", kvc, "--codec", "raw", "--chunk-tokens", "64", "--json")
+    assert code == EXIT_OK and json.loads(out)["ratio"] < 1.0
+    assert run(capsys, "decode", kvc, "-o", back, "-q")[0] == EXIT_OK
+    assert kvcodec.KVCache.load_safetensors(back).equal(kvcodec.KVCache.load_safetensors(dump))
+    code, out, _ = run(capsys, "verify", kvc, "--against", dump)
+    assert code == EXIT_OK and "bit for bit" in out
+    code, out, _ = run(capsys, "info", kvc, "--json")
+    info = json.loads(out)
+    assert code == EXIT_OK and info["num_chunks"] == 5 and info["num_tokens"] == 300 and len(info["chunks"]) == 5
+    code, out, _ = run(capsys, "info", kvc, "--chunks")
+    assert "checksum" in out and "16.0" in out
+
+
+def test_encode_with_options_and_partial_decode(capsys, real_dump, tmp_path):
+    dump = str(real_dump("pydoc-topics", 300))
+    kvc = str(tmp_path / "kv.kvc")
+    code, out, _ = run(capsys, "encode", dump, "-o", kvc, "--codec", "kivi", "--set", "bits=2", "--json", "-q")
+    assert code == EXIT_OK and json.loads(out)["config"] == {"bits": 2, "group": 128}
+    part = str(tmp_path / "part.safetensors")
+    assert run(capsys, "decode", kvc, "-o", part, "--layers", "0,5-6", "--chunks", "1", "-q")[0] == EXIT_OK
+    kv = kvcodec.KVCache.load_safetensors(part)
+    assert kv.num_layers == 3 and kv.num_tokens == 300 - 256
+
+
+def test_verify_fails_on_corruption(capsys, real_dump, tmp_path):
+    dump = str(real_dump("pydoc-topics", 300))
+    kvc = tmp_path / "kv.kvc"
+    assert run(capsys, "encode", dump, "-o", str(kvc), "-q")[0] == EXIT_OK
+    data = bytearray(kvc.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    kvc.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "verify", str(kvc))
+    assert code == EXIT_FAILED and "FAILED" in out and "checksum" in out
+    code, _, err = run(capsys, "decode", str(kvc), "-o", str(tmp_path / "x.safetensors"))
+    assert code == EXIT_FAILED and "checksum" in err
+
+
+def test_errors_map_to_documented_exit_codes(capsys, real_dump, tmp_path):
+    dump = str(real_dump("pydoc-topics", 300))
+    code, _, err = run(capsys, "encode", dump, "-o", str(tmp_path / "a.kvc"), "--codec", "nosuch")
+    assert code == EXIT_UNSUPPORTED and "nosuch" in err
+    code, _, err = run(capsys, "info", str(tmp_path / "missing.kvc"))
+    assert code == EXIT_IO and "missing.kvc" in err
+    code, _, err = run(capsys, "encode", dump, "-o", str(tmp_path / "a.kvc"), "--codec", "kivi:bits=3")
+    assert code == 5 and "bits" in err
+    assert not (tmp_path / "a.kvc").exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind by the failed encodes
+
+
+def test_bench_prints_a_table(capsys, real_dump):
+    dump = str(real_dump("pydoc-topics", 300))
+    code, out, _ = run(capsys, "bench", dump, "--codec", "raw", "--codec", "kivi:bits=4", "--repeat", "1", "--json")
+    rows = json.loads(out)["rows"]
+    assert code == EXIT_OK and [r["codec"] for r in rows] == ["raw", "kivi:bits=4"]
+    assert all(r["decode_Melem_s"] > 0 for r in rows)
+
+
+def test_eval_measures_kivi_with_the_real_model(capsys, tmp_path):
+    plot = tmp_path / "rd.png"
+    code, out, _ = run(capsys, "eval", "--text", "license:GPL-3", "--tokens", "384", "--continuation", "128",
+                       "--codec", "raw", "--codec", "kivi:bits=2", "--codec", "kivi:bits=4", "--codec", "kivi:bits=8",
+                       "--plot", str(plot), "--json")
+    assert code == EXIT_OK
+    rows = {r["codec"]: r for r in json.loads(out)["rows"]}
+    assert rows["raw"]["ppl_change"] == 0.0 and rows["raw"]["agreement"] == 1.0
+    k2, k4, k8 = (rows[f"kivi:bits={b},group=128"] for b in (2, 4, 8))
+    assert k2["bits_per_element"] < k4["bits_per_element"] < k8["bits_per_element"] < 9
+    assert abs(k8["ppl_change"]) < 0.01 and k8["agreement"] > 0.97
+    assert k2["ppl_change"] > k4["ppl_change"] and k2["ppl_change"] > 0.05
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
