@@ -72,13 +72,13 @@ class KVCache:
     def _validate(self) -> None:
         if not self.layers:
             raise InvalidInputError("a KVCache needs at least one layer")
+        if not all(isinstance(t, torch.Tensor) for layer in self.layers for t in layer):
+            raise InvalidInputError("keys and values must be torch tensors")
         dtype, device = self.layers[0].keys.dtype, self.layers[0].keys.device
         if dtype not in SUPPORTED_DTYPES:
             raise InvalidInputError(f"dtype {dtype} is not supported; use one of {list(DTYPES)}")
         for i, layer in enumerate(self.layers):
             k, v = layer.keys, layer.values
-            if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-                raise InvalidInputError(f"layer {i}: keys and values must be torch tensors")
             if k.dim() != 3 or v.dim() != 3:
                 raise InvalidInputError(f"layer {i}: tensors must be [heads, tokens, head_dim], got {tuple(k.shape)} and {tuple(v.shape)}")
             if k.shape[:2] != v.shape[:2]:

@@ -125,6 +125,9 @@ def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[i
     wanted = list(range(len(header.layers))) if layers is None else list(layers)
     if not wanted:
         raise InvalidInputError("no layers selected")
+    bad = [l for l in wanted if not (isinstance(l, int) and 0 <= l < len(header.layers))]
+    if bad:
+        raise InvalidInputError(f"layers {bad} do not exist; the container has {len(header.layers)}")
     asm = Assembler(header, wanted, *token_range)
     for variant, t0, tn, _, sections in frames:
         for layer, data in sections.items():

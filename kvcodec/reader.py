@@ -160,16 +160,15 @@ class Reader:
         entries = self._select(chunks)
         if layers is None and chunks is not None:
             layers = sorted({l for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)})
-        if layers is not None:
-            layers = list(layers)
-            bad = [l for l in layers if not 0 <= l < len(self.header.layers)]
-            if bad:
-                raise InvalidInputError(f"layers {bad} do not exist; the container has {len(self.header.layers)}")
+        wanted = set(range(len(self.header.layers)) if layers is None else layers)
+        held = {(e.token_start, l) for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)}
+        missing = sorted((t, l) for t in {e.token_start for _, e in entries} for l in wanted if (t, l) not in held)
+        if missing:
+            raise InvalidInputError(f"the chunks asked for do not hold layer {missing[0][1]} at token {missing[0][0]}")
         if entries:
             token_range = (entries[0][1].token_start, max(e.token_start + e.token_count for _, e in entries))
         else:
             token_range = (0, 0)
-        wanted = set(range(len(self.header.layers)) if layers is None else layers)
 
         def frames() -> Iterator[tuple[int, int, int, int, dict[int, bytes]]]:
             for i, e in (progress(entries, len(entries)) if progress else entries):

@@ -49,5 +49,8 @@ def load_safetensors(path: str | os.PathLike[str]) -> KVCache:
     kwargs: dict[str, Any] = {}
     for k in ("model", "rope", *_JSON_FIELDS):
         if k in meta:
-            kwargs[k] = json.loads(meta[k]) if k in _JSON_FIELDS else meta[k]
+            try:
+                kwargs[k] = json.loads(meta[k]) if k in _JSON_FIELDS else meta[k]
+            except ValueError:
+                raise CorruptDataError(f"{path}: metadata {k!r} is not valid JSON") from None
     return KVCache([(found[i]["keys"], found[i]["values"]) for i in range(len(found))], **kwargs)

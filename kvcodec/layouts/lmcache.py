@@ -14,6 +14,8 @@ def to_lmcache(kv: KVCache) -> torch.Tensor:
     """Stack ``kv`` as ``[2, L, T, H*D]``; every layer must have the same shape."""
     if len(set(kv.shapes)) != 1:
         raise InvalidInputError("LMCache's layout needs every layer to have the same shape")
+    if kv.shapes[0].key_dim != kv.shapes[0].value_dim:
+        raise InvalidInputError("LMCache's layout needs keys and values of the same head_dim")
     def flat(x: torch.Tensor) -> torch.Tensor:
         h, t, d = x.shape
         return x.transpose(0, 1).reshape(t, h * d)
@@ -22,7 +24,7 @@ def to_lmcache(kv: KVCache) -> torch.Tensor:
 
 def from_lmcache(chunk: torch.Tensor, num_heads: int, **meta: Any) -> KVCache:
     """Split ``[2, L, T, H*D]`` back into layers of ``[H, T, D]``."""
-    if chunk.dim() != 4 or chunk.shape[0] != 2 or chunk.shape[3] % num_heads:
+    if num_heads < 1 or chunk.dim() != 4 or chunk.shape[0] != 2 or chunk.shape[3] % num_heads:
         raise InvalidInputError(f"expected [2, L, T, H*D] with H={num_heads}, got {tuple(chunk.shape)}")
     _, layers, t, hd = chunk.shape
     def unflat(x: torch.Tensor) -> torch.Tensor:
