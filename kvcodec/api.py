@@ -18,27 +18,34 @@ from kvcodec.reader import ProgressFn, Reader, build_codecs
 
 
 
-def _codec(codec: str | Codec, config: dict[str, Any]) -> Codec:
-    if isinstance(codec, Codec):
-        if config:
-            raise InvalidInputError("pass either a Codec instance or a codec id with options, not both")
-        return codec
-    return get_codec(codec, **config)
+def _codecs(codec: str | Codec | Sequence[Codec], config: dict[str, Any]) -> list[Codec]:
+    if isinstance(codec, str):
+        return [get_codec(codec, **config)]
+    if config:
+        raise InvalidInputError("pass either Codec instances or a codec id with options, not both")
+    codecs = [codec] if isinstance(codec, Codec) else list(codec)
+    if not codecs or not all(isinstance(c, Codec) for c in codecs):
+        raise InvalidInputError("codec must be a codec id, a Codec, or a non-empty list of Codecs")
+    return codecs
 
 
-def iter_encode(kv: KVCache, codec: str | Codec = "raw", *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                chunk_layers: int | None = None, progress: ProgressFn | None = None, **config: Any) -> Iterator[bytes]:
+def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
+                chunk_tokens: int = DEFAULT_CHUNK_TOKENS, chunk_layers: int | None = None,
+                progress: ProgressFn | None = None, **config: Any) -> Iterator[bytes]:
     """Encode ``kv`` and yield the container piece by piece (one chunk frame at a time).
 
-    ``codec`` is a registered codec id (its options as keyword arguments) or a
-    :class:`Codec`.  Chunks hold ``chunk_tokens`` tokens of ``chunk_layers``
-    layers (default: all layers).  The same input and config give the same bytes.
+    ``codec`` is a registered codec id (its options as keyword arguments), a
+    :class:`Codec`, or a list of codecs ordered from smallest to best: a
+    multi-level container that stores every chunk once per codec, so a reader
+    can fetch each chunk at the level its bandwidth allows.  Chunks hold
+    ``chunk_tokens`` tokens of ``chunk_layers`` layers (default: all layers).
+    The same input and config give the same bytes.
     """
-    c = _codec(codec, config)
-    header = make_header(kv, [c], chunk_tokens, chunk_layers)
-    frames: Iterable[Any] = encode_frames(kv, header, [c])
+    codecs = _codecs(codec, config)
+    header = make_header(kv, codecs, chunk_tokens, chunk_layers)
+    frames: Iterable[Any] = encode_frames(kv, header, codecs)
     if progress:
-        frames = progress(frames, len(header.slots()))
+        frames = progress(frames, len(header.slots()) * len(codecs))
     return write_container(header, frames)
 
 
