@@ -32,10 +32,13 @@ def make_header(kv: KVCache, codecs: Sequence[Codec], chunk_tokens: int = DEFAUL
     return header
 
 
-def layer_context(header: Header, layer: int, token_count: int, device: torch.device) -> LayerContext:
+def layer_context(header: Header, layer: int, token_range: tuple[int, int], device: torch.device) -> LayerContext:
+    """The context of ``layer``'s section covering ``token_range`` of its own token axis."""
     s = header.layers[layer]
-    shape = type(s)(s.heads, token_count, s.key_dim, s.value_dim)
-    return LayerContext(layer, len(header.layers), shape, getattr(torch, header.dtype), device)
+    lo, hi = token_range
+    shape = type(s)(s.heads, hi - lo, s.key_dim, s.value_dim)
+    return LayerContext(layer, len(header.layers), shape, getattr(torch, header.dtype), device,
+                        header.meta.get("model"), lo)
 
 
 def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec]) -> Iterator[Frame]:
@@ -49,7 +52,7 @@ def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec]) -> Itera
                     sections.append(b"")
                     continue
                 k, v = kv.layers[layer]
-                ctx = layer_context(header, layer, hi - lo, kv.device)
+                ctx = layer_context(header, layer, (lo, hi), kv.device)
                 sections.append(codec.encode_layer(k[:, lo:hi], v[:, lo:hi], ctx))
             yield Frame(variant, t0, tn, l0, sections)
 
@@ -62,7 +65,7 @@ def decode_section(codec: Codec, header: Header, layer: int, token_start: int, t
         if data:
             raise CorruptDataError(f"layer {layer} holds no tokens in chunk at {token_start}, but its section is not empty")
         return None
-    ctx = layer_context(header, layer, hi - lo, device)
+    ctx = layer_context(header, layer, (lo, hi), device)
     try:
         keys, values = codec.decode_layer(data, ctx)
     except KVCodecError:

@@ -203,7 +203,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kvcodec.models import load_model
     from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
-    codecs = [parse_codec(c) for c in (args.codec or ["raw", "kivi:bits=2", "kivi:bits=4", "kivi:bits=8"])]
+    from kvcodec.codecs import codec_class, list_codecs
+
+    if args.codec:
+        codecs = [parse_codec(c) for c in args.codec]
+    else:  # sweep: every preset of every registered codec
+        codecs = [codec_class(cid).from_config(preset) for cid in list_codecs() for preset in codec_class(cid).presets()]
     texts = args.text or list(DEFAULT_EVAL_TEXTS)
     model = load_model(args.model)
     cases = []
@@ -263,6 +268,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     lines = [f"{args.input}: {kv}, {_mb(kv.nbytes)}; median of {args.repeat} runs on {args.threads} thread(s)", ""]
     lines += _table(["codec", "bits/elem", "enc MB/s", "dec MB/s", "enc Melem/s", "dec Melem/s"], rows)
     _emit(args, {"input": args.input, "threads": args.threads, "rows": out}, lines)
+    return EXIT_OK
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from kvcodec.models import load_model
+    from kvcodec.profiles import compute_profile
+    from kvcodec.texts import load_text
+
+    model = load_model(args.model)
+    ids = model.tokenize(load_text(args.text))[: args.tokens]
+    prof = compute_profile(model, ids)
+    prof.save(args.output)
+    _emit(args, {"output": args.output, "model": prof.model, "layers": len(prof.key_weight), "tokens": len(ids)},
+          [f"wrote {args.output}: profile of {prof.model} ({len(prof.key_weight)} layers) from {len(ids)} tokens of "
+           f"{args.text}; use it with --codec cachegen:profile={args.output}"])
     return EXIT_OK
 
 
@@ -354,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "next-token agreement (the model's top-1 choice at each continuation position, teacher-forced).")
     sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
     sp.add_argument("--text", action="append", help=texts_help + "; repeatable (default: pydoc-topics, license:GPL-3, license:MPL-2.0)")
-    sp.add_argument("--codec", action="append", help=CODEC_HELP + "; repeatable (default: raw and kivi at 2, 4, 8 bits)")
+    sp.add_argument("--codec", action="append",
+                    help=CODEC_HELP + "; repeatable (default: sweep every preset of every registered codec, e.g. "
+                                      "cachegen levels 0-4 and kivi at 2, 4, 8 bits)")
     sp.add_argument("--tokens", type=int, default=1536, help="prefix tokens (default: 1536)")
     sp.add_argument("--continuation", type=int, default=512, help="continuation tokens scored (default: 512)")
     sp.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
@@ -370,6 +392,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--repeat", type=int, default=3, help="runs per codec (default: 3)")
     sp.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
+
+    sp = command("profile", cmd_profile, "measure a model's channel-importance profile for cachegen",
+                 "Run a model over a calibration text and record, per layer, the RMS of the queries on each key\n"
+                 "channel and the output projection's column norms for each value channel. cachegen uses a\n"
+                 "profile to give channels that attention barely reads coarser steps. Profiles ship for known\n"
+                 "models; pass another with --codec cachegen:profile=FILE.")
+    sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
+    sp.add_argument("--text", default="license:Apache-2.0",
+                    help=texts_help + " (default: license:Apache-2.0, which kvcodec eval does not use)")
+    sp.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
+    sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
 
     command("codecs", cmd_codecs, "list the registered codecs",
             "List every registered codec (built in, and those other packages add through the\n"

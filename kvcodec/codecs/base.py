@@ -18,6 +18,8 @@ class LayerContext:
     """Where a section sits: which layer of how many, its shape, dtype and device.
 
     ``shape.tokens`` is the number of tokens in this section (one chunk of one layer).
+    ``model`` is the cache's model id, which encoders may use to look up a profile.
+    ``token_start`` is the section's first token on the layer's own token axis.
     """
 
     layer: int
@@ -25,6 +27,8 @@ class LayerContext:
     shape: LayerShape
     dtype: torch.dtype
     device: torch.device = torch.device("cpu")
+    model: str | None = None
+    token_start: int = 0
 
 
 class Codec(abc.ABC):
@@ -54,6 +58,11 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def get_config(self) -> dict[str, Any]:
         """The keyword arguments that rebuild this codec with :meth:`from_config`."""
+
+    @classmethod
+    def presets(cls) -> list[dict[str, Any]]:
+        """The configs a rate-distortion sweep should try, smallest first (default: the default config)."""
+        return [{}]
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Codec:

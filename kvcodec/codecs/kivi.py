@@ -42,6 +42,10 @@ class Kivi(Codec):
     def get_config(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group}
 
+    @classmethod
+    def presets(cls) -> list[dict[str, Any]]:
+        return [{"bits": b} for b in (2, 4, 8)]
+
     def _sizes(self, ctx: LayerContext) -> tuple[int, int, int, int]:
         s = ctx.shape
         groups = math.ceil(s.tokens / self.group)

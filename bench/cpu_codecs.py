@@ -1,0 +1,69 @@
+"""Per-core CPU encode and decode speed of every codec on a real SmolLM2 cache, side by side.
+
+    python bench/cpu_codecs.py [--dump PATH] [--repeat 3]
+
+Runs with one torch thread and reports millions of KV elements per second
+(median of the runs) and MB/s of the float16 cache; writes
+bench/results/cpu_codecs.md.  Machines here are shared and noisy: compare the
+rows of one run with each other, not with another run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import kvcodec
+from kvcodec.cli import parse_codec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_CODECS = ["raw", "fp8", "zstd", "kivi:bits=2", "kivi:bits=4", "lmcache-cachegen",
+                  "cachegen:level=0", "cachegen:level=2", "cachegen:level=4"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dump", default=os.path.join(os.path.dirname(__file__), "..", ".cache", "bench-gpl3-1536.safetensors"))
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--codec", action="append", help=f"codec specs (default: {' '.join(DEFAULT_CODECS)})")
+    args = p.parse_args()
+    if not os.path.exists(args.dump):
+        os.makedirs(os.path.dirname(os.path.abspath(args.dump)), exist_ok=True)
+        subprocess.run(["kvcodec", "dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "1536",
+                        "-o", args.dump, "--quiet"], check=True)
+    torch.set_num_threads(1)
+    kv = kvcodec.KVCache.load_safetensors(args.dump)
+    rows = []
+    for spec in args.codec or DEFAULT_CODECS:
+        codec = parse_codec(spec)
+        enc, dec = [], []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            blob = kvcodec.encode(kv, codec)
+            t1 = time.perf_counter()
+            kvcodec.decode(blob)
+            dec.append(time.perf_counter() - t1)
+            enc.append(t1 - t0)
+        e, d = statistics.median(enc), statistics.median(dec)
+        rows.append((spec, 8 * len(blob) / kv.num_elements, kv.num_elements / e / 1e6, kv.num_elements / d / 1e6,
+                     kv.nbytes / e / 1e6, kv.nbytes / d / 1e6))
+        print(f"{spec:22s} {rows[-1][1]:6.3f} bits/elem  enc {rows[-1][2]:7.2f}  dec {rows[-1][3]:7.2f} Melem/s", flush=True)
+    lines = [f"# CPU speed per core ({kv}, {kv.nbytes / 1e6:.1f} MB float16)", "",
+             f"One torch thread, median of {args.repeat} runs, whole cache encoded and decoded through the container.", "",
+             "| codec | bits/element | encode Melem/s | decode Melem/s | encode MB/s | decode MB/s |", "|---|---|---|---|---|---|"]
+    lines += [f"| `{r[0]}` | {r[1]:.3f} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.0f} | {r[5]:.0f} |" for r in rows]
+    lines += ["", "Made by `python bench/cpu_codecs.py` on a shared 2-core machine."]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cpu_codecs.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""CacheGen's fixed entropy-coding tables and step-size grid.
+
+Every (layer, K or V, channel) of a chunk picks one table from a fixed codebook
+of discretized Gaussians and stores only its index (one byte).  The codebook is
+frozen in ``formats/cachegen/codebook-v1.u32`` (checked by SHA-256 at load) so
+that every decoder, on any platform or on the GPU, uses the very same integer
+frequencies; :func:`build_codebook` is how it was made.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from importlib.resources import files
+
+import numpy as np
+
+from kvcodec.errors import CorruptDataError
+
+RADIX = 255  # symbols are integers in [-RADIX, RADIX]
+ALPHABET = 2 * RADIX + 1
+PRECISION = 24  # bits of probability: frequencies sum to 2**24, as constriction's default coders need
+NUM_TABLES = 48
+CODEBOOK_FILE = "codebook-v1.u32"
+CODEBOOK_SHA256 = "7b2e6cf7998ceea4e20f45f7ccf2e83c588c9037c046d227152d1999a68f0e78"
+
+# 2**(j/8) for j = 0..7, rounded to float32 once and frozen as exact hex so every platform agrees.
+_OCTAVE = np.array([float.fromhex(h) for h in (
+    "0x1.000000p+0", "0x1.172b84p+0", "0x1.306fe0p+0", "0x1.4bfdaep+0",
+    "0x1.6a09e6p+0", "0x1.8ace54p+0", "0x1.ae89fap+0", "0x1.d5818ep+0")], dtype=np.float32)
+# A step code k in 0..255 means the float32 value 2**((k - 128) / 8), exactly ldexp(_OCTAVE[k % 8], k // 8 - 16).
+STEPS = np.array([np.ldexp(_OCTAVE[k % 8], k // 8 - 16) for k in range(256)], dtype=np.float32)
+
+
+def table_scale(j: int) -> float:
+    """Standard deviation, in quantization steps, of codebook table ``j``."""
+    return 2.0 ** (j / 4 - 3)
+
+
+def build_codebook() -> np.ndarray:
+    """Integer frequencies ``[NUM_TABLES, ALPHABET]``: table j is a Gaussian of std
+    :func:`table_scale` (j) discretized to the integers in [-RADIX, RADIX]; every
+    symbol gets at least 1, and the rounding remainder goes to symbol 0."""
+    out = np.zeros((NUM_TABLES, ALPHABET), dtype=np.uint32)
+    total = 1 << PRECISION
+    for j in range(NUM_TABLES):
+        s = table_scale(j)
+        cdf = [0.5 * (1 + math.erf((k - 0.5) / (s * math.sqrt(2)))) for k in range(-RADIX, RADIX + 2)]
+        p = np.diff(np.array(cdf))
+        f = 1 + np.floor(p / p.sum() * (total - ALPHABET)).astype(np.int64)
+        f[RADIX] += total - f.sum()
+        out[j] = f
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def codebook() -> np.ndarray:
+    """The frozen codebook, verified against its recorded hash."""
+    data = (files("kvcodec.formats") / "cachegen" / CODEBOOK_FILE).read_bytes()
+    if hashlib.sha256(data).hexdigest() != CODEBOOK_SHA256:
+        raise CorruptDataError(f"the installed CacheGen codebook {CODEBOOK_FILE} is damaged")
+    return np.frombuffer(data, dtype="<u4").reshape(NUM_TABLES, ALPHABET)
+
+
+@functools.lru_cache(maxsize=1)
+def code_lengths() -> np.ndarray:
+    """Bits each symbol costs under each table, ``[ALPHABET, NUM_TABLES]`` (for choosing tables)."""
+    return -np.log2(codebook().astype(np.float64) / (1 << PRECISION)).T.copy()
+
+
+@functools.lru_cache(maxsize=1)
+def models() -> tuple:
+    """One constriction ``Categorical`` per table, reproducing the integer frequencies exactly:
+    constriction's fast quantizer turns float weights ``f - 1`` back into ``f`` when they sum to 2**24."""
+    import constriction
+
+    categorical = constriction.stream.model.Categorical
+    return tuple(categorical(f.astype(np.float64) - 1, perfect=False) for f in codebook())
+
+
+def step_code(target: np.ndarray) -> np.ndarray:
+    """The step code whose value is nearest ``target`` (in log terms), clipped to 0..255."""
+    with np.errstate(divide="ignore"):
+        k = np.round(8 * np.log2(np.maximum(target, 1e-30))) + 128
+    return np.clip(k, 0, 255).astype(np.uint8)

@@ -1,0 +1,105 @@
+"""Importance profiles: how much each key and value channel of a model matters to attention.
+
+A key channel's quantization error reaches the attention logits multiplied by
+the queries that read it, so channels that queries barely use can take much
+coarser steps (the logit error is sum_d q_d * err_d).  A value channel's error
+reaches the output through the output projection's columns.  A profile holds,
+per layer, the RMS of the queries on each key channel (summed over the query
+heads that share the KV head, with rotary pairs averaged since RoPE rotates
+energy within a pair) and the norm of the output-projection columns of each
+value channel.  Profiles are computed once per model from a calibration text
+(``kvcodec profile``), shipped for known models, and used only by encoders:
+decoders read the chosen steps from the data.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib.resources import as_file, files
+from typing import Any
+
+import torch
+
+from kvcodec.errors import CorruptDataError, InvalidInputError
+
+_registered: dict[str, "Profile"] = {}
+
+
+@dataclass
+class Profile:
+    """Per-layer channel weights of one model: ``key_weight[i]`` is ``[H, Dk]``, ``value_weight[i]`` ``[H, Dv]``."""
+
+    model: str
+    key_weight: list[torch.Tensor]
+    value_weight: list[torch.Tensor]
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {f"layers.{i}.key_weight": k.float().contiguous() for i, k in enumerate(self.key_weight)}
+        tensors |= {f"layers.{i}.value_weight": v.float().contiguous() for i, v in enumerate(self.value_weight)}
+        save_file(tensors, os.fspath(path), metadata={"format": "kvcodec-profile", "model": self.model})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(os.fspath(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                n = len([k for k in f.keys() if k.endswith(".key_weight")])
+                keys = [f.get_tensor(f"layers.{i}.key_weight") for i in range(n)]
+                values = [f.get_tensor(f"layers.{i}.value_weight") for i in range(n)]
+        except (SafetensorError, KeyError) as e:
+            raise CorruptDataError(f"{path}: not a kvcodec profile: {e}") from None
+        if meta.get("format") != "kvcodec-profile" or not n:
+            raise CorruptDataError(f"{path}: not a kvcodec profile")
+        return cls(meta.get("model", ""), keys, values)
+
+
+def register_profile(profile: Profile) -> None:
+    """Make ``profile`` the one used for caches whose ``model`` metadata equals ``profile.model``."""
+    _registered[profile.model] = profile
+
+
+def find_profile(model: str | None) -> Profile | None:
+    """The registered or shipped profile of ``model``, if there is one."""
+    if not model:
+        return None
+    if model not in _registered:
+        shipped = files("kvcodec.profiles") / f"{model}.safetensors"
+        if not shipped.is_file():
+            return None
+        with as_file(shipped) as path:
+            _registered[model] = Profile.load(path)
+    return _registered[model]
+
+
+@torch.no_grad()
+def compute_profile(loaded: Any, token_ids: list[int]) -> Profile:
+    """Measure a profile by running a Llama-style model (``self_attn.q_proj`` / ``o_proj``,
+    rotate-half RoPE) over ``token_ids``."""
+    model = loaded.model
+    cfg = model.config
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // nq
+    layers = model.model.layers
+    if not all(hasattr(l, "self_attn") and hasattr(l.self_attn, "q_proj") for l in layers):
+        raise InvalidInputError("computing a profile needs a Llama-style model (self_attn.q_proj, o_proj)")
+    queries: dict[int, torch.Tensor] = {}
+    hooks = [l.self_attn.q_proj.register_forward_hook(lambda m, i, o, idx=idx: queries.__setitem__(idx, o[0].float()))
+             for idx, l in enumerate(layers)]
+    try:
+        model(torch.tensor([token_ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    key_weight, value_weight = [], []
+    for idx, layer in enumerate(layers):
+        energy = queries[idx].reshape(-1, nq, d).pow(2).mean(0).reshape(nkv, nq // nkv, d).sum(1)
+        pair = (energy[:, : d // 2] + energy[:, d // 2:]) / 2
+        key_weight.append(torch.cat([pair, pair], -1).sqrt())
+        wo = layer.self_attn.o_proj.weight.float()
+        value_weight.append(wo.pow(2).sum(0).reshape(nkv, nq // nkv, d).sum(1).sqrt())
+    return Profile(loaded.model_id, key_weight, value_weight)
