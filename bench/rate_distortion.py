@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvcodec.cli import parse_codec
 from kvcodec.codecs import codec_class, list_codecs
 from kvcodec.evaluate import evaluate, prepare
 from kvcodec.models import load_model
@@ -22,6 +23,10 @@ from kvcodec.plot import rate_distortion_plot
 from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# What cachegen's design choices do, at the default level: CacheGen's anchor/delta coding (groups of 2 and of
+# the paper's 10 tokens), no model profile (steps from the keys alone), and no attention-sink token.
+ABLATIONS = ["cachegen:level=2,group=2", "cachegen:level=2,group=10", "cachegen:level=2,profile=none",
+             "cachegen:level=2,sink_tokens=0"]
 
 
 def main() -> None:
@@ -35,6 +40,8 @@ def main() -> None:
     cases = [prepare(model, text, args.tokens, args.continuation) for text in DEFAULT_EVAL_TEXTS]
     codecs = [codec_class(cid).from_config(preset) for cid in (args.codec or list_codecs())
               for preset in codec_class(cid).presets()]
+    if not args.codec:
+        codecs += [parse_codec(spec) for spec in ABLATIONS]
     rows = sorted(evaluate(model, cases, codecs), key=lambda r: (r.codec.split(":")[0], r.bits_per_element))
     lines = [f"# Rate-distortion on real KV ({model.model_id})", "",
              f"Texts: {', '.join(DEFAULT_EVAL_TEXTS)}; {args.tokens}-token prefix cached in float16, perplexity of the "

@@ -83,8 +83,20 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], lines: Sequence[str]) -
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    numeric = [all(_is_number(r[i]) for r in cells[1:]) for i in range(len(headers))]
+
+    def fmt(r: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric)).rstrip()
+
     return [fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.rstrip("%x").replace("+", ""))
+        return True
+    except ValueError:
+        return False
 
 
 def _mb(n: int) -> str:

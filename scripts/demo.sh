@@ -8,9 +8,10 @@ bash scripts/setup.sh
 mkdir -p out
 set -x
 kvcodec dump --model smollm2 --text license:GPL-3 --tokens 1536 -o out/kv.safetensors
-kvcodec encode out/kv.safetensors -o out/kv-kivi4.kvc --codec kivi:bits=4
-kvcodec info out/kv-kivi4.kvc
-kvcodec verify out/kv-kivi4.kvc --against out/kv.safetensors
-kvcodec decode out/kv-kivi4.kvc -o out/kv-kivi4.safetensors
-kvcodec bench out/kv.safetensors --codec raw --codec kivi:bits=2 --codec kivi:bits=4 --codec kivi:bits=8
-kvcodec eval --codec raw --codec kivi:bits=2 --codec kivi:bits=4 --codec kivi:bits=8 --plot out/rate-distortion.png
+kvcodec encode out/kv.safetensors -o out/kv.kvc --codec cachegen
+kvcodec info out/kv.kvc
+kvcodec verify out/kv.kvc --against out/kv.safetensors
+kvcodec decode out/kv.kvc -o out/kv-decoded.safetensors
+kvcodec bench out/kv.safetensors --codec raw --codec kivi:bits=4 --codec lmcache-cachegen --codec cachegen
+kvcodec eval --codec raw --codec kivi:bits=2 --codec kivi:bits=4 --codec lmcache-cachegen \
+    --codec cachegen:level=0 --codec cachegen:level=2 --codec cachegen:level=4 --plot out/rate-distortion.png

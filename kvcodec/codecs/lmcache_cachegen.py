@@ -130,6 +130,10 @@ class LMCacheCacheGen(Codec):
         self.key_bins, self.value_bins, self.deep_bins = key_bins, value_bins, deep_bins
         self.shallow_key_layers, self.shallow_value_layers = shallow_key_layers, shallow_value_layers
 
+    @classmethod
+    def presets(cls) -> list[dict[str, Any]]:
+        return [{}, {"deep_bins": 32}]  # LMCache's defaults, and its 32 bins in every layer
+
     def get_config(self) -> dict[str, Any]:
         return {"key_bins": self.key_bins, "value_bins": self.value_bins, "deep_bins": self.deep_bins,
                 "shallow_key_layers": self.shallow_key_layers, "shallow_value_layers": self.shallow_value_layers}
