@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvcodec.cli import parse_codec
 from kvcodec.codecs import codec_class, list_codecs
-from kvcodec.evaluate import evaluate, prepare
+from kvcodec.evaluate import evaluate, prepare, preset_label
 from kvcodec.models import load_model
 from kvcodec.plot import rate_distortion_plot
 from kvcodec.texts import DEFAULT_EVAL_TEXTS
@@ -38,11 +38,13 @@ def main() -> None:
     model = load_model("smollm2")
     t0 = time.time()
     cases = [prepare(model, text, args.tokens, args.continuation) for text in DEFAULT_EVAL_TEXTS]
-    codecs = [codec_class(cid).from_config(preset) for cid in (args.codec or list_codecs())
-              for preset in codec_class(cid).presets()]
+    presets = [(cid, preset) for cid in (args.codec or list_codecs()) for preset in codec_class(cid).presets()]
+    codecs = [codec_class(cid).from_config(preset) for cid, preset in presets]
+    labels = [preset_label(cid, preset) for cid, preset in presets]
     if not args.codec:
         codecs += [parse_codec(spec) for spec in ABLATIONS]
-    rows = sorted(evaluate(model, cases, codecs), key=lambda r: (r.codec.split(":")[0], r.bits_per_element))
+        labels += ABLATIONS
+    rows = sorted(evaluate(model, cases, codecs, labels=labels), key=lambda r: (r.codec.split(":")[0], r.bits_per_element))
     lines = [f"# Rate-distortion on real KV ({model.model_id})", "",
              f"Texts: {', '.join(DEFAULT_EVAL_TEXTS)}; {args.tokens}-token prefix cached in float16, perplexity of the "
              f"next {args.continuation} tokens, mean over texts. Reference perplexities (from the float16 cache): "

@@ -217,10 +217,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from kvcodec.codecs import codec_class, list_codecs
 
+    from kvcodec.evaluate import preset_label
+
     if args.codec:
-        codecs = [parse_codec(c) for c in args.codec]
+        codecs, labels = [parse_codec(c) for c in args.codec], list(args.codec)
     else:  # sweep: every preset of every registered codec
-        codecs = [codec_class(cid).from_config(preset) for cid in list_codecs() for preset in codec_class(cid).presets()]
+        presets = [(cid, preset) for cid in list_codecs() for preset in codec_class(cid).presets()]
+        codecs = [codec_class(cid).from_config(preset) for cid, preset in presets]
+        labels = [preset_label(cid, preset) for cid, preset in presets]
     texts = args.text or list(DEFAULT_EVAL_TEXTS)
     model = load_model(args.model)
     cases = []
@@ -228,7 +232,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not args.quiet and not args.json:
             print(f"prefilling {args.tokens} tokens of {text} ...", file=sys.stderr)
         cases.append(prepare(model, text, args.tokens, args.continuation, getattr(torch, args.dtype)))
-    rows = evaluate(model, cases, codecs, chunk_tokens=args.chunk_tokens, progress=_progress(args, "eval", unit="run"))
+    rows = evaluate(model, cases, codecs, chunk_tokens=args.chunk_tokens, labels=labels,
+                    progress=_progress(args, "eval", unit="run"))
     ref = {c.name: c.ref_ppl for c in cases}
     obj = {"model": model.model_id, "texts": texts, "prefix_tokens": args.tokens,
            "continuation_tokens": args.continuation, "kv_dtype": args.dtype, "reference_ppl": ref,

@@ -70,9 +70,10 @@ def prepare(model: LoadedModel, text: str, prefix_tokens: int, continuation_toke
 
 
 def evaluate(model: LoadedModel, cases: Sequence[EvalCase], codecs: Sequence[Codec], *,
-             chunk_tokens: int = 256,
+             chunk_tokens: int = 256, labels: Sequence[str] | None = None,
              progress: Callable[[Iterable[Any], int], Iterable[Any]] | None = None) -> list[EvalRow]:
-    """Encode every case with every codec, decode, continue and score."""
+    """Encode every case with every codec, decode, continue and score.  Rows are named by ``labels``
+    (default: :func:`spec_string` of each codec)."""
     rows = []
     jobs = [(c, case) for c in codecs for case in cases]
     it: Iterable[tuple[Codec, EvalCase]] = progress(jobs, len(jobs)) if progress else jobs
@@ -91,15 +92,21 @@ def evaluate(model: LoadedModel, cases: Sequence[EvalCase], codecs: Sequence[Cod
         a["agree"] += float((pred == case.ref_pred).float().mean())
         a["enc"] += t1 - t0
         a["dec"] += t2 - t1
-    for codec in codecs:
+    for i, codec in enumerate(codecs):
         a = acc[id(codec)]
         n = len(cases)
-        rows.append(EvalRow(spec_string(codec), int(a["bytes"]), 8 * a["bytes"] / a["elements"], a["change"] / n,
+        rows.append(EvalRow(labels[i] if labels else spec_string(codec), int(a["bytes"]), 8 * a["bytes"] / a["elements"], a["change"] / n,
                             a["agree"] / n, a["enc"], a["dec"]))
     return rows
 
 
+def preset_label(codec_id: str, preset: dict[str, Any]) -> str:
+    """``id:key=value,...`` for a sweep preset."""
+    return codec_id + (":" + ",".join(f"{k}={v}" for k, v in preset.items()) if preset else "")
+
+
 def spec_string(codec: Codec) -> str:
-    """``id:key=value,...``, the form the CLI's ``--codec`` takes."""
-    config = codec.get_config()
-    return codec.codec_id + (":" + ",".join(f"{k}={v}" for k, v in config.items()) if config else "")
+    """``id:key=value,...`` with the options that differ from the codec's defaults: the form ``--codec`` takes."""
+    defaults = type(codec)().get_config()
+    changed = {k: v for k, v in codec.get_config().items() if defaults.get(k) != v}
+    return codec.codec_id + (":" + ",".join(f"{k}={v}" for k, v in changed.items()) if changed else "")
