@@ -60,7 +60,8 @@ def main() -> None:
     (RESULTS / "rate_distortion.json").write_text(json.dumps(
         {"texts": list(DEFAULT_EVAL_TEXTS), "prefix_tokens": args.tokens, "continuation_tokens": args.continuation,
          "reference_ppl": {c.name: c.ref_ppl for c in cases}, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
-    rate_distortion_plot(rows, str(RESULTS / "rate_distortion.png"), title=f"{model.model_id}: {', '.join(DEFAULT_EVAL_TEXTS)}")
+    rate_distortion_plot(rows, str(RESULTS / "rate_distortion.png"), title=f"{model.model_id}: {', '.join(DEFAULT_EVAL_TEXTS)}",
+                         separate=ABLATIONS)
     print("\n".join(lines))
 
 

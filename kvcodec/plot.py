@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 from kvcodec.errors import InvalidInputError
 
 
-def rate_distortion_plot(rows: Sequence, path: str, title: str = "") -> None:
-    """Scatter bits per element against perplexity change, one labelled point per codec config."""
+def rate_distortion_plot(rows: Sequence, path: str, title: str = "", separate: Collection[str] = ()) -> None:
+    """Bits per element against perplexity change: each codec's configs joined by a line, except the rows
+    named in ``separate`` (ablations), drawn as lone crosses."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -18,13 +19,17 @@ def rate_distortion_plot(rows: Sequence, path: str, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     families: dict[str, list] = {}
     for r in rows:
-        families.setdefault(r.codec.split(":")[0], []).append(r)
+        if r.codec not in separate:
+            families.setdefault(r.codec.split(":")[0], []).append(r)
     for name, rs in families.items():
         rs = sorted(rs, key=lambda r: r.bits_per_element)
         ax.plot([r.bits_per_element for r in rs], [100 * r.ppl_change for r in rs], "o-", label=name)
-        for r in rs:
-            ax.annotate(r.codec.partition(":")[2] or r.codec, (r.bits_per_element, 100 * r.ppl_change),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+    lone = [r for r in rows if r.codec in separate]
+    if lone:
+        ax.plot([r.bits_per_element for r in lone], [100 * r.ppl_change for r in lone], "kx", label="ablations")
+    for r in rows:
+        ax.annotate(r.codec.partition(":")[2] or r.codec, (r.bits_per_element, 100 * r.ppl_change),
+                    fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_yscale("symlog", linthresh=0.1)
     ax.set_xlabel("bits per element (every container byte)")
     ax.set_ylabel("perplexity change (%)")

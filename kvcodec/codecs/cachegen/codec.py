@@ -375,7 +375,9 @@ def _choose_tables(q: np.ndarray) -> np.ndarray:
     lo, hi = int(q.min(initial=0)), int(q.max(initial=0))
     width = hi - lo + 1  # only the symbols that occur need counting
     counts = np.bincount((np.arange(rows)[:, None] * width + (q - lo)).reshape(-1), minlength=rows * width)
-    bits = counts.reshape(rows, width).astype(np.float64) @ code_lengths()[lo + RADIX:hi + RADIX + 1]
+    # einsum's own loop, not BLAS: a matrix this small is not worth waking (or waiting for) BLAS threads
+    bits = np.einsum("rw,wt->rt", counts.reshape(rows, width).astype(np.float64),
+                     code_lengths()[lo + RADIX:hi + RADIX + 1], optimize=False)
     return np.argmin(bits, axis=1).astype(np.uint8)
 
 
