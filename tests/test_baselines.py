@@ -320,9 +320,11 @@ def test_lmcache_cachegen_matches_the_reference_quantizer_exactly(dtype, config)
 def _half_step_bound(x: torch.Tensor, bins: int) -> torch.Tensor:
     """Half a quantization step of the token's absmax, plus binary32 and output-dtype rounding."""
     rel = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[x.dtype]
+    # below the normal range the output rounds to a fixed spacing (the smallest subnormal), not a relative one
+    subnormal = {torch.float32: 2.0**-149, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}[x.dtype]
     amax = x.double().abs().amax(dim=(0, 2), keepdim=True)
     m = bins // 2 - 1
-    return amax / (2 * m) + amax * 2.0**-20 + (x.double().abs() + amax / m) * rel + 1e-40
+    return amax / (2 * m) + amax * 2.0**-20 + (x.double().abs() + amax / m) * rel + subnormal
 
 
 @slow(40)

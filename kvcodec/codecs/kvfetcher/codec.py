@@ -1,0 +1,208 @@
+"""``kvfetcher``: KV as lossless HEVC video (KVFetcher, arXiv 2602.09725), decodable by FFmpeg and NVDEC.
+
+Section layout (little-endian; SPEC.md's ``kvfetcher`` subsection spells it out):
+
+* a 28-byte head ``<4sBBHHHHIQ2x``: magic ``KVF1``, bits, flags (bit 0: token delta),
+  frame rows (tokens per frame), picture rows, picture cols, frame count, stream
+  length, xxh3-64 of the quantized codes (keys then values, int32 little-endian);
+* float16 key scales and zeros ``[H, Dk]`` (per channel over the section's tokens),
+  float16 value scales and zeros ``[H, T]`` (per token);
+* the HEVC elementary stream: frames K0, V0, K1, V1, ... (block ``b`` = tokens
+  ``[b*frame_rows, (b+1)*frame_rows)``), one closed GOP starting with a keyframe.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+import xxhash
+
+from kvcodec.codecs.base import Codec, LayerContext
+from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.kvfetcher import video
+from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
+from kvcodec.codecs.registry import register_codec
+from kvcodec.errors import CorruptDataError, InvalidInputError
+
+MAGIC = b"KVF1"
+HEAD = struct.Struct("<4sBBHHHHIQ2x")
+FLAG_DELTA = 1
+PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
+
+
+class SectionHead:
+    """The parsed, validated head and scale block of one section."""
+
+    def __init__(self, data: bytes | memoryview, ctx: LayerContext) -> None:
+        s = ctx.shape
+        if len(data) < HEAD.size:
+            raise CorruptDataError(f"kvfetcher section of {len(data)} bytes is shorter than its head")
+        magic, bits, flags, frame_rows, rows, cols, nframes, stream_len, digest = HEAD.unpack_from(data)
+        if magic != MAGIC:
+            raise CorruptDataError("kvfetcher section has a bad magic")
+        if not 2 <= bits <= 10 or flags & ~FLAG_DELTA:
+            raise CorruptDataError(f"kvfetcher section has bits={bits}, flags={flags}")
+        try:
+            geo = L.geometry(s.tokens, s.heads, s.key_dim, s.value_dim, frame_rows)
+        except InvalidInputError as e:
+            raise CorruptDataError(f"kvfetcher section: {e}") from None
+        if (geo.frame_rows, geo.rows, geo.cols, geo.num_frames) != (frame_rows, rows, cols, nframes):
+            raise CorruptDataError("kvfetcher section's frame geometry does not match its shape")
+        self.bits, self.delta, self.geo, self.digest = bits, bool(flags & FLAG_DELTA), geo, digest
+        nk, nv = s.heads * s.key_dim, s.heads * s.tokens
+        self.scale_end = HEAD.size + 4 * nk + 4 * nv
+        if len(data) != self.scale_end + stream_len:
+            raise CorruptDataError(f"kvfetcher section is {len(data)} bytes; its head says {self.scale_end + stream_len}")
+        mv = memoryview(data)
+        o = HEAD.size
+        self.ks = tensor_from_bytes(mv[o:o + 2 * nk], torch.float16, (s.heads, 1, s.key_dim))
+        self.kz = tensor_from_bytes(mv[o + 2 * nk:o + 4 * nk], torch.float16, (s.heads, 1, s.key_dim))
+        o += 4 * nk
+        self.vs = tensor_from_bytes(mv[o:o + 2 * nv], torch.float16, (s.heads, s.tokens, 1))
+        self.vz = tensor_from_bytes(mv[o + 2 * nv:o + 4 * nv], torch.float16, (s.heads, s.tokens, 1))
+        if not all(bool(torch.isfinite(t).all()) for t in (self.ks, self.kz, self.vs, self.vz)):
+            raise CorruptDataError("kvfetcher section has non-finite scales or zeros")
+        self.stream = mv[self.scale_end:]
+
+
+def _codes_digest(kq: np.ndarray, vq: np.ndarray, geo: L.FrameGeometry) -> int:
+    """xxh3-64 of the codes in frame order: for each block, its key codes ``[H, t, Dk]`` then its value
+    codes ``[H, t, Dv]``, as int32 little-endian."""
+    h = xxhash.xxh3_64()
+    for b in range(geo.blocks):
+        lo, hi = geo.block(b)
+        h.update(np.ascontiguousarray(kq[:, lo:hi], "<i4").tobytes())
+        h.update(np.ascontiguousarray(vq[:, lo:hi], "<i4").tobytes())
+    return h.intdigest()
+
+
+@register_codec
+class KVFetcher(Codec):
+    """Quantized KV codes as lossless HEVC frames: ``bits`` 2..10 (8-bit Main up to 8, Main10 above),
+    ``frame_tokens`` token rows per frame (multiple of 16), x265 ``preset``, ``delta`` token delta along rows."""
+
+    codec_id = "kvfetcher"
+    lossless = False
+
+    def __init__(self, bits: int = 4, frame_tokens: int = 256, preset: str = "ultrafast", delta: bool = False) -> None:
+        if not (isinstance(bits, int) and not isinstance(bits, bool) and 2 <= bits <= 10):
+            raise InvalidInputError(f"kvfetcher bits must be an integer in 2..10, not {bits!r}")
+        if not (isinstance(frame_tokens, int) and frame_tokens % L.PAGE == 0 and L.PAGE <= frame_tokens <= video.MAX_SIDE):
+            raise InvalidInputError(f"kvfetcher frame_tokens must be a multiple of {L.PAGE} in {L.PAGE}..{video.MAX_SIDE}, "
+                                    f"not {frame_tokens!r}")
+        if preset not in PRESETS:
+            raise InvalidInputError(f"kvfetcher preset must be one of {PRESETS}, not {preset!r}")
+        if not isinstance(delta, bool):
+            raise InvalidInputError(f"kvfetcher delta must be true or false, not {delta!r}")
+        self.bits, self.frame_tokens, self.preset, self.delta = bits, frame_tokens, preset, delta
+
+    def get_config(self) -> dict[str, Any]:
+        return {"bits": self.bits, "frame_tokens": self.frame_tokens, "preset": self.preset, "delta": self.delta}
+
+    @classmethod
+    def presets(cls) -> list[dict[str, Any]]:
+        return [{"bits": b} for b in (2, 3, 4, 5, 6)]
+
+    # ---------------------------------------------------------------------------------------- encode
+
+    def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
+        k, v = keys.detach().float().cpu(), values.detach().float().cpu()
+        ks, kz = L.minmax(k, 1, self.bits)
+        vs, vz = L.minmax(v, 2, self.bits)
+        return L.quantize(k, ks, kz, self.bits).numpy(), L.quantize(v, vs, vz, self.bits).numpy(), [ks, kz, vs, vz]
+
+    def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
+        h, t, dk = keys.shape
+        dv = values.shape[2]
+        geo = L.geometry(t, h, dk, dv, self.frame_tokens)
+        kq, vq, params = self.quantize(keys, values)
+        frames = []
+        for b in range(geo.blocks):
+            lo, hi = geo.block(b)
+            frames.append(L.to_frame(kq[:, lo:hi], geo, self.bits, self.delta))
+            frames.append(L.to_frame(vq[:, lo:hi], geo, self.bits, self.delta))
+        stream = video.encode_frames(frames, self.bits, self.preset)
+        head = HEAD.pack(MAGIC, self.bits, FLAG_DELTA if self.delta else 0, geo.frame_rows, geo.rows, geo.cols,
+                         geo.num_frames, len(stream), _codes_digest(kq, vq, geo))
+        return b"".join([head, *(tensor_bytes(p) for p in params), stream])
+
+    # ---------------------------------------------------------------------------------------- decode
+
+    def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        s = ctx.shape
+        keys = torch.empty(s.heads, s.tokens, s.key_dim, dtype=ctx.dtype, device=ctx.device)
+        values = torch.empty(s.heads, s.tokens, s.value_dim, dtype=ctx.dtype, device=ctx.device)
+
+        def sink(lo: int, hi: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+            if k is not None:
+                keys[:, lo:hi] = k.to(ctx.device, ctx.dtype)
+            if v is not None:
+                values[:, lo:hi] = v.to(ctx.device, ctx.dtype)
+
+        restore(data, ctx, sink)
+        return keys, values
+
+    def decode_codes(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
+        """The quantized codes ``[H, T, Dk]``, ``[H, T, Dv]`` (int32) of a section, checked against its digest."""
+        return decode_codes(data, ctx)
+
+
+def iter_frames(head: SectionHead, ctx: LayerContext,
+                pieces: Iterable[bytes] | None = None) -> Iterator[tuple[int, int, bool, np.ndarray]]:
+    """``(token_lo, token_hi, is_value, codes [H, t, D])`` per decoded frame, in stream order.
+
+    ``pieces`` (default: the section's stream in one piece) feeds the HEVC decoder in arbitrary byte pieces.
+    """
+    s, geo = ctx.shape, head.geo
+    dec = video.StreamDecoder(geo.rows, geo.cols, head.bits, geo.num_frames)
+    src = [bytes(head.stream)] if pieces is None else pieces
+    i = 0
+
+    def frames() -> Iterator[np.ndarray]:
+        for piece in src:
+            yield from dec.feed(piece)
+        yield from dec.flush()
+
+    for f in frames():
+        lo, hi = geo.block(i // 2)
+        is_v = bool(i % 2)
+        yield lo, hi, is_v, L.from_frame(f, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta)
+        i += 1
+    if i != geo.num_frames:
+        raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
+
+
+def restore(data: bytes, ctx: LayerContext,
+            sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
+            pieces: Iterable[bytes] | None = None) -> None:
+    """Decode a section frame by frame, handing each dequantized block to ``sink(lo, hi, keys, values)``
+    (one of keys/values is None) as soon as its frame is decoded; at most one frame's codes are held.
+
+    Raises :class:`CorruptDataError` after the last frame if the codes do not match the section's digest
+    (the sink has then already seen the bad blocks)."""
+    head = SectionHead(data, ctx)
+    h = xxhash.xxh3_64()
+    for lo, hi, is_v, q in iter_frames(head, ctx, pieces):
+        q = np.ascontiguousarray(q, "<i4")
+        h.update(q.tobytes())
+        if is_v:
+            sink(lo, hi, None, L.dequantize(torch.from_numpy(q), head.vs[:, lo:hi], head.vz[:, lo:hi]))
+        else:
+            sink(lo, hi, L.dequantize(torch.from_numpy(q), head.ks, head.kz), None)
+    if h.intdigest() != head.digest:
+        raise CorruptDataError("kvfetcher codes do not match the section's checksum")
+
+
+def decode_codes(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    s = ctx.shape
+    head = SectionHead(data, ctx)
+    kq = np.empty((s.heads, s.tokens, s.key_dim), np.int32)
+    vq = np.empty((s.heads, s.tokens, s.value_dim), np.int32)
+    for lo, hi, is_v, q in iter_frames(head, ctx, pieces):
+        (vq if is_v else kq)[:, lo:hi] = q
+    if _codes_digest(kq, vq, head.geo) != head.digest:
+        raise CorruptDataError("kvfetcher codes do not match the section's checksum")
+    return kq, vq

@@ -1,0 +1,242 @@
+"""kvfetcher: KV as lossless HEVC through PyAV, on real SmolLM2 KV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.adapt import BandwidthTrace
+from kvcodec.chunking import layer_context
+from kvcodec.codecs import get_codec
+from kvcodec.codecs.base import LayerContext
+from kvcodec.codecs.kvfetcher import adapt as A
+from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.kvfetcher import video
+from kvcodec.codecs.kvfetcher.codec import HEAD, KVFetcher, decode_codes
+from kvcodec.codecs.kvfetcher.paged import restore_paged
+from kvcodec.formats.v1 import LayerShape
+from kvcodec.layouts.paged import from_paged
+
+av = pytest.importorskip("av")
+
+
+@pytest.fixture(scope="module")
+def kv3(real_kv):
+    """Three real layers (first, middle, last) of the 512-token cache."""
+    return kvcodec.KVCache([real_kv.layers[i] for i in (0, 14, 29)])
+
+
+def _ctx(k: torch.Tensor, dv: int | None = None, dtype=torch.float16) -> LayerContext:
+    h, t, dk = k.shape
+    return LayerContext(0, 1, LayerShape(h, t, dk, dv or dk), dtype)
+
+
+@pytest.mark.parametrize("cfg", [dict(bits=4), dict(bits=4, delta=True, frame_tokens=96), dict(bits=10, frame_tokens=512),
+                                 dict(bits=2, frame_tokens=16)])
+def test_codes_bit_exact_and_half_step(kv3, cfg):
+    codec = KVFetcher(**cfg)
+    k, v = kv3.layers[1]
+    k, v = k[:, :200], v[:, :200]  # 200 tokens: a short last block (padding) for every frame height
+    ctx = _ctx(k)
+    data = codec.encode_layer(k, v, ctx)
+    kq, vq, (ks, kz, vs, vz) = codec.quantize(k, v)
+    dkq, dvq = decode_codes(data, ctx)
+    assert np.array_equal(dkq, kq) and np.array_equal(dvq, vq)
+    kd, vd = codec.decode_layer(data, ctx)
+    assert kd.dtype == torch.float16 and kd.shape == k.shape and vd.shape == v.shape
+    # within half a quantization step (plus float16 rounding of the result)
+    for x, y, s in ((k, kd, ks), (v, vd, vs)):
+        err = (x.float() - y.float()).abs()
+        assert bool((err <= s.float() / 2 + x.float().abs() * 2 ** -10 + 1e-3).all())
+
+
+def test_round_trip_container_and_stream_pieces(kv3):
+    blob = kvcodec.encode(kv3, codec="kvfetcher", bits=4)
+    back = kvcodec.decode(blob)
+    codec = KVFetcher(bits=4)
+    for (k, v), (kd, vd) in zip(kv3.layers, back.layers):
+        for c0 in (0, 256):  # the default 256-token chunks: codes are per section
+            kq, vq, (ks, kz, vs, vz) = codec.quantize(k[:, c0:c0 + 256], v[:, c0:c0 + 256])
+            ref_k = L.dequantize(torch.from_numpy(kq), ks, kz).half()
+            ref_v = L.dequantize(torch.from_numpy(vq), vs, vz).half()
+            assert torch.equal(kd[:, c0:c0 + 256], ref_k) and torch.equal(vd[:, c0:c0 + 256], ref_v)
+    # the container's stream path, fed in irregular pieces
+    data = bytes(blob)
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, len(data)), 40, replace=False))
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    streamed = kvcodec.decode(iter(pieces))
+    for (a, b), (c, d) in zip(back.layers, streamed.layers):
+        assert torch.equal(a, c) and torch.equal(b, d)
+
+
+def test_video_decoder_in_pieces(kv3):
+    codec = KVFetcher(bits=4, frame_tokens=64)
+    k, v = kv3.layers[0]
+    ctx = _ctx(k)
+    data = codec.encode_layer(k, v, ctx)
+    stream = data[HEAD.size + 4 * 3 * 64 + 4 * 3 * 512:]
+    whole = decode_codes(data, ctx)
+    for size in (1, 7, 1000):
+        pieces = [stream[i:i + size] for i in range(0, len(stream), size)] if size > 1 else \
+            [stream[i:i + 1] for i in range(0, min(len(stream), 3000))] + [stream[3000:]]
+        got = decode_codes(data, ctx, pieces=pieces)
+        assert np.array_equal(got[0], whole[0]) and np.array_equal(got[1], whole[1])
+
+
+def test_paged_restoration_equals_contiguous(kv3):
+    codec = KVFetcher(bits=4, frame_tokens=128)
+    kv = kvcodec.KVCache(kv3.layers[:2])
+    contiguous = kvcodec.decode(kvcodec.encode(kv, codec=codec, chunk_tokens=256))
+    block = 16
+    num_blocks = 40
+    table = torch.randperm(num_blocks)[: 512 // block].to(torch.int32)  # scattered blocks
+    peaks = []
+    from kvcodec.chunking import make_header
+    header = make_header(kv, [codec], 256)
+    for layer in range(kv.num_layers):
+        paged = torch.zeros(2, num_blocks, block, 3, 64, dtype=torch.float16)
+        k, v = kv.layers[layer]
+        for c0 in (0, 256):
+            ctx = layer_context(header, layer, (c0, c0 + 256), torch.device("cpu"))
+            data = codec.encode_layer(k[:, c0:c0 + 256], v[:, c0:c0 + 256], ctx)
+            peaks.append(restore_paged(data, ctx, paged, table))
+        got = from_paged([paged], table, 512)
+        assert torch.equal(got.layers[0].keys, contiguous.layers[layer].keys)
+        assert torch.equal(got.layers[0].values, contiguous.layers[layer].values)
+    assert max(peaks) == 4 * 3 * 128 * 64  # one frame of float32 values at a time
+
+
+def test_geometry_and_padding():
+    g = L.geometry(200, 3, 64, 64, 256)
+    assert (g.frame_rows, g.rows, g.cols, g.blocks) == (208, 208, 192, 1)
+    g = L.geometry(20, 1, 32, 16, 256)
+    assert (g.rows, g.cols) == (video.MIN_SIDE, video.MIN_SIDE)  # never below NVDEC's minimum
+    with pytest.raises(kvcodec.InvalidInputError):
+        L.geometry(100, 3, 64, 64, 100)
+    rng = np.random.default_rng(1)
+    for bits in (2, 4, 8, 10):
+        q = rng.integers(0, 1 << bits, (3, 37, 5)).astype(np.int32)
+        g = L.geometry(37, 3, 5, 5, 48)
+        for delta in (False, True):
+            f = L.to_frame(q, g, bits, delta)
+            assert f.shape == (g.rows, g.cols) and int(f.max()) < (1 << bits)
+            assert np.array_equal(L.from_frame(f, 37, 3, 5, bits, delta), q)
+            t = L.frame_to_torch(torch.from_numpy(f.astype(np.int32)), 37, 3, 5, bits, delta)
+            assert np.array_equal(t.numpy(), q)
+
+
+def test_config_validation_and_registry():
+    assert isinstance(get_codec("kvfetcher", bits=3), KVFetcher)
+    for bad in (dict(bits=1), dict(bits=11), dict(frame_tokens=100), dict(preset="x"), dict(delta=1)):
+        with pytest.raises(kvcodec.InvalidInputError):
+            KVFetcher(**bad)
+
+
+def test_corrupt_sections_rejected(kv3):
+    codec = KVFetcher(bits=4, frame_tokens=128)
+    k, v = kv3.layers[2]
+    k, v = k[:, :256], v[:, :256]
+    ctx = _ctx(k)
+    data = codec.encode_layer(k, v, ctx)
+    stream_at = HEAD.size + 4 * 3 * 64 + 4 * 3 * 256
+    bad = [data[:10], data[:-1], data + b"\0", b"XXXX" + data[4:],
+           data[:4] + bytes([11]) + data[5:],  # bits out of range
+           data[:6] + (64).to_bytes(2, "little") + data[8:],  # frame rows that disagree with the picture size
+           data[:stream_at] + bytes(len(data) - stream_at),  # stream zeroed
+           data[:stream_at + 200] + bytes([data[stream_at + 200] ^ 0x55]) + data[stream_at + 201:],
+           data[:len(data) - 3000] + bytes(3000),  # tail damaged (the last ~300 bytes only code padding rows)
+           data[:HEAD.size] + b"\xff\x7c" * ((stream_at - HEAD.size) // 2) + data[stream_at:]]  # scales inf
+    for i, d in enumerate(bad):
+        with pytest.raises(kvcodec.CorruptDataError):
+            codec.decode_layer(d, ctx)
+    # the wrong shape for the section
+    with pytest.raises(kvcodec.CorruptDataError):
+        codec.decode_layer(data, _ctx(k[:, :128]))
+
+
+def test_resolution_policy_on_traces():
+    model = A.FrameModel.linear(A.DEFAULT_LADDER, bytes_per_row=90.0, header_bytes=220.0, decode_fixed_s=1e-4,
+                                decode_row_s=9e-6, frames_per_block=60)
+    steady = BandwidthTrace.steady(200e6)
+    pol = A.ResolutionPolicy(model)
+    res = {p.name: A.simulate_fetch(model, steady, 4096, 1024, p) for p in [pol] + [A.FixedHeight(h) for h in A.DEFAULT_LADDER]}
+    best_fixed = min(r.restored_s for n, r in res.items() if n.startswith("fixed"))
+    assert res["adaptive ladder"].restored_s <= best_fixed * 1.001
+    # deterministic
+    again = A.simulate_fetch(model, steady, 4096, 1024, A.ResolutionPolicy(model))
+    assert again.heights == res["adaptive ladder"].heights and again.restored_s == res["adaptive ladder"].restored_s
+    # a jittery trace: still never worse than the worst fixed height, and pipelining beats sequential
+    jit = BandwidthTrace.jittery(20e6, 30.0, 0.02, sigma=1.0, seed=3)
+    ad = A.simulate_fetch(model, jit, 4096, 1024, A.ResolutionPolicy(model))
+    worst = max(A.simulate_fetch(model, jit, 4096, 1024, A.FixedHeight(h)).restored_s for h in A.DEFAULT_LADDER)
+    assert ad.restored_s < worst
+    seq = A.simulate_fetch(model, jit, 4096, 1024, A.FixedHeight(256), pipelined=False)
+    pip = A.simulate_fetch(model, jit, 4096, 1024, A.FixedHeight(256))
+    assert pip.restored_s < seq.restored_s and pip.arrived_s == pytest.approx(seq.arrived_s)
+    # hand-made situations, two frames (K, V) per token block: on the last GOP, a link about as fast as the
+    # decoder -> small frames (a short pipeline tail costs fewer seconds than their extra headers); a fast link
+    # with the decoder the bottleneck -> large frames (fewer per-frame costs)
+    two = A.FrameModel.linear(A.DEFAULT_LADDER, bytes_per_row=90.0, header_bytes=220.0, decode_fixed_s=1e-4,
+                              decode_row_s=9e-6, frames_per_block=2)
+    pol2 = A.ResolutionPolicy(two)
+    assert pol2.decide(3, 4, 1024, 0.0, 0.0, kvcodec.adapt.BandwidthEstimator(prior_bps=50e6)) <= 256
+    assert pol2.decide(0, 4, 1024, 0.0, 0.0, kvcodec.adapt.BandwidthEstimator(prior_bps=1e10)) == 1024
+    # jitter makes the policy plan with a slower link
+    est = kvcodec.adapt.BandwidthEstimator()
+    for r in (1e6, 9e6, 1e6):
+        est.observe(r, 1.0)
+    assert A.ResolutionPolicy.jitter(est) > 0.5
+
+
+class _FakeNvc:
+    """A stand-in for PyNvVideoCodec built on PyAV: NV12 / P016 surfaces (10-bit values in the high bits),
+    packets given by address and size, an empty packet for end of stream.  Checks nvdec.py's plumbing on a CPU."""
+
+    class cudaVideoCodec:  # noqa: N801
+        HEVC = "hevc"
+
+    class PacketData:
+        bsl_data = 0
+        bsl = 0
+
+    class _Dec:
+        def __init__(self) -> None:
+            self.ctx = av.CodecContext.create("hevc", "r")
+
+        def Decode(self, pkt):  # noqa: N802
+            import ctypes
+            data = ctypes.string_at(pkt.bsl_data, pkt.bsl) if pkt.bsl else None
+            packets = list(self.ctx.parse(data)) if data else list(self.ctx.parse(None)) + [None]
+            out = []
+            for p in packets:
+                for f in self.ctx.decode(p):
+                    if f.format.name == "yuv420p":
+                        y = f.to_ndarray(format="nv12")
+                        out.append(torch.from_numpy(np.ascontiguousarray(y)))
+                    else:
+                        y = video.luma(f, f.height, f.width, 10).astype(np.uint16) << 6
+                        nv = np.concatenate([y, np.full((f.height // 2, f.width), 512 << 6, np.uint16)])
+                        out.append(torch.from_numpy(nv))
+            return out
+
+    @staticmethod
+    def CreateDecoder(**kwargs):  # noqa: N802
+        return _FakeNvc._Dec()
+
+
+@pytest.mark.parametrize("bits", [4, 10])
+def test_nvdec_plumbing_with_a_fake_decoder(kv3, monkeypatch, bits):
+    from kvcodec.codecs.kvfetcher import nvdec
+    monkeypatch.setattr(nvdec, "_nvc", lambda: _FakeNvc)
+    codec = KVFetcher(bits=bits, frame_tokens=128)
+    k, v = kv3.layers[1]
+    k, v = k[:, :200], v[:, :200]
+    ctx = _ctx(k)
+    data = codec.encode_layer(k, v, ctx)
+    stream = data[HEAD.size + 4 * 3 * 64 + 4 * 3 * 200:]
+    ref = decode_codes(data, ctx)
+    got = nvdec.decode_codes_cuda(data, ctx, pieces=[stream[i:i + 999] for i in range(0, len(stream), 999)])
+    assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1])
