@@ -1,0 +1,19 @@
+"""A tiered KV store keyed by token-prefix hashes (GPU, CPU memory, local disk, Redis).
+
+>>> from kvcodec.store import KVStore, MemoryTier, DiskTier, RedisTier
+>>> store = KVStore([MemoryTier(2 << 30), DiskTier("/var/cache/kv"), RedisTier("127.0.0.1", 6379)],
+...                 model="SmolLM2-135M-Instruct", codec="cachegen")
+>>> store.put(token_ids, kv)              # chunks of 256 tokens, each a single-chunk container
+>>> n, where = store.lookup(token_ids)    # stored prefix length, tier of each chunk
+>>> prefix_kv = store.get(token_ids)      # decoded KVCache of the stored prefix (or None)
+"""
+
+from kvcodec.store.keys import HASHES, chunk_bounds, chunk_hashes, format_key, namespace
+from kvcodec.store.store import DEFAULT_STORE_CHUNK_TOKENS, FetchedChunk, KVStore, Lookup, PlacementPolicy, concat
+from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, RedisTier, StorageTier
+
+__all__ = [
+    "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
+    "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier",
+    "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",
+]
