@@ -25,11 +25,11 @@ def minmax_params(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, t
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes in ``[0, 2**bits)``; a zero scale (constant slice) gives code 0."""
+    """Codes in ``[0, 2**bits)``, uint8 up to 8 bits and int32 above; a zero scale (constant slice) gives code 0."""
     s = scale.float()
     q = torch.round((x - zero.float()) / torch.where(s == 0, 1.0, s))
     q = torch.where(s == 0, 0.0, q)
-    return q.clamp_(0, (1 << bits) - 1).to(torch.uint8)
+    return q.clamp_(0, (1 << bits) - 1).to(torch.uint8 if bits <= 8 else torch.int32)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.kvfetcher.video import MAX_SIDE, MIN_SIDE
-from kvcodec.codecs.quantize import FP16_MAX
+from kvcodec.codecs.quantize import dequantize, minmax_params, quantize  # noqa: F401  (re-exported)
 from kvcodec.errors import InvalidInputError
 
 #: Rows come in multiples of the page size.
@@ -73,26 +73,8 @@ def code_dtype(bits: int) -> np.dtype:
     return np.dtype(np.uint8 if bits <= 8 else np.uint16)
 
 
-def minmax(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 ``(scale, zero)`` over ``dim`` (kept), as :func:`kvcodec.codecs.quantize.minmax_params`."""
-    if not bool(torch.isfinite(x).all()):
-        raise InvalidInputError("cannot quantize non-finite values (NaN or inf) in the KV cache")
-    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    if float(hi.max()) > FP16_MAX or float(lo.min()) < -FP16_MAX or float((hi - lo).max()) > FP16_MAX:
-        raise InvalidInputError("values beyond float16 range cannot be quantized with float16 scales")
-    return ((hi - lo) / ((1 << bits) - 1)).to(torch.float16), lo.to(torch.float16)
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 codes in ``[0, 2**bits)`` (kvcodec's quantizer, widened for bits > 8); zero scale gives 0."""
-    s = scale.float()
-    q = torch.round((x - zero.float()) / torch.where(s == 0, 1.0, s))
-    q = torch.where(s == 0, 0.0, q)
-    return q.clamp_(0, (1 << bits) - 1).to(torch.int32)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    return zero.float() + q.float() * scale.float()
+# The quantizer is kivi's (kvcodec.codecs.quantize), which widens its codes past 8 bits.
+minmax = minmax_params
 
 
 # ------------------------------------------------------------------------------------------ frames
