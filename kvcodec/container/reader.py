@@ -10,7 +10,7 @@ from typing import BinaryIO, Sequence
 from kvcodec.container.frames import FrameHead, fixed_layer_count, parse_frame_head, parse_header_block, verify_section
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.formats.v1 import (CHECKSUM, FOOTER, FOOTER_MAGIC, FRAME_HEAD, INDEX_ENTRY, INDEX_HEAD, INDEX_MAGIC,
-                                MAX_CHUNKS, PREAMBLE, SECTION_ENTRY, ChunkEntry, Header, SlotCursor, checksum)
+                                MAX_CHUNKS, PREAMBLE, SECTION_ENTRY, ChunkEntry, SlotCursor, checksum)
 
 @dataclass(frozen=True)
 class FrameData:
