@@ -1,0 +1,510 @@
+"""A vLLM v1 KV connector that keeps prompt KV in a :class:`~kvcodec.store.KVStore`, compressed by a kvcodec codec.
+
+Load it with::
+
+    vllm serve <model> --kv-transfer-config '{"kv_connector": "KVCodecConnector",
+        "kv_connector_module_path": "kvcodec.engines.vllm_connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"codec": "cachegen", "codec_options": {}, "chunk_tokens": 256,
+                                      "tiers": ["cpu:2147483648", "disk:/var/cache/kvcodec", "redis://127.0.0.1:6379/0"]}}'
+
+``kv_connector_extra_config`` keys (all optional):
+
+- ``codec`` (default ``cachegen``) and ``codec_options`` (a dict of the codec's settings);
+- ``chunk_tokens`` (default 256): tokens per stored chunk; ``hash`` (``sha256`` or ``xxh3-128``);
+- ``tiers``: fastest first, each ``cpu[:bytes]``, ``gpu[:bytes]``, ``disk:<folder>`` or
+  ``redis://host:port[/db]`` (default ``["cpu", "disk:<tmp>/kvcodec-vllm"]``); ``redis_url`` adds a Redis tier;
+  ``redis_timeout_s`` (default 0.5);
+- ``model``: the model id in the keys (default ``model_config.model``).
+
+vLLM runs the scheduler-side and worker-side connector in different processes, each with its own
+store object.  A ``cpu`` / ``gpu`` tier is private to its process, so every chunk is also written to
+every disk and Redis tier (the store's placement policy treats them as shared) and the scheduler's
+``lookup`` finds it there.
+
+What it does:
+
+- scheduler side: ``get_num_new_matched_tokens`` looks the prompt up in the store (chained chunk
+  hashes, :mod:`kvcodec.store.keys`), rounds the hit down to whole vLLM blocks, keeps at least one
+  prompt token for vLLM to compute, and subtracts what vLLM already has.  ``update_state_after_alloc``
+  records the load, ``build_connector_meta`` turns loads and (once a prompt's prefill completes)
+  saves into :class:`KVCodecConnectorMetadata` with the request's block table.
+- worker side: ``start_load_kv`` fetches the chunks' container bytes (checksums verified) and starts a
+  thread that decodes them layer by layer; ``wait_for_layer_load(layer)`` waits for that layer and
+  scatters it into vLLM's paged tensor ``(2, num_blocks, block_size, H, D)`` through the block table
+  (:func:`kvcodec.layouts.paged.slot_mapping` / ``write_paged``).  A chunk that is missing or does not
+  decode is never raised into vLLM: the blocks from its first token on are reported by
+  ``get_block_ids_with_load_errors()`` so vLLM recomputes them, and the chunk is evicted.
+  ``save_kv_layer`` gathers each layer's prompt tokens out of the paged tensor (``read_paged``),
+  ``wait_for_save`` assembles them into a :class:`~kvcodec.cache.KVCache` and ``put``s it (only chunks
+  not stored yet are encoded).  Loads and saves finish within the forward pass, so ``get_finished``
+  reports nothing asynchronous and ``request_finished`` never holds blocks.
+
+When vLLM is importable the class subclasses its ``KVConnectorBase_V1``; otherwise small stand-ins of
+the same protocol are used, so that everything except vLLM itself is tested on the CPU
+(``tests/test_vllm_connector.py``).  This connector has not been run inside a vLLM server here.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcodec.cache import KVCache
+from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
+from kvcodec.reader import Reader
+from kvcodec.store import (
+    DiskTier,
+    FetchedChunk,
+    GPUTier,
+    KVStore,
+    MemoryTier,
+    PlacementPolicy,
+    RedisTier,
+    StorageTier,
+)
+
+log = logging.getLogger(__name__)
+
+try:  # pragma: no cover - vLLM is not installed in the CPU test environment
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1 as _ConnectorBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata as _MetadataBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorRole,
+    )
+    HAVE_VLLM = True
+except Exception:  # ImportError, or a vLLM that fails to import without a GPU
+    HAVE_VLLM = False
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        """Stand-in for vLLM's enum of the same name."""
+
+        SCHEDULER = 0
+        WORKER = 1
+
+    class _MetadataBase:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorMetadata``."""
+
+    class _ConnectorBase:  # type: ignore[no-redef]
+        """Stand-in for the parts of vLLM's ``KVConnectorBase_V1`` this connector uses."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+            if self._kv_transfer_config is None:
+                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self) -> Any:
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self) -> Any:
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+        def shutdown(self) -> None:
+            return None
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+def make_tier(spec: str, *, redis_timeout_s: float = 0.5) -> StorageTier:
+    """One tier from ``cpu[:bytes]``, ``gpu[:bytes]``, ``disk:<folder>`` or ``redis://host:port[/db]``."""
+    if spec.startswith("redis://"):
+        m = re.fullmatch(r"redis://([^:/]+)(?::(\d+))?(?:/(\d+))?/?", spec)
+        if not m:
+            raise ValueError(f"bad redis url {spec!r}")
+        return RedisTier(m.group(1), int(m.group(2) or 6379), db=int(m.group(3) or 0), timeout_s=redis_timeout_s)
+    kind, _, arg = spec.partition(":")
+    if kind == "cpu":
+        return MemoryTier(int(arg) if arg else 1 << 30)
+    if kind == "gpu":
+        return GPUTier(int(arg) if arg else 1 << 30)
+    if kind == "disk":
+        return DiskTier(arg or os.path.join(tempfile.gettempdir(), "kvcodec-vllm"))
+    raise ValueError(f"unknown tier {spec!r}: use cpu[:bytes], gpu[:bytes], disk:<folder> or redis://host:port[/db]")
+
+
+def build_store(extra: dict[str, Any] | None, model: str) -> KVStore:
+    """The store a connector uses, from ``kv_connector_extra_config``."""
+    extra = dict(extra or {})
+    timeout = float(extra.get("redis_timeout_s", 0.5))
+    specs = list(extra.get("tiers") or ["cpu", "disk:" + os.path.join(tempfile.gettempdir(), "kvcodec-vllm")])
+    if extra.get("redis_url") and not any(s.startswith("redis://") for s in specs):
+        specs.append(extra["redis_url"])
+    tiers = [make_tier(s, redis_timeout_s=timeout) for s in specs]
+    # private (in-process) tiers are caches; every other tier is shared between the scheduler and workers
+    shared = [t.name for t in tiers if not isinstance(t, MemoryTier)]
+    return KVStore(tiers, model=str(extra.get("model", model)), codec=extra.get("codec", "cachegen"),
+                   codec_options=extra.get("codec_options"), chunk_tokens=int(extra.get("chunk_tokens", 256)),
+                   hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared))
+
+
+# --- metadata --------------------------------------------------------------------------------------
+
+@dataclass
+class LoadSpec:
+    """Load tokens ``start .. end-1`` of ``token_ids`` (the stored prefix) into the blocks ``block_ids``."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass
+class SaveSpec:
+    """Save the KV of ``token_ids`` (a prompt), held in the blocks ``block_ids``."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KVCodecConnectorMetadata(_MetadataBase):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+class _Load:
+    """One request's load: decodes its chunks layer by layer in a thread; the first bad chunk cuts it short."""
+
+    def __init__(self, spec: LoadSpec, chunks: list[FetchedChunk], num_layers: int) -> None:
+        self.spec, self.num_layers = spec, num_layers
+        self.readers: list[Reader] = []
+        self.good_end = spec.start  # tokens before this are loaded correctly (once every layer is done)
+        self.failed_key: str | None = None  # the chunk that failed to open or decode (evicted afterwards)
+        end = spec.start
+        chunks = [c for c in chunks if c.end > spec.start]  # chunks wholly before ``start`` are already in vLLM
+        for c in chunks:
+            if c.start > end or c.start >= spec.end:
+                break
+            r = None
+            try:
+                r = Reader(c.data)
+                if len(r.header.layers) != num_layers:
+                    raise ValueError(f"chunk has {len(r.header.layers)} layers, the model {num_layers}")
+            except Exception:
+                if r is not None:
+                    r.close()
+                log.warning("chunk %s does not open; its blocks will be recomputed", c.key, exc_info=True)
+                self.failed_key = c.key
+                break
+            self.readers.append(r)
+            end = c.end
+        self.chunks = chunks[: len(self.readers)]
+        self.avail_end = min(end, spec.end)  # tokens the fetched, openable chunks cover
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.done = [threading.Event() for _ in range(num_layers)]
+        self.thread = threading.Thread(target=self._run, name="kvcodec-vllm-load", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            ok = len(self.readers)
+            for i in range(self.num_layers):
+                ks, vs = [], []
+                for j in range(ok):
+                    try:
+                        layer = self.readers[j].read_chunk(0, layers=[i]).layers[i]
+                    except Exception:
+                        log.warning("chunk %s failed to decode at layer %d; its blocks will be recomputed",
+                                    self.chunks[j].key, i, exc_info=True)
+                        ok = j
+                        self.failed_key = self.chunks[j].key
+                        break
+                    ks.append(layer.keys)
+                    vs.append(layer.values)
+                if ks:
+                    base = self.chunks[0].start
+                    k, v = torch.cat(ks[:ok], 1), torch.cat(vs[:ok], 1)
+                    self.layers[i] = (k, v, base)  # type: ignore[assignment]
+                self.good_end = min(self.avail_end, self.chunks[ok - 1].end) if ok else self.spec.start
+                self.done[i].set()
+        except BaseException:
+            log.warning("loading request %s failed", self.spec.req_id, exc_info=True)
+            self.good_end = self.spec.start
+            for ev in self.done:
+                ev.set()
+        finally:
+            for r in self.readers:
+                r.close()
+
+    def failed_blocks(self, block_size: int) -> set[int]:
+        """Blocks holding tokens ``good_end .. end-1``: what vLLM must recompute."""
+        if self.good_end >= self.spec.end:
+            return set()
+        first = max(self.good_end, self.spec.start) // block_size
+        last = (self.spec.end - 1) // block_size
+        return set(int(b) for b in self.spec.block_ids[first: last + 1])
+
+
+# --- the connector -----------------------------------------------------------------------------
+
+def _layer_order(names: Sequence[str]) -> list[str]:
+    nums = [re.findall(r"\d+", n) for n in names]
+    if all(nums) and len({int(n[0]) for n in nums}) == len(names):
+        return sorted(names, key=lambda n: int(re.findall(r"\d+", n)[0]))
+    return list(names)
+
+
+def _first_block_ids(block_ids: Any) -> list[int]:
+    """vLLM passes block ids per KV-cache group, ``([ids...],)``; take the first group."""
+    if block_ids is None:
+        return []
+    if len(block_ids) and isinstance(block_ids[0], (list, tuple)):
+        return [int(b) for b in block_ids[0]]
+    return [int(b) for b in block_ids]
+
+
+class KVCodecConnector(_ConnectorBase):
+    """vLLM ``KVConnectorBase_V1`` backed by a kvcodec :class:`~kvcodec.store.KVStore` (see the module doc)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, store: KVStore | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
+        model = getattr(getattr(vllm_config, "model_config", None), "model", None) or "unknown-model"
+        self.store = store if store is not None else build_store(extra, str(model))
+        self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16)
+        self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0, "load_error_blocks": 0, "saved_chunks": 0}
+        # scheduler side
+        self._matched: dict[str, tuple[int, int]] = {}  # req id -> (num_computed_tokens, external tokens)
+        self._need_load: dict[str, tuple[int, int]] = {}  # req id -> (start, end)
+        self._unsaved: dict[str, dict[str, Any]] = {}  # req id -> prompt ids, block ids, tokens done
+        # worker side
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.layer_names: list[str] = []
+        self._loads: list[_Load] = []
+        self._loaded_layers: set[tuple[int, str]] = set()
+        self._save_parts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()  # requests whose load failed in this forward pass: not saved
+
+    # ============================== scheduler side ==============================
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Prompt tokens beyond ``num_computed_tokens`` that the store can supply (whole blocks), and False (sync load)."""
+        ids = list(getattr(request, "prompt_token_ids", None) or [])
+        if len(ids) < 2:
+            return 0, False
+        try:
+            hit = self.store.lookup(ids[:-1]).num_tokens  # leave at least one token for vLLM to compute
+        except Exception:
+            log.warning("store lookup failed; treating it as a miss", exc_info=True)
+            hit = 0
+        hit = hit // self.block_size * self.block_size
+        self.stats["lookups"] += 1
+        self.stats["lookup_hit_tokens"] += hit
+        ext = max(0, hit - int(num_computed_tokens))
+        self._matched[request.request_id] = (int(num_computed_tokens), ext)
+        return ext, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        computed, _ = self._matched.pop(rid, (0, 0))
+        if num_external_tokens > 0:
+            self._need_load[rid] = (computed, computed + int(num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVCodecConnectorMetadata:
+        meta = KVCodecConnectorMetadata()
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        for req in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
+            rid = req.req_id
+            ids = [int(t) for t in (req.prompt_token_ids or [])]
+            blocks = _first_block_ids(req.block_ids)
+            if rid in self._need_load:
+                start, end = self._need_load.pop(rid)
+                meta.loads.append(LoadSpec(rid, ids[:end], blocks, start, end))
+            done = int(getattr(req, "num_computed_tokens", 0)) + int(scheduled.get(rid, len(ids)))
+            self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done}
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            new_blocks = getattr(cached, "new_block_ids", None) or []
+            computed = getattr(cached, "num_computed_tokens", None) or []
+            resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+            flags = getattr(cached, "resumed_from_preemption", None) or []  # older vLLM: one bool per request
+            resumed |= {rid for rid, f in zip(getattr(cached, "req_ids", None) or [], flags) if f}
+            for i, rid in enumerate(getattr(cached, "req_ids", None) or []):
+                st = self._unsaved.get(rid)
+                if st is None:
+                    continue
+                nb = _first_block_ids(new_blocks[i]) if i < len(new_blocks) else []
+                st["blocks"] = nb if rid in resumed else st["blocks"] + nb
+                if i < len(computed):
+                    st["done"] = int(computed[i]) + int(scheduled.get(rid, 0))
+        for rid in list(self._unsaved):
+            st = self._unsaved[rid]
+            if st["done"] >= len(st["ids"]):  # the prompt's prefill completes in this step
+                ids = st["ids"]
+                if not self.store.save_partial:
+                    ids = ids[: len(ids) // self.store.chunk_tokens * self.store.chunk_tokens]
+                if ids:
+                    meta.saves.append(SaveSpec(rid, ids, st["blocks"]))
+                del self._unsaved[rid]
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Saves finish within the forward pass, so the blocks can be freed now."""
+        rid = request.request_id
+        self._unsaved.pop(rid, None)
+        self._need_load.pop(rid, None)
+        self._matched.pop(rid, None)
+        return False, None
+
+    # ============================== worker side ==============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name, t in kv_caches.items():
+            if t.dim() != 5 or t.shape[0] != 2:
+                raise ValueError(f"layer {name}: expected a (2, num_blocks, block_size, H, D) paged tensor, "
+                                 f"got {tuple(t.shape)} (only the FlashAttention layout is supported)")
+        self.kv_caches = dict(kv_caches)
+        self.layer_names = _layer_order(list(kv_caches))
+        self.block_size = int(next(iter(kv_caches.values())).shape[2]) if kv_caches else self.block_size
+
+    def _metadata(self) -> KVCodecConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, KVCodecConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._metadata()
+        self._loads, self._loaded_layers = [], set()
+        if meta is None or not meta.loads:
+            return
+        for spec in meta.loads:
+            try:
+                chunks = self.store.fetch(spec.token_ids[: spec.end])
+            except Exception:
+                log.warning("store fetch failed; request %s recomputes", spec.req_id, exc_info=True)
+                chunks = []
+            load = _Load(spec, chunks, len(self.layer_names))
+            self._loads.append(load)
+            load.thread.start()
+
+    def _apply(self, load: _Load, index: int, name: str) -> None:
+        if (id(load), name) in self._loaded_layers:
+            return
+        self._loaded_layers.add((id(load), name))
+        load.done[index].wait()
+        got = load.layers[index]
+        if got is None:
+            return
+        k, v, base = got  # type: ignore[misc]
+        spec = load.spec
+        end = min(spec.end, base + k.shape[1])
+        if end <= spec.start:
+            return
+        paged = self.kv_caches[name]
+        slots = slot_mapping(torch.tensor(spec.block_ids, dtype=torch.long, device=paged.device), spec.start,
+                             end - spec.start, self.block_size)
+        lo, hi = spec.start - base, end - base
+        write_paged(paged, k[:, lo:hi].to(paged.device), v[:, lo:hi].to(paged.device), slots)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loads or layer_name not in self.kv_caches:
+            return
+        index = self.layer_names.index(layer_name)
+        for load in self._loads:
+            try:
+                self._apply(load, index, layer_name)
+            except Exception:
+                log.warning("writing layer %s of request %s failed", layer_name, load.spec.req_id, exc_info=True)
+                load.good_end = load.spec.start
+
+    def _finish_loads(self) -> None:
+        for load in self._loads:
+            for i, name in enumerate(self.layer_names):
+                try:
+                    self._apply(load, i, name)
+                except Exception:
+                    log.warning("writing layer %s of request %s failed", name, load.spec.req_id, exc_info=True)
+                    load.good_end = load.spec.start
+            load.thread.join()
+            bad = load.failed_blocks(self.block_size)
+            if bad:
+                self._load_errors |= bad
+                self._failed_reqs.add(load.spec.req_id)
+                self.stats["load_error_blocks"] += len(bad)
+                if load.failed_key is not None:  # evict the damaged chunk so the recomputed KV replaces it
+                    for t in self.store.tiers:
+                        self.store._safe(t, "delete", load.failed_key)
+            self.stats["loaded_tokens"] += max(0, min(load.good_end, load.spec.end) - load.spec.start)
+        self._loads = []
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._metadata()
+        if meta is None or not meta.saves:
+            return
+        for spec in meta.saves:
+            try:
+                slots = slot_mapping(torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device), 0,
+                                     len(spec.token_ids), kv_layer.shape[2])
+                k, v = read_paged(kv_layer, slots)
+                self._save_parts.setdefault(spec.req_id, {})[layer_name] = (k.cpu(), v.cpu())
+            except Exception:
+                log.warning("gathering layer %s of request %s failed; not saved", layer_name, spec.req_id, exc_info=True)
+
+    def wait_for_save(self) -> None:
+        self._finish_loads()  # every layer's load is in place before this forward pass ends
+        meta = self._metadata()
+        parts, self._save_parts = self._save_parts, {}
+        failed, self._failed_reqs = self._failed_reqs, set()
+        if meta is None:
+            return
+        for spec in meta.saves:
+            if spec.req_id in failed:  # part of its KV is missing; vLLM recomputes it, it is saved another time
+                continue
+            got = parts.get(spec.req_id, {})
+            try:
+                layers = []
+                for name in self.layer_names:
+                    if name not in got:  # a layer whose save_kv_layer was not called: read it now
+                        paged = self.kv_caches[name]
+                        slots = slot_mapping(torch.tensor(spec.block_ids, dtype=torch.long, device=paged.device), 0,
+                                             len(spec.token_ids), self.block_size)
+                        got[name] = tuple(x.cpu() for x in read_paged(paged, slots))  # type: ignore[assignment]
+                    layers.append(got[name])
+                kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
+                self.stats["saved_chunks"] += self.store.put(spec.token_ids, kv)
+            except Exception:
+                log.warning("saving request %s failed", spec.req_id, exc_info=True)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose stored KV was missing or did not decode in the last forward pass (vLLM recomputes them)."""
+        self._finish_loads()
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            self._finish_loads()
+        finally:
+            self.store.close()

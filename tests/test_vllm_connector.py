@@ -1,0 +1,323 @@
+"""The vLLM connector on the CPU, without vLLM: fake requests, scheduler outputs and forward contexts
+carrying only the attributes the connector reads, real paged tensors and a real KVStore."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvcodec.engines.vllm_connector as vc
+from kvcodec.cache import KVCache
+from kvcodec.engines.vllm_connector import (
+    KVCodecConnector,
+    KVCodecConnectorMetadata,
+    KVConnectorRole,
+    build_store,
+)
+from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
+from kvcodec.reader import Reader
+from kvcodec.store import KVStore, MemoryTier
+
+L, H, D, BS, NB = 3, 2, 8, 8, 40
+CHUNK = 32
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+
+
+def _kv(n: int, seed: int = 0) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    return KVCache([(torch.randn(H, n, D, generator=g).half(), torch.randn(H, n, D, generator=g).half()) for _ in range(L)],
+                   model="m", rope="post")
+
+
+def _ids(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, 50_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _config(extra: dict | None = None) -> SimpleNamespace:
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="KVCodecConnector",
+                                                              kv_connector_module_path="kvcodec.engines.vllm_connector",
+                                                              kv_role="kv_both", kv_connector_extra_config=extra or {}),
+                           cache_config=SimpleNamespace(block_size=BS), model_config=SimpleNamespace(model="m"))
+
+
+def _paged() -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(2, NB, BS, H, D, dtype=torch.float16) for n in NAMES}
+
+
+def _table(n_tokens: int, seed: int) -> list[int]:
+    perm = torch.randperm(NB, generator=torch.Generator().manual_seed(seed)).tolist()
+    return perm[: -(-n_tokens // BS)]
+
+
+def _sched_out(rid: str, ids: list[int], blocks: list[int], computed: int = 0, scheduled: int | None = None):
+    new = SimpleNamespace(req_id=rid, prompt_token_ids=ids, block_ids=(blocks,), num_computed_tokens=computed)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={rid: len(ids) - computed if scheduled is None else scheduled})
+
+
+def _forward(worker: KVCodecConnector, meta: KVCodecConnectorMetadata, caches: dict[str, torch.Tensor]) -> set[int]:
+    """What vLLM's model runner does around one forward pass."""
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(SimpleNamespace(attn_metadata=None, no_compile_layers={}))
+    for name in NAMES:
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, caches[name], None)
+    worker.wait_for_save()
+    errors = worker.get_block_ids_with_load_errors()
+    assert worker.get_finished({"x"}) == (None, None)
+    worker.clear_connector_metadata()
+    return errors
+
+
+def _pair(store: KVStore) -> tuple[KVCodecConnector, KVCodecConnector, dict[str, torch.Tensor]]:
+    sched = KVCodecConnector(_config(), KVConnectorRole.SCHEDULER, store=store)
+    worker = KVCodecConnector(_config(), KVConnectorRole.WORKER, store=store)
+    caches = _paged()
+    worker.register_kv_caches(caches)
+    return sched, worker, caches
+
+
+def _prefill(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, blocks: list[int]) -> None:
+    """A prompt that misses the store: vLLM computes it into its blocks and the connector saves it."""
+    req = SimpleNamespace(request_id=rid, prompt_token_ids=ids)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, None, 0)
+    slots = slot_mapping(torch.tensor(blocks), 0, len(ids), BS)
+    for name, layer in zip(NAMES, kv.layers):
+        write_paged(caches[name], layer.keys, layer.values, slots)
+    meta = sched.build_connector_meta(_sched_out(rid, ids, blocks))
+    assert not meta.loads and [s.req_id for s in meta.saves] == [rid]
+    assert _forward(worker, meta, caches) == set()
+    assert sched.request_finished(req, (blocks,)) == (False, None)
+
+
+# --- paged layout -------------------------------------------------------------------------------
+
+def test_paged_scatter_gather_shuffled_table():
+    kv = _kv(100)
+    table = torch.tensor(_table(100, seed=3))
+    slots = slot_mapping(table, 0, 100, BS)
+    paged = torch.zeros(2, NB, BS, H, D, dtype=torch.float16)
+    layer = kv.layers[0]
+    write_paged(paged, layer.keys, layer.values, slots)
+    for t in (0, 7, 8, 63, 99):  # token t sits in block table[t // BS] at offset t % BS
+        b, o = int(table[t // BS]), t % BS
+        assert torch.equal(paged[0, b, o], layer.keys[:, t]) and torch.equal(paged[1, b, o], layer.values[:, t])
+    k, v = read_paged(paged, slots)
+    assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+    # a sub-range starting mid-block
+    k2, v2 = read_paged(paged, slot_mapping(table, 13, 50, BS))
+    assert torch.equal(k2, layer.keys[:, 13:63]) and torch.equal(v2, layer.values[:, 13:63])
+    # blocks outside the table are untouched
+    unused = sorted(set(range(NB)) - set(table.tolist()))
+    assert not paged[:, unused].any()
+
+
+# --- scheduler side -----------------------------------------------------------------------------
+
+def test_lookup_counts_whole_blocks_minus_computed():
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=20)
+    sched, _, _ = _pair(store)
+    ids, kv = _ids(100), _kv(100)
+    store.put(ids, KVCache([(l.keys, l.values) for l in kv.layers], model="m", token_ids=ids, rope="post"))
+    req = SimpleNamespace(request_id="r", prompt_token_ids=ids + _ids(10, seed=9))
+    # 5 full chunks of 20 match = 100 tokens, rounded down to whole blocks of 8: 96
+    assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
+    assert sched.get_num_new_matched_tokens(req, 32) == (64, False)
+    assert sched.get_num_new_matched_tokens(req, 96) == (0, False)
+    assert sched.stats["lookups"] == 3 and sched.stats["lookup_hit_tokens"] == 3 * 96
+    # at least one prompt token is left for vLLM to compute
+    exact = SimpleNamespace(request_id="e", prompt_token_ids=ids[:80])
+    # lookup over 79 tokens: chunks 0..2 match (60 tokens), the partial 4th does not; 60 -> 56 whole blocks
+    assert sched.get_num_new_matched_tokens(exact, 0) == (56, False)
+    other = SimpleNamespace(request_id="o", prompt_token_ids=_ids(100, seed=5))
+    assert sched.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(SimpleNamespace(request_id="z", prompt_token_ids=[]), 0) == (0, False)
+
+
+def test_lookup_failure_is_a_miss():
+    class Broken(MemoryTier):
+        def contains(self, key):
+            raise ConnectionError("down")
+
+    store = KVStore([Broken(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched = KVCodecConnector(_config(), KVConnectorRole.SCHEDULER, store=store)
+    assert sched.get_num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=_ids(100)), 0) == (0, False)
+
+
+# --- save, then load into fresh paged tensors -----------------------------------------------
+
+def test_save_then_load_raw_bit_exact():
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids, kv = _ids(100), _kv(100)
+    _prefill(sched, worker, caches, "a", ids, kv, _table(100, seed=1))
+    assert store.lookup(ids).num_tokens == 100 and worker.stats["saved_chunks"] == 4
+
+    # a second engine (fresh paged memory, another shuffled table) gets a request sharing the prompt
+    sched2, worker2, fresh = _pair(store)
+    ids2 = ids + _ids(10, seed=7)
+    req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
+    computed = 16  # vLLM's own prefix cache already holds two blocks
+    ext, is_async = sched2.get_num_new_matched_tokens(req, computed)
+    assert (ext, is_async) == (96 - computed, False)  # chunks 0..2 (96 tokens); the partial 4th chunk differs
+    sched2.update_state_after_alloc(req, None, ext)
+    blocks = _table(len(ids2), seed=2)
+    meta = sched2.build_connector_meta(_sched_out("b", ids2, blocks, computed=computed + ext))
+    assert [(l.req_id, l.start, l.end) for l in meta.loads] == [("b", 16, 96)]
+    assert _forward(worker2, meta, fresh) == set()
+    slots = slot_mapping(torch.tensor(blocks), 0, 96, BS)
+    for name, layer in zip(NAMES, kv.layers):
+        k, v = read_paged(fresh[name], slots)
+        assert torch.equal(k[:, 16:], layer.keys[:, 16:96]) and torch.equal(v[:, 16:], layer.values[:, 16:96])
+        assert not k[:, :16].any()  # what vLLM already had is not overwritten
+    assert worker2.stats["loaded_tokens"] == 80
+
+
+def test_chunked_prefill_saves_when_prompt_completes():
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, _, _ = _pair(store)
+    ids = _ids(100)
+    req = SimpleNamespace(request_id="c", prompt_token_ids=ids)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, 0)
+    table = _table(100, seed=4)
+    meta = sched.build_connector_meta(_sched_out("c", ids, table[:8], scheduled=64))
+    assert not meta.saves
+    cached = SimpleNamespace(req_ids=["c"], new_block_ids=[(table[8:],)], num_computed_tokens=[64], resumed_req_ids=set())
+    meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                                                      num_scheduled_tokens={"c": 36}))
+    assert len(meta.saves) == 1 and meta.saves[0].block_ids == table and meta.saves[0].token_ids == ids
+
+
+# --- faults: reported as load errors, never raised ------------------------------------------
+
+def _stored(store: KVStore):
+    sched, worker, caches = _pair(store)
+    ids, kv = _ids(100), _kv(100)
+    _prefill(sched, worker, caches, "a", ids, kv, _table(100, seed=1))
+    return ids, kv
+
+
+def _load(store: KVStore, ids: list[int]) -> tuple[set[int], list[int], dict[str, torch.Tensor], int]:
+    sched, worker, fresh = _pair(store)
+    ids2 = ids + _ids(10, seed=7)
+    req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
+    ext, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, ext)
+    blocks = _table(len(ids2), seed=2)
+    meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
+    return _forward(worker, meta, fresh), blocks, fresh, ext
+
+
+def test_corrupt_chunk_reported_not_raised():
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    ids, kv = _stored(store)
+    sched, worker, fresh = _pair(store)
+    ids2 = ids + _ids(10, seed=7)
+    req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
+    ext, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert ext == 96
+    sched.update_state_after_alloc(req, None, ext)
+    # between the scheduler's lookup and the worker's load, chunk 1 (tokens 32..63) is damaged
+    tier = store.tiers[0]
+    key = store.keys_for(ids)[1][0]
+    blob = bytearray(tier.get(key))
+    blob[len(blob) // 2] ^= 0xFF
+    tier.put(key, bytes(blob))
+    blocks = _table(len(ids2), seed=2)
+    meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
+    errors = _forward(worker, meta, fresh)
+    assert errors == set(blocks[32 // BS: 96 // BS])  # chunk 1 and everything after it
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    slots = slot_mapping(torch.tensor(blocks), 0, 32, BS)
+    for name, layer in zip(NAMES, kv.layers):  # chunk 0 arrived intact
+        assert torch.equal(read_paged(fresh[name], slots)[0], layer.keys[:, :32])
+    assert store.lookup(ids).num_tokens == 32 and not tier.contains(key)  # the damaged chunk is evicted
+
+
+def test_chunk_that_fails_to_decode_is_reported_and_evicted(monkeypatch):
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    ids, kv = _stored(store)
+    bad_key = store.keys_for(ids)[2][0]
+    bad = store.tiers[0].get(bad_key)
+
+    class FlakyReader(Reader):  # passes its checksums, then fails to decode layer 1
+        def __init__(self, source):
+            super().__init__(source)
+            self._bad = bytes(source) == bad
+
+        def read_chunk(self, i, *, layers=None, **kw):
+            if self._bad and layers == [1]:
+                raise ValueError("decoder blew up")
+            return super().read_chunk(i, layers=layers, **kw)
+
+    monkeypatch.setattr(vc, "Reader", FlakyReader)
+    errors, blocks, fresh, ext = _load(store, ids)
+    assert ext == 96 and errors == set(blocks[64 // BS: 96 // BS])
+    slots = slot_mapping(torch.tensor(blocks), 0, 64, BS)
+    for name, layer in zip(NAMES, kv.layers):
+        assert torch.equal(read_paged(fresh[name], slots)[1], layer.values[:, :64])
+    assert not store.tiers[0].contains(bad_key)
+
+
+def test_missing_chunk_reported():
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    ids, _ = _stored(store)
+    sched, worker, fresh = _pair(store)
+    ids2 = ids + _ids(10, seed=7)
+    req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
+    ext, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, ext)
+    store.evict(ids)  # gone before the worker gets to it (another engine evicted it)
+    blocks = _table(len(ids2), seed=2)
+    errors = _forward(worker, sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext)), fresh)
+    assert errors == set(blocks[: 96 // BS])
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+def test_store_from_extra_config_shared_through_disk(tmp_path):
+    extra = {"codec": "raw", "chunk_tokens": CHUNK, "tiers": ["cpu:1000000", f"disk:{tmp_path / 'kv'}"], "model": "m"}
+    store = build_store(extra, "ignored")
+    assert [t.name for t in store.tiers] == ["cpu", "disk"] and store.codec.codec_id == "raw" and store.model == "m"
+    # the scheduler and the worker are separate processes in vLLM: separate stores, shared through disk
+    sched = KVCodecConnector(_config(extra), KVConnectorRole.SCHEDULER)
+    worker = KVCodecConnector(_config(extra), KVConnectorRole.WORKER)
+    assert sched.store is not worker.store
+    caches = _paged()
+    worker.register_kv_caches(caches)
+    ids, kv = _ids(100), _kv(100)
+    _prefill(sched, worker, caches, "a", ids, kv, _table(100, seed=1))
+    req = SimpleNamespace(request_id="b", prompt_token_ids=ids + [1, 2, 3])
+    assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
+    with pytest.raises(ValueError):
+        build_store({"tiers": ["tape"]}, "m")
+    assert vc.make_tier("redis://10.0.0.1:6380/2").client.connection_pool.connection_kwargs["port"] == 6380
+
+
+def test_connector_is_vllm_base_subclass_when_available():
+    if vc.HAVE_VLLM:  # pragma: no cover - not installed here
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+        assert issubclass(KVCodecConnector, KVConnectorBase_V1)
+    else:
+        assert KVCodecConnector.__module__ == "kvcodec.engines.vllm_connector"
+        with pytest.raises(ValueError):
+            KVCodecConnector(SimpleNamespace(kv_transfer_config=None), KVConnectorRole.WORKER)
+
+
+def test_loadable_by_module_path():
+    """What vLLM's KVConnectorFactory does with kv_connector_module_path and kv_connector."""
+    import importlib
+    import json
+
+    cfg = json.loads('{"kv_connector":"KVCodecConnector","kv_connector_module_path":"kvcodec.engines.vllm_connector",'
+                     '"kv_role":"kv_both","kv_connector_extra_config":{"codec":"raw","tiers":["cpu"]}}')
+    cls = getattr(importlib.import_module(cfg["kv_connector_module_path"]), cfg["kv_connector"])
+    conn = cls(vllm_config=_config(cfg["kv_connector_extra_config"]), role=KVConnectorRole.WORKER, kv_cache_config=None)
+    assert conn.role == KVConnectorRole.WORKER and conn.store.codec.codec_id == "raw"
+    with pytest.raises(ValueError):  # only the (2, num_blocks, block_size, H, D) layout
+        conn.register_kv_caches({"l0": torch.zeros(NB, 2, BS, H, D)})
