@@ -22,6 +22,7 @@ import torch
 
 import kvcodec
 from kvcodec.cli import parse_codec
+from kvcodec.evaluate import measure_throughput
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CODECS = ["raw", "fp8", "zstd", "kivi:bits=2", "kivi:bits=4", "lmcache-cachegen",
@@ -42,18 +43,9 @@ def main() -> None:
     kv = kvcodec.KVCache.load_safetensors(args.dump)
     rows = []
     for spec in args.codec or DEFAULT_CODECS:
-        codec = parse_codec(spec)
-        enc, dec = [], []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            blob = kvcodec.encode(kv, codec)
-            t1 = time.perf_counter()
-            kvcodec.decode(blob)
-            dec.append(time.perf_counter() - t1)
-            enc.append(t1 - t0)
-        e, d = statistics.median(enc), statistics.median(dec)
-        rows.append((spec, 8 * len(blob) / kv.num_elements, kv.num_elements / e / 1e6, kv.num_elements / d / 1e6,
-                     kv.nbytes / e / 1e6, kv.nbytes / d / 1e6))
+        m = measure_throughput(kv, parse_codec(spec), args.repeat).to_dict()
+        rows.append((spec, m["bits_per_element"], m["encode_Melem_s"], m["decode_Melem_s"], m["encode_MBps"],
+                     m["decode_MBps"]))
         print(f"{spec:22s} {rows[-1][1]:6.3f} bits/elem  enc {rows[-1][2]:7.2f}  dec {rows[-1][3]:7.2f} Melem/s", flush=True)
     ceiling = _constriction_ceiling(kv.num_elements, args.repeat)
     lines = [f"# CPU speed per core ({kv}, {kv.nbytes / 1e6:.1f} MB float16)", "",

@@ -256,29 +256,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import statistics
-
     import torch
 
     import kvcodec
+    from kvcodec.evaluate import measure_throughput
 
     torch.set_num_threads(args.threads)
     kv = kvcodec.KVCache.load_safetensors(args.input)
     rows, out = [], []
     for spec in args.codec or ["raw", "kivi:bits=4"]:
-        codec = parse_codec(spec)
-        enc, dec = [], []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            blob = kvcodec.encode(kv, codec, chunk_tokens=args.chunk_tokens)
-            t1 = time.perf_counter()
-            kvcodec.decode(blob)
-            dec.append(time.perf_counter() - t1)
-            enc.append(t1 - t0)
-        e, d = statistics.median(enc), statistics.median(dec)
-        r = {"codec": spec, "bytes": len(blob), "bits_per_element": 8 * len(blob) / kv.num_elements,
-             "encode_MBps": kv.nbytes / e / 1e6, "decode_MBps": kv.nbytes / d / 1e6,
-             "encode_Melem_s": kv.num_elements / e / 1e6, "decode_Melem_s": kv.num_elements / d / 1e6}
+        r = {"codec": spec, **measure_throughput(kv, parse_codec(spec), args.repeat, args.chunk_tokens).to_dict()}
         out.append(r)
         rows.append([spec, f"{r['bits_per_element']:.3f}", f"{r['encode_MBps']:.0f}", f"{r['decode_MBps']:.0f}",
                      f"{r['encode_Melem_s']:.1f}", f"{r['decode_Melem_s']:.1f}"])

@@ -5,6 +5,7 @@ continuation from the cache as stored before encoding."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -98,6 +99,37 @@ def evaluate(model: LoadedModel, cases: Sequence[EvalCase], codecs: Sequence[Cod
         rows.append(EvalRow(labels[i] if labels else spec_string(codec), int(a["bytes"]), 8 * a["bytes"] / a["elements"], a["change"] / n,
                             a["agree"] / n, a["enc"], a["dec"]))
     return rows
+
+
+@dataclass
+class Throughput:
+    """Median encode and decode times of a codec on a cache, and what they amount to."""
+
+    bytes: int
+    bits_per_element: float
+    encode_s: float
+    decode_s: float
+    elements: int
+    raw_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "bits_per_element": self.bits_per_element,
+                "encode_MBps": self.raw_bytes / self.encode_s / 1e6, "decode_MBps": self.raw_bytes / self.decode_s / 1e6,
+                "encode_Melem_s": self.elements / self.encode_s / 1e6, "decode_Melem_s": self.elements / self.decode_s / 1e6}
+
+
+def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens: int = 256) -> Throughput:
+    """Encode and decode ``kv`` ``repeat`` times through the container; median wall times."""
+    enc, dec = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        blob = encode(kv, codec, chunk_tokens=chunk_tokens)
+        t1 = time.perf_counter()
+        decode(blob)
+        dec.append(time.perf_counter() - t1)
+        enc.append(t1 - t0)
+    return Throughput(len(blob), 8 * len(blob) / kv.num_elements, statistics.median(enc), statistics.median(dec),
+                      kv.num_elements, kv.nbytes)
 
 
 def preset_label(codec_id: str, preset: dict[str, Any]) -> str:
