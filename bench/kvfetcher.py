@@ -36,6 +36,7 @@ CACHE = Path("/tmp/kvfetcher-bench.json")
 def real_kv(tokens: int = 512) -> kvcodec.KVCache:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import CACHE_DIR, _dump_version  # the test suite's cached dumps
+
     from kvcodec.cli import main
 
     path = CACHE_DIR / f"license-GPL-3-{tokens}-float16-{_dump_version()}.safetensors"

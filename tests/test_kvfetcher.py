@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvcodec.formats.v1 import LayerShape
 
 import kvcodec
 from kvcodec.adapt import BandwidthTrace
@@ -16,7 +17,7 @@ from kvcodec.codecs.kvfetcher import layout as L
 from kvcodec.codecs.kvfetcher import video
 from kvcodec.codecs.kvfetcher.codec import HEAD, KVFetcher, decode_codes
 from kvcodec.codecs.kvfetcher.paged import restore_paged
-from kvcodec.formats.v1 import LayerShape
+from kvcodec.codecs.quantize import dequantize
 from kvcodec.layouts.paged import from_paged
 
 av = pytest.importorskip("av")
@@ -59,8 +60,8 @@ def test_round_trip_container_and_stream_pieces(kv3):
     for (k, v), (kd, vd) in zip(kv3.layers, back.layers):
         for c0 in (0, 256):  # the default 256-token chunks: codes are per section
             kq, vq, (ks, kz, vs, vz) = codec.quantize(k[:, c0:c0 + 256], v[:, c0:c0 + 256])
-            ref_k = L.dequantize(torch.from_numpy(kq), ks, kz).half()
-            ref_v = L.dequantize(torch.from_numpy(vq), vs, vz).half()
+            ref_k = dequantize(torch.from_numpy(kq), ks, kz).half()
+            ref_v = dequantize(torch.from_numpy(vq), vs, vz).half()
             assert torch.equal(kd[:, c0:c0 + 256], ref_k) and torch.equal(vd[:, c0:c0 + 256], ref_v)
     # the container's stream path, fed in irregular pieces
     data = bytes(blob)

@@ -23,6 +23,7 @@ import xxhash
 from kvcodec.codecs.base import Codec, LayerContext
 from kvcodec.codecs.kvfetcher import layout as L
 from kvcodec.codecs.kvfetcher import video
+from kvcodec.codecs.quantize import dequantize, minmax_params, quantize
 from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
@@ -110,9 +111,9 @@ class KVFetcher(Codec):
 
     def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
         k, v = keys.detach().float().cpu(), values.detach().float().cpu()
-        ks, kz = L.minmax(k, 1, self.bits)
-        vs, vz = L.minmax(v, 2, self.bits)
-        return L.quantize(k, ks, kz, self.bits).numpy(), L.quantize(v, vs, vz, self.bits).numpy(), [ks, kz, vs, vz]
+        ks, kz = minmax_params(k, 1, self.bits)
+        vs, vz = minmax_params(v, 2, self.bits)
+        return quantize(k, ks, kz, self.bits).numpy(), quantize(v, vs, vz, self.bits).numpy(), [ks, kz, vs, vz]
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
         h, t, dk = keys.shape
@@ -189,9 +190,9 @@ def restore(data: bytes, ctx: LayerContext,
         q = np.ascontiguousarray(q, "<i4")
         h.update(q.tobytes())
         if is_v:
-            sink(lo, hi, None, L.dequantize(torch.from_numpy(q), head.vs[:, lo:hi], head.vz[:, lo:hi]))
+            sink(lo, hi, None, dequantize(torch.from_numpy(q), head.vs[:, lo:hi], head.vz[:, lo:hi]))
         else:
-            sink(lo, hi, L.dequantize(torch.from_numpy(q), head.ks, head.kz), None)
+            sink(lo, hi, dequantize(torch.from_numpy(q), head.ks, head.kz), None)
     if h.intdigest() != head.digest:
         raise CorruptDataError("kvfetcher codes do not match the section's checksum")
 

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.kvfetcher.video import MAX_SIDE, MIN_SIDE
-from kvcodec.codecs.quantize import dequantize, minmax_params, quantize  # noqa: F401  (re-exported)
 from kvcodec.errors import InvalidInputError
 
 #: Rows come in multiples of the page size.
@@ -71,10 +70,6 @@ def geometry(tokens: int, heads: int, key_dim: int, value_dim: int, frame_rows: 
 
 def code_dtype(bits: int) -> np.dtype:
     return np.dtype(np.uint8 if bits <= 8 else np.uint16)
-
-
-# The quantizer is kivi's (kvcodec.codecs.quantize), which widens its codes past 8 bits.
-minmax = minmax_params
 
 
 # ------------------------------------------------------------------------------------------ frames

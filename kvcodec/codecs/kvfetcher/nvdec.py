@@ -20,6 +20,7 @@ import torch
 
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.quantize import dequantize
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 
 
@@ -141,9 +142,9 @@ def restore_cuda(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch
         if check:
             h.update(q.contiguous().cpu().numpy().astype("<i4").tobytes())
         if is_v:
-            sink(lo, hi, None, L.dequantize(q, vs[:, lo:hi], vz[:, lo:hi]))
+            sink(lo, hi, None, dequantize(q, vs[:, lo:hi], vz[:, lo:hi]))
         else:
-            sink(lo, hi, L.dequantize(q, ks, kz), None)
+            sink(lo, hi, dequantize(q, ks, kz), None)
         i += 1
     if i != geo.num_frames:
         raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
