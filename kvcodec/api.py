@@ -11,11 +11,10 @@ import torch
 from kvcodec.cache import KVCache
 from kvcodec.chunking import DEFAULT_CHUNK_TOKENS, decode_all, encode_frames, make_header
 from kvcodec.codecs import Codec, get_codec
+from kvcodec.codecs.base import check_backend
 from kvcodec.container import iter_frames, write_container
 from kvcodec.errors import InvalidInputError
 from kvcodec.reader import ProgressFn, Reader, build_codecs
-
-
 
 
 def _codecs(codec: str | Codec | Sequence[Codec], config: dict[str, Any]) -> list[Codec]:
@@ -31,7 +30,7 @@ def _codecs(codec: str | Codec | Sequence[Codec], config: dict[str, Any]) -> lis
 
 def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, chunk_layers: int | None = None,
-                progress: ProgressFn | None = None, **config: Any) -> Iterator[bytes]:
+                progress: ProgressFn | None = None, backend: str = "auto", **config: Any) -> Iterator[bytes]:
     """Encode ``kv`` and yield the container piece by piece (one chunk frame at a time).
 
     ``codec`` is a registered codec id (its options as keyword arguments), a
@@ -39,11 +38,15 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     multi-level container that stores every chunk once per codec, so a reader
     can fetch each chunk at the level its bandwidth allows.  Chunks hold
     ``chunk_tokens`` tokens of ``chunk_layers`` layers (default: all layers).
-    The same input and config give the same bytes.
+    ``backend`` (``"auto"``, ``"cpu"`` or ``"triton"``) picks the implementation of
+    codecs that have GPU kernels; ``"auto"`` runs them for CUDA tensors.  The same
+    input and config give the same bytes, whichever backend makes them.
     """
     codecs = _codecs(codec, config)
+    for c in codecs:
+        check_backend(c, backend)
     header = make_header(kv, codecs, chunk_tokens, chunk_layers)
-    frames: Iterable[Any] = encode_frames(kv, header, codecs)
+    frames: Iterable[Any] = encode_frames(kv, header, codecs, backend)
     if progress:
         frames = progress(frames, len(header.slots()) * len(codecs))
     return write_container(header, frames)
@@ -85,25 +88,28 @@ def open(source: bytes | bytearray | memoryview | str | os.PathLike[str] | Binar
 
 
 def decode(data: Any, *, device: torch.device | str | None = None, layers: Sequence[int] | None = None,
-           chunks: Sequence[int] | None = None, progress: ProgressFn | None = None) -> KVCache:
+           chunks: Sequence[int] | None = None, progress: ProgressFn | None = None, backend: str = "auto") -> KVCache:
     """Decode a container to a :class:`KVCache`.
 
     ``data`` is bytes, a path, a seekable binary file, or an iterable of byte
     pieces as they arrive (decoded as a stream, chunk by chunk).  ``layers``
     and ``chunks`` select part of the cache (``chunks`` needs random access).
+    ``backend`` as for :func:`iter_encode`, for the output ``device``.
     """
     if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
         with Reader(data) as reader:
-            return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress)
+            return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend)
     if chunks is not None:
         raise InvalidInputError("chunk selection needs random access; pass bytes, a path or a seekable file")
     header, frames = iter_frames(data)
     codecs = build_codecs(header)
+    for c in codecs:
+        check_backend(c, backend)
     rows: Iterable[Any] = ((h.variant, h.token_start, h.token_count, h.layer_start,
                             {h.layer_start + j: s for j, s in enumerate(sections)}) for h, sections in _best(frames))
     if progress:
         rows = progress(rows, len(header.slots()))
-    return decode_all(header, rows, codecs, layers, (0, header.max_tokens), torch.device(device or "cpu"))
+    return decode_all(header, rows, codecs, layers, (0, header.max_tokens), torch.device(device or "cpu"), backend)
 
 
 def _best(frames: Iterable[Any]) -> Iterator[Any]:

@@ -32,16 +32,17 @@ def make_header(kv: KVCache, codecs: Sequence[Codec], chunk_tokens: int = DEFAUL
     return header
 
 
-def layer_context(header: Header, layer: int, token_range: tuple[int, int], device: torch.device) -> LayerContext:
+def layer_context(header: Header, layer: int, token_range: tuple[int, int], device: torch.device,
+                  backend: str = "auto") -> LayerContext:
     """The context of ``layer``'s section covering ``token_range`` of its own token axis."""
     s = header.layers[layer]
     lo, hi = token_range
     shape = type(s)(s.heads, hi - lo, s.key_dim, s.value_dim)
     return LayerContext(layer, len(header.layers), shape, getattr(torch, header.dtype), device,
-                        header.meta.get("model"), lo)
+                        header.meta.get("model"), lo, backend)
 
 
-def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec]) -> Iterator[Frame]:
+def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend: str = "auto") -> Iterator[Frame]:
     """Encode every chunk of ``kv`` with every codec, in file order."""
     for t0, tn, l0, lc in header.slots():
         for variant, codec in enumerate(codecs):
@@ -52,20 +53,20 @@ def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec]) -> Itera
                     sections.append(b"")
                     continue
                 k, v = kv.layers[layer]
-                ctx = layer_context(header, layer, (lo, hi), kv.device)
+                ctx = layer_context(header, layer, (lo, hi), kv.device, backend)
                 sections.append(codec.encode_layer(k[:, lo:hi], v[:, lo:hi], ctx))
             yield Frame(variant, t0, tn, l0, sections)
 
 
 def decode_section(codec: Codec, header: Header, layer: int, token_start: int, token_count: int, data: bytes,
-                   device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+                   device: torch.device, backend: str = "auto") -> tuple[int, torch.Tensor, torch.Tensor] | None:
     """Decode one section; returns (first local token, keys, values), or None for an empty section."""
     lo, hi = header.local_range(layer, token_start, token_count)
     if hi == lo:
         if data:
             raise CorruptDataError(f"layer {layer} holds no tokens in chunk at {token_start}, but its section is not empty")
         return None
-    ctx = layer_context(header, layer, (lo, hi), device)
+    ctx = layer_context(header, layer, (lo, hi), device, backend)
     try:
         keys, values = codec.decode_layer(data, ctx)
     except KVCodecError:
@@ -123,7 +124,7 @@ class Assembler:
 
 def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]],
                codecs: Sequence[Codec], layers: Sequence[int] | None, token_range: tuple[int, int],
-               device: torch.device) -> KVCache:
+               device: torch.device, backend: str = "auto") -> KVCache:
     """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache."""
     wanted = list(range(len(header.layers))) if layers is None else list(layers)
     if not wanted:
@@ -135,7 +136,7 @@ def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[i
     for variant, t0, tn, _, sections in frames:
         for layer, data in sections.items():
             if layer in asm.parts:
-                asm.add(layer, decode_section(codecs[variant], header, layer, t0, tn, data, device))
+                asm.add(layer, decode_section(codecs[variant], header, layer, t0, tn, data, device, backend))
     try:
         return asm.build(device)
     except InvalidInputError as e:

@@ -11,6 +11,7 @@ import torch
 from kvcodec.cache import KVCache, KVLayer
 from kvcodec.chunking import decode_all, decode_section
 from kvcodec.codecs import Codec, get_codec
+from kvcodec.codecs.base import check_backend
 from kvcodec.container import ContainerReader
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.formats.v1 import VERSION_MAJOR, ChunkEntry, Header, LayerShape
@@ -132,14 +133,16 @@ class Reader:
         return list(self._container.entries)
 
     def read_chunk(self, i: int, *, layers: Sequence[int] | None = None,
-                   device: torch.device | str | None = None) -> Chunk:
-        """Decode chunk ``i`` (or only ``layers`` of it)."""
+                   device: torch.device | str | None = None, backend: str = "auto") -> Chunk:
+        """Decode chunk ``i`` (or only ``layers`` of it); ``backend`` as for :func:`kvcodec.decode`."""
         dev = torch.device(device or "cpu")
+        self._check_backend(backend)
         frame = self._container.read_frame(i, layers)
         e = frame.entry
         out = {}
         for layer, data in frame.sections.items():
-            decoded = decode_section(self.codecs[e.variant], self.header, layer, e.token_start, e.token_count, data, dev)
+            decoded = decode_section(self.codecs[e.variant], self.header, layer, e.token_start, e.token_count, data, dev,
+                                     backend)
             if decoded is not None:
                 out[layer] = KVLayer(decoded[1], decoded[2])
         return Chunk(i, e.token_start, e.token_count, out)
@@ -151,12 +154,15 @@ class Reader:
             self.read_chunk(i)
 
     def decode(self, *, layers: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
-               device: torch.device | str | None = None, progress: ProgressFn | None = None) -> KVCache:
+               device: torch.device | str | None = None, progress: ProgressFn | None = None,
+               backend: str = "auto") -> KVCache:
         """Decode the cache, or the ``layers`` and ``chunks`` asked for.
 
         ``chunks`` are indices into :attr:`chunks`; their token ranges must join
         up.  Where a chunk is stored in several variants, the highest (best) is used.
+        ``backend`` as for :func:`kvcodec.decode`.
         """
+        self._check_backend(backend)
         entries = self._select(chunks)
         if layers is None and chunks is not None:
             layers = sorted({l for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)})
@@ -177,7 +183,12 @@ class Reader:
                     data = self._container.read_frame(i, own)
                     yield e.variant, e.token_start, e.token_count, e.layer_start, data.sections
 
-        return decode_all(self.header, frames(), self.codecs, layers, token_range, torch.device(device or "cpu"))
+        return decode_all(self.header, frames(), self.codecs, layers, token_range, torch.device(device or "cpu"),
+                          backend)
+
+    def _check_backend(self, backend: str) -> None:
+        for codec in self.codecs:
+            check_backend(codec, backend)
 
     def _select(self, chunks: Sequence[int] | None) -> list[tuple[int, ChunkEntry]]:
         entries = self._container.entries

@@ -8,6 +8,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Without a GPU, Triton kernels run in its interpreter (numpy on the CPU).  It is chosen when a kernel is
+# defined, so this must happen before anything imports kvcodec.kernels.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 CACHE_DIR = Path(os.environ.get("KVCODEC_TEST_CACHE", REPO / ".cache" / "test-kv"))
 
 

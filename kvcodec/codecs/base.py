@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.formats.v1 import LayerShape
 
 
@@ -20,6 +20,8 @@ class LayerContext:
     ``shape.tokens`` is the number of tokens in this section (one chunk of one layer).
     ``model`` is the cache's model id, which encoders may use to look up a profile.
     ``token_start`` is the section's first token on the layer's own token axis.
+    ``backend`` is ``"auto"``, ``"cpu"`` or ``"triton"``: which implementation a codec with GPU
+    kernels should run (``"auto"``: the kernels for CUDA tensors).
     """
 
     layer: int
@@ -29,6 +31,7 @@ class LayerContext:
     device: torch.device = torch.device("cpu")
     model: str | None = None
     token_start: int = 0
+    backend: str = "auto"
 
 
 class Codec(abc.ABC):
@@ -42,6 +45,7 @@ class Codec(abc.ABC):
 
     codec_id: ClassVar[str]
     lossless: ClassVar[bool]
+    backends: ClassVar[tuple[str, ...]] = ("cpu",)  # implementations a caller may force
 
     @abc.abstractmethod
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
@@ -54,6 +58,14 @@ class Codec(abc.ABC):
         Must raise :class:`CorruptDataError` (never allocate blindly) when ``data``
         cannot be a section of that shape.
         """
+
+    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
+        """Decode a section into one layer of vLLM-style paged memory ``(2, num_blocks, block_size, H, D)``:
+        token ``t`` of the section goes to flat slot ``slots[t]``.  Codecs with a fused path override this."""
+        from kvcodec.layouts.paged import write_paged
+
+        keys, values = self.decode_layer(data, ctx)
+        write_paged(paged, keys, values, slots.to(paged.device))
 
     @abc.abstractmethod
     def get_config(self) -> dict[str, Any]:
@@ -88,3 +100,14 @@ def expect_size(data: bytes, expected: int, what: str) -> None:
     """Reject a section whose length is not exactly what its shape implies."""
     if len(data) != expected:
         raise CorruptDataError(f"{what}: section is {len(data)} bytes, its shape needs {expected}")
+
+
+BACKENDS = ("auto", "cpu", "triton")
+
+
+def check_backend(codec: Codec, backend: str) -> None:
+    """Reject an unknown backend, or one the codec does not implement."""
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"backend must be one of {list(BACKENDS)}, not {backend!r}")
+    if backend != "auto" and backend not in codec.backends:
+        raise UnsupportedError(f"codec {codec.codec_id!r} has no {backend!r} backend; it runs on {list(codec.backends)}")

@@ -27,6 +27,14 @@ after the two parts): attention piles onto them, so their error costs most.
 ``group`` tokens is coded at a quarter of the step, the others as deltas from
 its reconstruction.  Measured on real KV it costs bits (see the README), so it
 is off by default.
+
+Two engines do the heavy passes and make the same bytes: numpy and constriction
+(:class:`CpuEngine`), and the Triton kernels in ``kernels/cachegen.py``
+(:mod:`kvcodec.codecs.cachegen.device`), chosen by ``LayerContext.backend``:
+``"auto"`` runs the kernels for CUDA tensors.  They agree because every
+statistic the encoder derives a choice from is a float64 sum that is exact for
+float16 input (SPEC.md §10.3), and quantization and reconstruction are defined
+in float64 where each product is exact.
 """
 
 from __future__ import annotations
@@ -39,9 +47,9 @@ import torch
 
 from kvcodec.codecs.base import Codec, LayerContext
 from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane
-from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, code_lengths, step_code
+from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, code_lengths_fixed, step_code
 from kvcodec.codecs.registry import register_codec
-from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 
 ANCHOR_SHRINK = np.float32(0.25)  # anchors use a quarter of the step: exact in float32
 MAX_LANE_SYMBOLS = 1 << 16  # keeps every lane under 65536 words, so lane lengths fit a u16
@@ -57,6 +65,9 @@ LEVELS: dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]
 }
 DEFAULT_LEVEL = 2
 FALLBACK_KEY_STEP = 0.25  # keys without a profile: matches the profile path's quality at equal level on SmolLM2
+# Token scales come from the mean absolute value (a sum the GPU adds exactly, unlike a sum of squares),
+# times sqrt(pi/2) so that they match the RMS on Gaussian data, which the levels were tuned with.
+VALUE_SCALE = float(np.sqrt(np.pi / 2))
 
 
 @dataclass
@@ -76,6 +87,7 @@ class CacheGen(Codec):
 
     codec_id = "cachegen"
     lossless = False
+    backends = ("cpu", "triton")
 
     def __init__(self, level: int = DEFAULT_LEVEL, group: int = 1, lane_channels: int = 64, lane_tokens: int = 256,
                  profile: str = "auto", sink_tokens: int = 1) -> None:
@@ -129,18 +141,18 @@ class CacheGen(Codec):
         return kw.float(), vw.float()
 
     @staticmethod
-    def _key_steps(x: np.ndarray, weight: torch.Tensor | None, mult: float) -> np.ndarray:
+    def _key_steps(spread: np.ndarray, weight: torch.Tensor | None, mult: float) -> np.ndarray:
+        """Key step targets from the profile, or from each channel's mean absolute value ``spread`` [H, D]."""
         if weight is not None:
             # equal logit error per channel: the step is inversely proportional to the query RMS on it
             return (mult / np.maximum(weight.numpy(), 1e-6)).reshape(-1)
-        # Without a profile, a channel pair's own RMS stands in for the queries' (in trained models the
-        # large query and key pairs coincide); the head's RMS keeps the step in the keys' units.
-        energy = (x ** 2).mean(1)  # [H, D]
-        half = x.shape[2] // 2
-        pair = np.concatenate([(energy[:, :half] + energy[:, half:2 * half]) / 2, energy[:, 2 * half:]], 1)
+        # Without a profile, a channel pair's own spread stands in for the queries' (in trained models the
+        # large query and key pairs coincide); the head's spread keeps the step in the keys' units.
+        half = spread.shape[1] // 2
+        pair = np.concatenate([(spread[:, :half] + spread[:, half:2 * half]) / 2, spread[:, 2 * half:]], 1)
         pair = np.concatenate([pair[:, :half], pair], 1) if half else pair
-        head = np.sqrt(energy.mean(1, keepdims=True))
-        return (FALLBACK_KEY_STEP * mult * head / np.maximum(np.sqrt(pair), 1e-6)).reshape(-1)
+        head = spread.mean(1, keepdims=True)
+        return (FALLBACK_KEY_STEP * mult * head / np.maximum(pair, 1e-6)).reshape(-1)
 
     @staticmethod
     def _value_steps(weight: torch.Tensor | None, mult: float, heads: int, dim: int) -> np.ndarray:
@@ -152,64 +164,59 @@ class CacheGen(Codec):
     # --- encode -------------------------------------------------------------------------
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
+        xs = [keys, values]
+        for x in xs:
+            if not bool(torch.isfinite(x).all()):
+                raise InvalidInputError("cachegen cannot encode non-finite values (NaN or inf)")
         kw, vw = self._weights(ctx)
         mk, mv = self._multipliers(ctx)
-        k, v = _as_float32(keys), _as_float32(values)
-        if not (np.isfinite(k).all() and np.isfinite(v).all()):
-            raise InvalidInputError("cachegen cannot encode non-finite values (NaN or inf)")
-        key_part = self._encode_part(k, self._key_steps(k, kw, mk), token_scale=False)
-        value_part = self._encode_part(v, self._value_steps(vw, mv, v.shape[0], v.shape[2]), token_scale=True)
+        engine = self._engine(ctx, keys.device)(self, xs)
+        sides = []
+        for x, (total, absolute, token_absolute), is_values in zip(xs, engine.stats(), (False, True)):
+            h, t, d = x.shape
+            if is_values:
+                a_code = step_code(token_absolute * (VALUE_SCALE / d)).reshape(-1)
+                b_target = self._value_steps(vw, mv, h, d)
+            else:
+                a_code, b_target = None, self._key_steps(absolute.reshape(h, d) / t, kw, mk)
+            mu = (total / t).astype(np.float32).astype(np.float16)
+            sides.append(Side(mu, step_code(b_target), a_code))
+        for _ in range(8):
+            fits = True
+            for side, (worst, table, anchor_table) in zip(sides, engine.symbol_range(sides)):
+                side.table, side.anchor_table = table, anchor_table
+                over = worst > RADIX
+                if over.any():
+                    # a symbol out of range: coarsen that channel's step just enough
+                    side.b_code[over] = np.minimum(255, side.b_code[over].astype(np.int64) + 1
+                                                   + np.ceil(8 * np.log2(worst[over] / RADIX)).astype(np.int64))
+                    fits = False
+            if fits:
+                break
+        else:
+            raise InvalidInputError("cachegen could not fit the values into its symbol range")
+        lanes = engine.encode_lanes(sides)
         sinks = self._sinks(ctx)
-        exact = [np.ascontiguousarray(a[:, :sinks]).astype("<f2").tobytes() for a in (k, v)] if sinks else []
-        return b"".join([key_part, value_part, *exact])
+        exact = [x[:, :sinks].detach().float().cpu().numpy().astype("<f2").tobytes() for x in xs] if sinks else []
+        return b"".join([b"".join(side.pack() + [lengths.astype("<u2").tobytes(), words])
+                         for side, (lengths, words) in zip(sides, lanes)] + exact)
 
     def _sinks(self, ctx: LayerContext) -> int:
         """How many of this section's tokens are attention sinks, kept exactly (as float16)."""
         return max(0, min(self.sink_tokens - ctx.token_start, ctx.shape.tokens))
 
-    def _encode_part(self, x: np.ndarray, b_target: np.ndarray, token_scale: bool) -> bytes:
-        h, t, d = x.shape
-        xc = np.ascontiguousarray(x.transpose(0, 2, 1)).reshape(h * d, t)  # [C, T]
-        mu = xc.mean(1).astype(np.float16)
-        a_code = None
-        a = np.ones((h, t), np.float32)
-        if token_scale:
-            rms = np.sqrt((x ** 2).mean(-1))  # [H, T]
-            a_code = step_code(rms).reshape(-1)
-            a = STEPS[a_code].reshape(h, t)
-        b_code = step_code(b_target)
-        for _ in range(8):
-            q, anchors = self._quantize(xc, mu, a, b_code, d)
-            worst = np.maximum(np.abs(q).max(1), np.abs(anchors).max(1) if anchors is not None else 0)
-            over = worst > RADIX
-            if not over.any():
-                break
-            # a symbol out of range: coarsen that channel's step just enough
-            b_code[over] = np.minimum(255, b_code[over] + np.ceil(8 * np.log2(worst[over] / RADIX)).astype(np.int64) + 1)
-        else:
-            raise InvalidInputError("cachegen could not fit the values into its symbol range")
-        table = _choose_tables(q if anchors is None else np.delete(q, np.arange(0, t, self.group), axis=1))
-        anchor_table = _choose_tables(anchors) if anchors is not None else None
-        part = _Part(mu, b_code, table, anchor_table, a_code)
-        return self._pack(part, q, anchors, t)
+    def _engine(self, ctx: LayerContext, device: torch.device) -> type:
+        """The class that does the heavy passes: the Triton kernels or numpy and constriction."""
+        use_triton = ctx.backend == "triton" or (ctx.backend == "auto" and device.type == "cuda" and self.group == 1)
+        if not use_triton:
+            return CpuEngine
+        if self.group != 1:
+            raise UnsupportedError("cachegen's Triton kernels code group=1 only (anchor/delta groups run on the CPU)")
+        from kvcodec.codecs.cachegen.device import TritonEngine
 
-    def _quantize(self, xc: np.ndarray, mu: np.ndarray, a: np.ndarray, b_code: np.ndarray,
-                  d: int) -> tuple[np.ndarray, np.ndarray | None]:
-        step = _steps(a, b_code, d)
-        m = mu.astype(np.float32)[:, None]
-        if self.group == 1:
-            return np.rint((xc - m) / step).astype(np.int64), None
-        idx = np.arange(xc.shape[1])
-        anchor_idx = idx[:: self.group]
-        anchor_step = step[:, anchor_idx] * ANCHOR_SHRINK
-        qa = np.rint((xc[:, anchor_idx] - m) / anchor_step).astype(np.int64)
-        xa = m + qa.astype(np.float32) * anchor_step
-        base = xa[:, idx // self.group]
-        q = np.rint((xc - base) / step).astype(np.int64)
-        q[:, anchor_idx] = 0
-        return q, qa
+        return TritonEngine
 
-    def _plan(self, channels: int, tokens: int, table: np.ndarray, anchor_table: np.ndarray | None) -> list[list[Run]]:
+    def plan(self, channels: int, tokens: int, table: np.ndarray, anchor_table: np.ndarray | None) -> list[list[Run]]:
         """The lanes of a part, each a list of runs.
 
         A lane covers ``lane_channels`` channels by ``lane_tokens`` tokens.  Its
@@ -234,97 +241,177 @@ class CacheGen(Codec):
                 lanes.append(runs)
         return lanes
 
-    def _pack(self, part: _Part, q: np.ndarray, anchors: np.ndarray | None, tokens: int) -> bytes:
-        sources = {"q": q, "anchor": anchors}
-        lanes_words, lengths = [], []
-        for runs in self._plan(q.shape[0], tokens, part.table, part.anchor_table):
-            words = encode_lane([(r.gather(sources[r.source]), r.table) for r in runs])
-            lanes_words.append(words.astype("<u4").tobytes())
-            lengths.append(len(words))
-        head = [part.mu.astype("<f2").tobytes(), part.b_code.tobytes(), part.table.tobytes()]
-        if part.anchor_table is not None:
-            head.append(part.anchor_table.tobytes())
-        if part.a_code is not None:
-            head.append(part.a_code.tobytes())
-        head.append(np.array(lengths, dtype="<u2").tobytes())
-        return b"".join(head + lanes_words)
-
     # --- decode -------------------------------------------------------------------------
 
     def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
-        (keys, _), (values, _) = self._decode_section(data, ctx)
-        return _to_tensor(keys, ctx), _to_tensor(values, ctx)
+        parts, sinks = self._parse(data, ctx)
+        engine = self._engine(ctx, ctx.device)
+        if engine is CpuEngine:
+            (keys, _), (values, _) = (self._reconstruct(p) for p in parts)
+            return with_sinks(_to_tensor(keys, ctx), sinks[0]), with_sinks(_to_tensor(values, ctx), sinks[1])
+        return engine.decode(self, parts, sinks, ctx)
+
+    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
+        engine = self._engine(ctx, paged.device)
+        if engine is CpuEngine:
+            return super().decode_layer_paged(data, ctx, paged, slots)
+        parts, sinks = self._parse(data, ctx)
+        engine.decode(self, parts, sinks, ctx, paged=paged, slots=slots)
 
     def error_bounds(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
         """The largest error each decoded key and value element can have (half its step), ``[H, T, D]``,
         before rounding to the output dtype."""
-        (_, kb), (_, vb) = self._decode_section(data, ctx)
+        parts, sinks = self._parse(data, ctx)
+        (_, kb), (_, vb) = (self._reconstruct(p) for p in parts)
+        for bound, sink in zip((kb, vb), sinks):
+            bound[:, :sink.shape[1]] = 0
         return kb, vb
 
-    def _decode_section(self, data: bytes, ctx: LayerContext) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    def _parse(self, data: bytes, ctx: LayerContext) -> tuple[list[Part], list[np.ndarray]]:
+        """A section's two parts and its sink tokens (float16 ``[H, S, D]`` each), every length checked."""
         s = ctx.shape
-        view = memoryview(data)
-        keys, pos = self._decode_part(view, 0, s.heads, s.tokens, s.key_dim, token_scale=False)
-        values, pos = self._decode_part(view, pos, s.heads, s.tokens, s.value_dim, token_scale=True)
+        reader = _Bytes(memoryview(data))
+        parts = [self._parse_part(reader, s.heads, s.tokens, d, token_scale=v) for d, v in ((s.key_dim, False),
+                                                                                            (s.value_dim, True))]
         sinks = self._sinks(ctx)
-        for (x, bound), dim in ((keys, s.key_dim), (values, s.value_dim)):
-            size = 2 * s.heads * sinks * dim
-            if pos + size > len(data):
-                raise CorruptDataError("cachegen section is truncated in its sink tokens")
-            x[:, :sinks] = np.frombuffer(view[pos:pos + size], "<f2").reshape(s.heads, sinks, dim)
-            bound[:, :sinks] = 0
-            pos += size
-        if pos != len(data):
-            raise CorruptDataError(f"cachegen section has {len(data) - pos} bytes too many")
-        return keys, values
+        exact = [reader.take(s.heads * sinks * d, "<f2").reshape(s.heads, sinks, d) for d in (s.key_dim, s.value_dim)]
+        if reader.pos != len(data):
+            raise CorruptDataError(f"cachegen section has {len(data) - reader.pos} bytes too many")
+        return parts, exact
 
-    def _decode_part(self, view: memoryview, pos: int, h: int, t: int, d: int,
-                     token_scale: bool) -> tuple[tuple[np.ndarray, np.ndarray], int]:
-        """``((x, half step), end position)``, both ``[H, T, D]``, for the part at ``pos``."""
+    def _parse_part(self, reader: _Bytes, h: int, t: int, d: int, token_scale: bool) -> Part:
         c = h * d
         n_lanes = -(-c // self.lane_channels) * -(-t // self.lane_tokens)
-
-        def take(n: int, dtype: str) -> np.ndarray:
-            nonlocal pos
-            size = n * np.dtype(dtype).itemsize
-            if pos + size > len(view):
-                raise CorruptDataError("cachegen section is truncated")
-            arr = np.frombuffer(view[pos:pos + size], dtype=dtype)
-            pos += size
-            return arr
-
-        mu = take(c, "<f2").astype(np.float32)
-        b_code = take(c, "u1")
-        table = take(c, "u1")
-        anchor_table = take(c, "u1") if self.group > 1 else None
-        a = STEPS[take(h * t, "u1")].reshape(h, t) if token_scale else np.ones((h, t), np.float32)
-        lengths = take(n_lanes, "<u2").astype(np.int64)
+        mu = reader.take(c, "<f2")
+        b_code = reader.take(c, "u1")
+        table = reader.take(c, "u1")
+        anchor_table = reader.take(c, "u1") if self.group > 1 else None
+        a_code = reader.take(h * t, "u1") if token_scale else None
+        lengths = reader.take(n_lanes, "<u2").astype(np.int64)
         if int(table.max(initial=0)) >= NUM_TABLES or (anchor_table is not None and int(anchor_table.max(initial=0)) >= NUM_TABLES):
             raise CorruptDataError("cachegen section names a table outside the codebook")
         if not np.isfinite(mu).all():
             raise CorruptDataError("cachegen section has non-finite channel means")
+        words = reader.take(int(lengths.sum()), "<u4")
+        return Part((h, t, d), Side(mu, b_code, a_code, table, anchor_table), lengths, words)
+
+    def _reconstruct(self, part: Part) -> tuple[np.ndarray, np.ndarray]:
+        """``(x, half step)``, both ``[H, T, D]`` float32, of a part, on the CPU (SPEC.md §10.3)."""
+        h, t, d = part.shape
+        side = part.side
+        c = h * d
         q = np.zeros((c, t), np.int64)
         qa = np.zeros((c, -(-t // self.group)), np.int64) if self.group > 1 else None
         targets = {"q": q, "anchor": qa}
-        for runs, n in zip(self._plan(c, t, table, anchor_table), lengths):
-            words = take(int(n), "<u4").astype(np.uint32)
+        offsets = np.concatenate([[0], np.cumsum(part.lengths)])
+        for k, runs in enumerate(self.plan(c, t, side.table, side.anchor_table)):
+            words = part.words[offsets[k]:offsets[k + 1]].astype(np.uint32)
             for r, symbols in zip(runs, decode_lane(words, [(r.size, r.table) for r in runs])):
                 r.scatter(targets[r.source], symbols)
-        step = _steps(a, b_code, d)
-        m = mu[:, None]
+        step = _steps(side.token_steps(h, t), side.b_code, d)
+        m = side.mu.astype(np.float64)[:, None]
         if qa is None:
-            xc = m + q.astype(np.float32) * step
+            xc = (m + q * step.astype(np.float64)).astype(np.float32)
         else:
             anchor_idx = np.arange(0, t, self.group)
-            xa = m + qa.astype(np.float32) * (step[:, anchor_idx] * ANCHOR_SHRINK)
-            xc = xa[:, np.arange(t) // self.group] + q.astype(np.float32) * step
+            anchor_step = step[:, anchor_idx] * ANCHOR_SHRINK
+            xa = (m + qa * anchor_step.astype(np.float64)).astype(np.float32)
+            xc = (xa[:, np.arange(t) // self.group].astype(np.float64) + q * step.astype(np.float64)).astype(np.float32)
             xc[:, anchor_idx] = xa
-            step[:, anchor_idx] *= ANCHOR_SHRINK
+            step[:, anchor_idx] = anchor_step
 
         def to_htd(a: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(a.reshape(h, d, t).transpose(0, 2, 1))
 
-        return (to_htd(xc), to_htd(step / 2)), pos
+        return to_htd(xc), to_htd(step / 2)
+
+
+@dataclass
+class Side:
+    """The side information of one part (keys or values) of a section: everything but the lanes."""
+
+    mu: np.ndarray  # float16 [C]
+    b_code: np.ndarray  # uint8 [C]
+    a_code: np.ndarray | None  # uint8 [H * T], values only
+    table: np.ndarray | None = None  # uint8 [C]
+    anchor_table: np.ndarray | None = None  # uint8 [C] when group > 1
+
+    def token_steps(self, h: int, t: int) -> np.ndarray:
+        return STEPS[self.a_code].reshape(h, t) if self.a_code is not None else np.ones((h, t), np.float32)
+
+    def pack(self) -> list[bytes]:
+        fields = [self.mu.astype("<f2"), self.b_code, self.table, self.anchor_table, self.a_code]
+        return [np.ascontiguousarray(f).tobytes() for f in fields if f is not None]
+
+
+@dataclass
+class Part:
+    """A parsed part: ``(H, T, D)``, its side information, and its lanes' lengths and words."""
+
+    shape: tuple[int, int, int]
+    side: Side
+    lengths: np.ndarray  # int64 [lanes]
+    words: np.ndarray  # '<u4' [sum of lengths]
+
+
+class _Bytes:
+    """Reads typed arrays off the front of a section, refusing to run past its end."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def take(self, n: int, dtype: str) -> np.ndarray:
+        size = n * np.dtype(dtype).itemsize
+        if self.pos + size > len(self.view):
+            raise CorruptDataError("cachegen section is truncated")
+        arr = np.frombuffer(self.view[self.pos:self.pos + size], dtype=dtype)
+        self.pos += size
+        return arr
+
+
+class CpuEngine:
+    """The encoder's heavy passes on the CPU: numpy for statistics and quantization, constriction for ANS."""
+
+    def __init__(self, codec: CacheGen, xs: list[torch.Tensor]) -> None:
+        self.codec = codec
+        self.shapes = [tuple(x.shape) for x in xs]
+        # [C, T] in binary64: the sums below are then exact for float16 input (SPEC.md §10.3)
+        self.xs = [np.ascontiguousarray(_as_float32(x).transpose(0, 2, 1)).reshape(x.shape[0] * x.shape[2], x.shape[1])
+                   .astype(np.float64) for x in xs]
+        self.symbols: list[tuple[np.ndarray, np.ndarray | None]] = []
+
+    def stats(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        out = []
+        for x, (h, t, d) in zip(self.xs, self.shapes):
+            absolute = np.abs(x)
+            out.append((x.sum(1), absolute.sum(1), absolute.reshape(h, d, t).sum(1)))
+        return out
+
+    def symbol_range(self, sides: list[Side]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        out, self.symbols = [], []
+        group = self.codec.group
+        for x, (h, t, d), side in zip(self.xs, self.shapes, sides):
+            q, anchors = _quantize(x, side.mu, _steps(side.token_steps(h, t), side.b_code, d), group)
+            self.symbols.append((q, anchors))
+            worst = np.abs(q).max(1, initial=0)
+            if anchors is None:
+                out.append((worst, choose_tables(q), None))
+            else:
+                worst = np.maximum(worst, np.abs(anchors).max(1, initial=0))
+                out.append((worst, choose_tables(np.delete(q, np.arange(0, t, group), axis=1)), choose_tables(anchors)))
+        return out
+
+    def encode_lanes(self, sides: list[Side]) -> list[tuple[np.ndarray, bytes]]:
+        out = []
+        for (q, anchors), (_, t, _), side in zip(self.symbols, self.shapes, sides):
+            sources = {"q": q, "anchor": anchors}
+            words, lengths = [], []
+            for runs in self.codec.plan(q.shape[0], t, side.table, side.anchor_table):
+                lane = encode_lane([(r.gather(sources[r.source]), r.table) for r in runs])
+                words.append(lane.astype("<u4").tobytes())
+                lengths.append(len(lane))
+            out.append((np.array(lengths, np.int64), b"".join(words)))
+        return out
 
 
 @dataclass(frozen=True)
@@ -354,11 +441,16 @@ class Run:
             matrix[np.ix_(self.rows, self.cols)] = block
 
 
+def lane_channel_order(chans: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """A lane's channels in the order it codes them: by table, ties in channel order."""
+    return chans[np.argsort(table[chans], kind="stable")]
+
+
 def _table_runs(source: str, chans: np.ndarray, cols: slice | np.ndarray, width: int, table: np.ndarray) -> list[Run]:
     """One run per distinct table among ``chans``: its channels (in order) and the columns they code."""
     if not width:
         return []
-    order = chans[np.argsort(table[chans], kind="stable")]
+    order = lane_channel_order(chans, table)
     cuts = np.flatnonzero(np.diff(table[order])) + 1
     return [Run(source, rows, cols, width, int(table[rows[0]])) for rows in np.split(order, cuts)]
 
@@ -369,16 +461,40 @@ def _steps(a: np.ndarray, b_code: np.ndarray, d: int) -> np.ndarray:
     return (a[:, None, :] * b[:, :, None]).reshape(-1, a.shape[1])
 
 
-def _choose_tables(q: np.ndarray) -> np.ndarray:
-    """Per row of symbols, the codebook table that codes it in the fewest bits."""
+def choose_tables(q: np.ndarray) -> np.ndarray:
+    """Per row of symbols, the codebook table that codes it in the fewest bits (first on a tie)."""
     rows = q.shape[0]
-    lo, hi = int(q.min(initial=0)), int(q.max(initial=0))
-    width = hi - lo + 1  # only the symbols that occur need counting
-    counts = np.bincount((np.arange(rows)[:, None] * width + (q - lo)).reshape(-1), minlength=rows * width)
-    # einsum's own loop, not BLAS: a matrix this small is not worth waking (or waiting for) BLAS threads
-    bits = np.einsum("rw,wt->rt", counts.reshape(rows, width).astype(np.float64),
-                     code_lengths()[lo + RADIX:hi + RADIX + 1], optimize=False)
-    return np.argmin(bits, axis=1).astype(np.uint8)
+    magnitude = np.minimum(np.abs(q), RADIX)
+    hist = np.bincount((np.arange(rows)[:, None] * (RADIX + 1) + magnitude).reshape(-1), minlength=rows * (RADIX + 1))
+    return tables_from_histogram(torch.from_numpy(hist.reshape(rows, RADIX + 1))).numpy()
+
+
+def tables_from_histogram(hist: torch.Tensor) -> torch.Tensor:
+    """Best table per row of a ``[C, RADIX + 1]`` histogram of symbol magnitudes, on the histogram's device.
+    Costs are integers below 2**53, so float64 adds them exactly and every device agrees."""
+    lengths = torch.from_numpy(code_lengths_fixed()).to(hist.device)
+    return torch.argmin(hist.double() @ lengths, dim=1).to(torch.uint8)
+
+
+def _quantize(xc: np.ndarray, mu: np.ndarray, step: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Symbols (and anchor symbols when ``group > 1``) of ``[C, T]`` float64 values (SPEC.md §10.3)."""
+    m = mu.astype(np.float64)[:, None]
+    if group == 1:
+        return np.rint((xc - m) / step).astype(np.int64), None
+    idx = np.arange(xc.shape[1])
+    anchor_idx = idx[::group]
+    anchor_step = (step[:, anchor_idx] * ANCHOR_SHRINK).astype(np.float64)
+    qa = np.rint((xc[:, anchor_idx] - m) / anchor_step).astype(np.int64)
+    xa = (m + qa * anchor_step).astype(np.float32).astype(np.float64)
+    q = np.rint((xc - xa[:, idx // group]) / step).astype(np.int64)
+    q[:, anchor_idx] = 0
+    return q, qa
+
+
+def with_sinks(x: torch.Tensor, sink: np.ndarray) -> torch.Tensor:
+    if sink.shape[1]:
+        x[:, :sink.shape[1]] = torch.from_numpy(sink.astype(np.float32)).to(x.device, x.dtype)
+    return x
 
 
 def _to_tensor(x: np.ndarray, ctx: LayerContext) -> torch.Tensor:

@@ -79,8 +79,32 @@ def models() -> tuple:
     return tuple(categorical(f.astype(np.float64) - 1, perfect=False) for f in codebook())
 
 
+# Step code k is chosen for targets in [THRESHOLDS[k-1], THRESHOLDS[k]): the geometric midpoints between
+# neighbouring step values.  Comparing against a frozen float64 table (not rounding a log2, whose last bit
+# differs between math libraries) gives the same code on every platform, the GPU included.
+STEP_THRESHOLDS = np.exp2((np.arange(1, 256, dtype=np.float64) - 128.5) / 8)
+
+# Code lengths in 1/2**16 bit, rounded: a channel's cost is then a sum of integers that float64 adds
+# exactly in any order, so the CPU and the GPU pick the same table even between near-equal costs.
+CODE_LENGTH_UNIT = 1 << 16
+
+
 def step_code(target: np.ndarray) -> np.ndarray:
     """The step code whose value is nearest ``target`` (in log terms), clipped to 0..255."""
-    with np.errstate(divide="ignore"):
-        k = np.round(8 * np.log2(np.maximum(target, 1e-30))) + 128
-    return np.clip(k, 0, 255).astype(np.uint8)
+    return np.searchsorted(STEP_THRESHOLDS, np.asarray(target, np.float64), side="right").astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=1)
+def code_lengths_fixed() -> np.ndarray:
+    """Cost of a symbol of magnitude ``m`` (0..RADIX) under each table, ``[RADIX + 1, NUM_TABLES]``, in
+    units of ``1/CODE_LENGTH_UNIT`` bit.  The codebook is symmetric, so ``s`` and ``-s`` cost the same."""
+    lengths = code_lengths()[RADIX:]
+    return np.rint(lengths * CODE_LENGTH_UNIT)
+
+
+@functools.lru_cache(maxsize=1)
+def cumulative() -> np.ndarray:
+    """Left cumulative frequencies ``[NUM_TABLES, ALPHABET + 1]`` (int64), last column ``2**PRECISION``:
+    what a decoder searches to find the symbol of a slot."""
+    cb = codebook().astype(np.int64)
+    return np.concatenate([np.zeros((NUM_TABLES, 1), np.int64), np.cumsum(cb, 1)], 1)

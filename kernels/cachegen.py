@@ -1,0 +1,267 @@
+"""Triton kernels of the ``cachegen`` codec: the CPU path's exact bytes, lane-parallel on a GPU.
+
+A *part* is the keys or the values of one section, ``[H, T, D]``; a launch
+codes any number of parts at once (both parts of a layer, or every layer of a
+chunk) so that the GPU sees enough lanes.  Parts and lanes are described by
+small int64 tables built on the host (:mod:`kvcodec.codecs.cachegen.device`):
+
+* encode parts ``[P, 9]``: input offset (elements from ``x``), strides of h, t
+  and d, first channel in the concatenated channel arrays, T, D, offset of the
+  part's token scales (-1: none), H;
+* decode parts ``[P, 7]``: output offset (elements from ``out``), stride of h,
+  first entry in the row-offset table, first channel, T, D, token-scale
+  offset.  Element ``[h, t, d]`` goes to ``out + offset + h * stride_h + d +
+  rows[first + t]``: one rule covers a contiguous ``[H, T, D]`` tensor and
+  vLLM-style paged blocks, whose row offsets come from the block table;
+* lanes ``[NL, 6]``: part, first entry of the lane's channels in ``order``,
+  number of channels, first token, tokens per channel, first word.
+
+Symbol ``i`` of a lane (decode order) is channel ``order[first + i // width]``
+at token ``t0 + i % width`` (SPEC.md §10.3, ``group = 1``).  The ANS state
+machine is constriction's (``kvcodec/codecs/ans_reference.py``): u64 state,
+u32 words, 24-bit probabilities, one renormalisation step at most per symbol.
+
+Numerics follow SPEC.md §10.3 so the bytes and the decoded values equal the
+CPU path's: quantization and reconstruction in binary64 (the products there
+are exact, so fused and unfused evaluation agree), steps ``f32(a * b)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# encode part table columns
+E_IN: tl.constexpr = 0
+E_SH: tl.constexpr = 1
+E_ST: tl.constexpr = 2
+E_SD: tl.constexpr = 3
+E_CHAN: tl.constexpr = 4
+E_T: tl.constexpr = 5
+E_D: tl.constexpr = 6
+E_A: tl.constexpr = 7
+E_H: tl.constexpr = 8
+E_FIELDS: tl.constexpr = 9
+# decode part table columns
+D_OUT: tl.constexpr = 0
+D_SH: tl.constexpr = 1
+D_ROWS: tl.constexpr = 2
+D_CHAN: tl.constexpr = 3
+D_T: tl.constexpr = 4
+D_D: tl.constexpr = 5
+D_A: tl.constexpr = 6
+D_FIELDS: tl.constexpr = 7
+# lane table columns
+L_PART: tl.constexpr = 0
+L_ORDER: tl.constexpr = 1
+L_CHANNELS: tl.constexpr = 2
+L_T0: tl.constexpr = 3
+L_WIDTH: tl.constexpr = 4
+L_WORDS: tl.constexpr = 5
+L_FIELDS: tl.constexpr = 6
+
+RADIX: tl.constexpr = 255
+HIST_BINS: tl.constexpr = 256  # symbol magnitudes 0..255; the codebook is symmetric
+TABLE_STRIDE: tl.constexpr = 512  # cumulative table row: 511 symbols + the total
+PRECISION: tl.constexpr = 24
+# Adding and subtracting 1.5 * 2**52 rounds a binary64 of magnitude below 2**51 to the nearest integer,
+# ties to even: the hardware's own rounding, with no libm call that might differ between back ends.
+ROUNDER: tl.constexpr = 6755399441055744.0
+CLAMP: tl.constexpr = 1125899906842624.0  # 2**50
+
+
+@triton.jit
+def _quantize(x, mu, step):
+    """``round_half_even((x - mu) / step)`` in binary64 (SPEC.md §10.3), clamped far outside the symbol range."""
+    y = (x.to(tl.float64) - mu.to(tl.float64)) / step.to(tl.float64)
+    y = tl.minimum(tl.maximum(y, -CLAMP), CLAMP)
+    return ((y + ROUNDER) - ROUNDER).to(tl.int64)
+
+
+@triton.jit
+def _token_scale(a_ptr, a_base, h, t, tokens):
+    """The values' per-token step factor, or 1 for a part without token scales (``a_base < 0``)."""
+    # both sides vectors: the interpreter mishandles a scalar condition broadcast into a mask
+    scaled = (t < tokens) & (a_base + tl.zeros_like(t) >= 0)
+    a = tl.load(a_ptr + tl.maximum(a_base, 0) + h * tokens + t, mask=scaled, other=1.0)
+    return tl.where(scaled, a, 1.0)
+
+
+@triton.jit
+def _to_output(x, dtype: tl.constexpr):
+    """A float32 value in the output dtype, rounded to nearest even (spelled out for bfloat16, which
+    the interpreter would otherwise truncate)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def stats_kernel(x_ptr, parts_ptr, sum_ptr, abs_ptr, tok_ptr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per channel the binary64 sum and absolute sum over tokens; per (head, token) the absolute sum over
+    the head's channels (parts with token scales).  Grid: (parts, heads)."""
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    row = parts_ptr + p * E_FIELDS
+    base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
+    chan, tokens, dim, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_D), tl.load(row + E_A)
+    if h >= tl.load(row + E_H):
+        return
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < dim
+    total = tl.zeros([BLOCK_D], dtype=tl.float64)
+    total_abs = tl.zeros([BLOCK_D], dtype=tl.float64)
+    for t0 in range(0, tokens, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        mask = (t[:, None] < tokens) & dmask[None, :]
+        x = tl.load(x_ptr + base + h * sh + t[:, None] * st + d[None, :] * sd, mask=mask, other=0.0).to(tl.float64)
+        total += tl.sum(x, 0)
+        total_abs += tl.sum(tl.abs(x), 0)
+        if a_base >= 0:
+            tl.store(tok_ptr + a_base + h * tokens + t, tl.sum(tl.abs(x), 1), mask=t < tokens)
+    tl.store(sum_ptr + chan + h * dim + d, total, mask=dmask)
+    tl.store(abs_ptr + chan + h * dim + d, total_abs, mask=dmask)
+
+
+@triton.jit
+def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, maxq_ptr, hist_ptr,
+                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Quantize a tile and record, per channel, the largest symbol magnitude and a histogram of
+    magnitudes (clipped to 255): what the encoder needs to fix steps and choose tables.
+    Grid: (parts, heads, token tiles)."""
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    row = parts_ptr + p * E_FIELDS
+    base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
+    chan, tokens, dim, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_D), tl.load(row + E_A)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if (h >= tl.load(row + E_H)) | (tl.program_id(2) * BLOCK_T >= tokens):
+        return
+    d = tl.arange(0, BLOCK_D)
+    mask = (t[:, None] < tokens) & (d[None, :] < dim)
+    c = chan + h * dim + d
+    x = tl.load(x_ptr + base + h * sh + t[:, None] * st + d[None, :] * sd, mask=mask, other=0.0)
+    a = _token_scale(a_ptr, a_base, h, t, tokens)
+    step = a[:, None] * tl.load(b_ptr + c, mask=d < dim, other=1.0)[None, :]
+    q = tl.abs(_quantize(x, tl.load(mu_ptr + c, mask=d < dim, other=0.0)[None, :], step))
+    q = tl.where(mask, q, 0)
+    tl.atomic_max(maxq_ptr + c, tl.minimum(tl.max(q, 0), 1 << 30).to(tl.int32), mask=d < dim, sem="relaxed")
+    bins = tl.minimum(q, HIST_BINS - 1).to(tl.int32)
+    tl.atomic_add(hist_ptr + c[None, :].to(tl.int64) * HIST_BINS + bins, tl.full(bins.shape, 1, tl.int32),
+                  mask=mask, sem="relaxed")
+
+
+@triton.jit
+def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, cum_ptr, mu_ptr, b_ptr, a_ptr,
+                  scratch_ptr, nwords_ptr, num_lanes, max_symbols, capacity, BLOCK_L: tl.constexpr):
+    """ANS-encode lanes straight from the KV tensor (quantizing on the fly, no symbol buffer).
+    Lane ``l`` writes its words, in stream order, to ``scratch[l * capacity:]`` and their count to
+    ``nwords[l]`` (``capacity + 1`` flags an overflow).  Grid: lane blocks."""
+    lane = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    live = lane < num_lanes
+    info = lanes_ptr + lane * L_FIELDS
+    p = tl.load(info + L_PART, mask=live, other=0)
+    first, channels = tl.load(info + L_ORDER, mask=live, other=0), tl.load(info + L_CHANNELS, mask=live, other=0)
+    t0, width = tl.load(info + L_T0, mask=live, other=0), tl.load(info + L_WIDTH, mask=live, other=1)
+    row = parts_ptr + p * E_FIELDS
+    base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
+    chan, tokens, dim, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_D), tl.load(row + E_A)
+    count = tl.where(live, channels * width, 0)
+    out = scratch_ptr + lane.to(tl.int64) * capacity
+    state = tl.zeros([BLOCK_L], dtype=tl.uint64)
+    n = tl.zeros([BLOCK_L], dtype=tl.int64)
+    for k in range(max_symbols):
+        i = max_symbols - 1 - k  # ANS is a stack: push the last symbol first
+        active = i < count
+        j = i // width
+        g = tl.load(order_ptr + first + j, mask=active, other=0)
+        c = g - chan
+        h = c // dim
+        t = t0 + (i - j * width)
+        x = tl.load(x_ptr + base + h * sh + t * st + (c - h * dim) * sd, mask=active, other=0.0)
+        step = _token_scale(a_ptr, a_base, h, t, tokens) * tl.load(b_ptr + g, mask=active, other=1.0)
+        sym = _quantize(x, tl.load(mu_ptr + g, mask=active, other=0.0), step) + RADIX
+        entry = tl.load(table_ptr + g, mask=active, other=0).to(tl.int64) * TABLE_STRIDE + sym
+        f = tl.load(freq_ptr + entry, mask=active, other=1).to(tl.uint64)
+        cf = tl.load(cum_ptr + entry, mask=active, other=0).to(tl.uint64)
+        emit = active & ((state >> (64 - PRECISION)) >= f)
+        tl.store(out + n, (state & 0xFFFFFFFF).to(tl.uint32), mask=emit & (n < capacity))
+        n += emit.to(tl.int64)
+        state = tl.where(emit, state >> 32, state)
+        state = tl.where(active, ((state // f) << PRECISION) | (cf + state % f), state)
+    # flush: the low word, then the high word, leaving out leading zero words
+    tl.store(out + n, (state & 0xFFFFFFFF).to(tl.uint32), mask=live & (state > 0) & (n < capacity))
+    n += (state > 0).to(tl.int64)
+    tl.store(out + n, (state >> 32).to(tl.uint32), mask=live & (state >> 32 > 0) & (n < capacity))
+    n += (state >> 32 > 0).to(tl.int64)
+    tl.store(nwords_ptr + lane, tl.minimum(n, capacity + 1), mask=live)
+
+
+@triton.jit
+def compact_kernel(scratch_ptr, nwords_ptr, offsets_ptr, out_ptr, capacity, BLOCK: tl.constexpr):
+    """Copy each lane's words from its scratch row to its place in the section.  Grid: lanes."""
+    lane = tl.program_id(0)
+    n = tl.load(nwords_ptr + lane)
+    dst = tl.load(offsets_ptr + lane)
+    for k0 in range(0, n, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        w = tl.load(scratch_ptr + lane.to(tl.int64) * capacity + k, mask=k < n)
+        tl.store(out_ptr + dst + k, w, mask=k < n)
+
+
+@triton.jit
+def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, table_ptr, cum_ptr,
+                  mu_ptr, b_ptr, a_ptr, rows_ptr, out_ptr, status_ptr, num_lanes, max_symbols,
+                  BLOCK_L: tl.constexpr):
+    """ANS-decode lanes, dequantize and store each element in the output dtype at its place (contiguous
+    or paged): no symbol buffer, nothing full-size but the output.  ``status[l]`` is 0 when lane ``l``
+    ended exactly at the start of its words with state 0, as a valid stream must.  Grid: lane blocks."""
+    lane = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    live = lane < num_lanes
+    info = lanes_ptr + lane * L_FIELDS
+    p = tl.load(info + L_PART, mask=live, other=0)
+    first, channels = tl.load(info + L_ORDER, mask=live, other=0), tl.load(info + L_CHANNELS, mask=live, other=0)
+    t0, width = tl.load(info + L_T0, mask=live, other=0), tl.load(info + L_WIDTH, mask=live, other=1)
+    start = tl.load(info + L_WORDS, mask=live, other=0)
+    row = parts_ptr + p * D_FIELDS
+    out_base, sh, rows = tl.load(row + D_OUT), tl.load(row + D_SH), tl.load(row + D_ROWS)
+    chan, tokens, dim, a_base = tl.load(row + D_CHAN), tl.load(row + D_T), tl.load(row + D_D), tl.load(row + D_A)
+    count = tl.where(live, channels * width, 0)
+    pos = start + tl.load(lane_words_ptr + lane, mask=live, other=0).to(tl.int64)
+    # seed the state from the last one or two words (constriction's AnsCoder(words))
+    has1 = pos > start
+    w1 = tl.load(words_ptr + pos - 1, mask=has1, other=0).to(tl.uint64)
+    has2 = pos - 1 > start
+    w2 = tl.load(words_ptr + pos - 2, mask=has2, other=0).to(tl.uint64)
+    bad = has1 & (w1 == 0)  # a stream never ends in a zero word
+    state = tl.where(has2, (w1 << 32) | w2, w1)
+    pos -= has1.to(tl.int64) + has2.to(tl.int64)
+    for i in range(max_symbols):
+        active = i < count
+        j = i // width
+        g = tl.load(order_ptr + first + j, mask=active, other=0)
+        tab = tl.load(table_ptr + g, mask=active, other=0).to(tl.int64) * TABLE_STRIDE
+        slot = state & ((1 << PRECISION) - 1)
+        s = tl.zeros([BLOCK_L], dtype=tl.int64)
+        for bit in tl.static_range(8, -1, -1):  # binary search: the last s with cum[s] <= slot
+            probe = s + (1 << bit)
+            s = tl.where(tl.load(cum_ptr + tab + probe, mask=active, other=1 << 30).to(tl.uint64) <= slot,
+                         probe, s)
+        lo = tl.load(cum_ptr + tab + s, mask=active, other=0).to(tl.uint64)
+        hi = tl.load(cum_ptr + tab + s + 1, mask=active, other=1).to(tl.uint64)
+        state = tl.where(active, (state >> PRECISION) * (hi - lo) + (slot - lo), state)
+        refill = active & (state < 0x100000000) & (pos > start)
+        w = tl.load(words_ptr + pos - 1, mask=refill, other=0).to(tl.uint64)
+        state = tl.where(refill, (state << 32) | w, state)
+        pos -= refill.to(tl.int64)
+        c = g - chan
+        h = c // dim
+        t = t0 + (i - j * width)
+        step = (_token_scale(a_ptr, a_base, h, t, tokens) * tl.load(b_ptr + g, mask=active, other=1.0)).to(tl.float64)
+        x = tl.load(mu_ptr + g, mask=active, other=0.0).to(tl.float64) + (s - RADIX).to(tl.float64) * step
+        dst = out_base + h * sh + (c - h * dim) + tl.load(rows_ptr + rows + t, mask=active, other=0)
+        tl.store(out_ptr + dst, _to_output(x.to(tl.float32), out_ptr.dtype.element_ty), mask=active)
+    tl.store(status_ptr + lane, (bad | (state != 0) | (pos != start)).to(tl.int32), mask=live)

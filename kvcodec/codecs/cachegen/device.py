@@ -1,0 +1,231 @@
+"""The cachegen codec's Triton engine: host-side tables and launches of ``kernels/cachegen.py``.
+
+The host keeps what is small and branchy (step choice, table choice's argmin,
+the lane plan) and the kernels do every pass over the KV itself.  Each call
+codes the keys and values parts of a layer in one launch per pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, lane_channel_order, tables_from_histogram, with_sinks
+from kvcodec.codecs.cachegen.tables import RADIX, STEPS, codebook, cumulative
+from kvcodec.errors import CorruptDataError, InvalidInputError
+
+BLOCK_LANES = 32  # lanes per program on a GPU: one warp, one lane per thread
+
+
+def _lane_block(lanes: int) -> int:
+    """Lanes per program.  The interpreter runs programs one after another and pays per operation, not
+    per lane, so there one program takes every lane."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return min(_next_pow2(lanes), 4096)
+    return BLOCK_LANES
+BLOCK_TOKENS = 64
+
+
+def _kernels():
+    try:
+        from kvcodec.kernels import cachegen
+    except ImportError as e:  # triton is the gpu extra
+        raise InvalidInputError(f"cachegen's Triton backend needs triton (pip install 'kvcodec[gpu]'): {e}") from None
+    return cachegen
+
+
+@functools.lru_cache(maxsize=8)
+def _coding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frequencies and left cumulatives, ``[48, 512]`` int32 each, on ``device``."""
+    cum = cumulative()
+    freq = np.zeros_like(cum)
+    freq[:, :-1] = codebook()
+    return (torch.from_numpy(freq.astype(np.int32)).to(device), torch.from_numpy(cum.astype(np.int32)).to(device))
+
+
+def _offsets(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's position in elements from the first one's, so one kernel argument reaches them all."""
+    size = tensors[0].element_size()
+    gaps = [t.data_ptr() - tensors[0].data_ptr() for t in tensors]
+    if any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors) or any(g % size for g in gaps):
+        raise InvalidInputError("cachegen's Triton path needs keys and values of one dtype on one device")
+    return [g // size for g in gaps]
+
+
+def _lanes(codec: CacheGen, shapes: list[tuple[int, int, int]], sides: list[Side],
+           lengths: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The lane table ``[lanes, 6]`` and the channel order of every part (SPEC.md §10.3, group 1)."""
+    rows, order = [], []
+    chan = word = 0
+    for p, ((h, t, d), side) in enumerate(zip(shapes, sides)):
+        c = h * d
+        k = 0
+        for c0 in range(0, c, codec.lane_channels):
+            chans = np.arange(c0, min(c0 + codec.lane_channels, c))
+            order.append(chan + lane_channel_order(chans, side.table))
+            for t0 in range(0, t, codec.lane_tokens):
+                n = int(lengths[p][k]) if lengths is not None else 0
+                rows.append((p, chan + c0, len(chans), t0, min(codec.lane_tokens, t - t0), word))
+                word += n
+                k += 1
+        chan += c
+    return np.array(rows, np.int64).reshape(-1, 6), np.concatenate(order).astype(np.int64)
+
+
+def _side_arrays(sides: list[Side], shapes: list[tuple[int, int, int]],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Means and channel steps (float32, concatenated over parts), token steps, and each part's token-step offset."""
+    mu = np.concatenate([s.mu.astype(np.float32) for s in sides])
+    b = np.concatenate([STEPS[s.b_code] for s in sides])
+    a, a_base, at = [], [], 0
+    for s in sides:
+        a_base.append(at if s.a_code is not None else -1)
+        if s.a_code is not None:
+            a.append(STEPS[s.a_code])
+            at += len(s.a_code)
+    a_all = np.concatenate(a) if a else np.ones(1, np.float32)
+    put = lambda arr: torch.from_numpy(np.ascontiguousarray(arr)).to(device)  # noqa: E731
+    return put(mu), put(b), put(a_all), a_base
+
+
+class TritonEngine:
+    """The encoder's passes as Triton kernels, for the keys and values of one layer."""
+
+    def __init__(self, codec: CacheGen, xs: list[torch.Tensor]) -> None:
+        self.codec, self.xs, self.k = codec, xs, _kernels()
+        self.device = xs[0].device
+        self.shapes = [tuple(x.shape) for x in xs]
+        self.token_scaled = [False, True]
+        bases = _offsets(xs)
+        chan = a = 0
+        rows = []
+        for x, base, scaled in zip(xs, bases, self.token_scaled):
+            h, t, d = x.shape
+            rows.append((base, *x.stride(), chan, t, d, a if scaled else -1, h))
+            chan += h * d
+            a += h * t if scaled else 0
+        self.channels, self.token_entries = chan, a
+        self.parts = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.grid_heads = max(x.shape[0] for x in xs)
+        self.max_tokens = max(x.shape[1] for x in xs)
+        self.block_d = _next_pow2(max(x.shape[2] for x in xs))
+
+    def stats(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        total = torch.zeros(self.channels, dtype=torch.float64, device=self.device)
+        absolute = torch.zeros_like(total)
+        tokens = torch.zeros(max(self.token_entries, 1), dtype=torch.float64, device=self.device)
+        self.k.stats_kernel[(len(self.xs), self.grid_heads)](self.xs[0], self.parts, total, absolute, tokens,
+                                                             BLOCK_T=BLOCK_TOKENS, BLOCK_D=self.block_d)
+        total, absolute, tokens = total.cpu().numpy(), absolute.cpu().numpy(), tokens.cpu().numpy()
+        out, chan, at = [], 0, 0
+        for (h, t, d), scaled in zip(self.shapes, self.token_scaled):
+            tok = tokens[at:at + h * t].reshape(h, t) if scaled else None
+            out.append((total[chan:chan + h * d], absolute[chan:chan + h * d], tok))
+            chan += h * d
+            at += h * t if scaled else 0
+        return out
+
+    def symbol_range(self, sides: list[Side]) -> list[tuple[np.ndarray, np.ndarray, None]]:
+        mu, b, a, _ = _side_arrays(sides, self.shapes, self.device)
+        worst = torch.zeros(self.channels, dtype=torch.int32, device=self.device)
+        hist = torch.zeros(self.channels, RADIX + 1, dtype=torch.int32, device=self.device)
+        grid = (len(self.xs), self.grid_heads, -(-self.max_tokens // BLOCK_TOKENS))
+        self.k.range_kernel[grid](self.xs[0], self.parts, mu, b, a, worst, hist,
+                                  BLOCK_T=BLOCK_TOKENS, BLOCK_D=self.block_d)
+        table = tables_from_histogram(hist).cpu().numpy()
+        worst = worst.cpu().numpy().astype(np.int64)
+        out, chan = [], 0
+        for h, _, d in self.shapes:
+            out.append((worst[chan:chan + h * d], table[chan:chan + h * d], None))
+            chan += h * d
+        return out
+
+    def encode_lanes(self, sides: list[Side]) -> list[tuple[np.ndarray, bytes]]:
+        lanes, order = _lanes(self.codec, self.shapes, sides)
+        mu, b, a, _ = _side_arrays(sides, self.shapes, self.device)
+        table = torch.from_numpy(np.concatenate([s.table for s in sides]).astype(np.int32)).to(self.device)
+        freq, cum = _coding_tables(self.device)
+        max_symbols = int((lanes[:, 2] * lanes[:, 4]).max())
+        # each symbol costs at most 24 bits and each word carries 32, plus the two flushed words
+        capacity = (3 * max_symbols) // 4 + 4
+        scratch = torch.empty(len(lanes) * capacity, dtype=torch.uint32, device=self.device)
+        nwords = torch.empty(len(lanes), dtype=torch.int64, device=self.device)
+        lanes_dev = torch.from_numpy(lanes).to(self.device)
+        block = _lane_block(len(lanes))
+        self.k.encode_kernel[(-(-len(lanes) // block),)](
+            self.xs[0], self.parts, lanes_dev, torch.from_numpy(order).to(self.device), table, freq, cum, mu, b, a,
+            scratch, nwords, len(lanes), max_symbols, capacity, BLOCK_L=block, num_warps=1)
+        counts = nwords.cpu().numpy()
+        if (counts > capacity).any():
+            raise InvalidInputError("a cachegen lane overflowed its word budget")  # cannot happen: 24 bits/symbol
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        words = torch.empty(max(int(starts[-1]), 1), dtype=torch.uint32, device=self.device)
+        self.k.compact_kernel[(len(lanes),)](scratch, nwords, torch.from_numpy(starts[:-1]).to(self.device), words,
+                                            capacity, BLOCK=256)
+        data = words[:int(starts[-1])].cpu().numpy().astype("<u4").tobytes()
+        out = []
+        for p in range(len(sides)):
+            mine = np.flatnonzero(lanes[:, 0] == p)
+            lo, hi = starts[mine[0]], starts[mine[-1] + 1]
+            out.append((counts[mine], data[4 * lo:4 * hi]))
+        return out
+
+    @staticmethod
+    def decode(codec: CacheGen, parts: list[Part], sinks: list[np.ndarray], ctx, paged: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None):
+        """Decode both parts in one launch into fresh ``[H, T, D]`` tensors (returned) or into ``paged``."""
+        k = _kernels()
+        shapes = [p.shape for p in parts]
+        sides = [p.side for p in parts]
+        (h, t, dk), (_, _, dv) = shapes
+        if paged is None:
+            device = ctx.device
+            out = torch.empty(h * t * (dk + dv), dtype=ctx.dtype, device=device)
+            rows = torch.cat([torch.arange(t, device=device) * dk, torch.arange(t, device=device) * dv])
+            table_rows = [(0, t * dk, 0), (h * t * dk, t * dv, t)]
+        else:
+            device = paged.device
+            if (paged.dim() != 5 or paged.shape[0] != 2 or tuple(paged.shape[3:]) != (h, dk) or dk != dv
+                    or not paged.is_contiguous()):
+                raise InvalidInputError(f"paged tensor {tuple(paged.shape)} is not a contiguous (2, blocks, block_size, {h}, {dk}) layer")
+            slots = slots.to(device=device, dtype=torch.int64)
+            if len(slots) != t or (t and (int(slots.min()) < 0 or int(slots.max()) >= paged.shape[1] * paged.shape[2])):
+                raise InvalidInputError("slots do not fit the paged tensor")
+            out = paged
+            rows = slots * paged.stride(2)
+            table_rows = [(0, paged.stride(3), 0), (paged.stride(0), paged.stride(3), 0)]
+        lanes, order = _lanes(codec, shapes, sides, [p.lengths for p in parts])
+        mu, b, a, a_base = _side_arrays(sides, shapes, device)
+        chan, part_rows = 0, []
+        for (base, sh, row), (ph, pt, pd), ab in zip(table_rows, shapes, a_base):
+            part_rows.append((base, sh, row, chan, pt, pd, ab))
+            chan += ph * pd
+        words = np.concatenate([p.words for p in parts]).astype(np.uint32)
+        lane_words = np.concatenate([p.lengths for p in parts])
+        table = np.concatenate([s.table for s in sides]).astype(np.int32)
+        put = lambda arr: torch.from_numpy(np.ascontiguousarray(arr)).to(device)  # noqa: E731
+        status = torch.zeros(len(lanes), dtype=torch.int32, device=device)
+        _, cum = _coding_tables(device)
+        max_symbols = int((lanes[:, 2] * lanes[:, 4]).max()) if len(lanes) else 0
+        block = _lane_block(len(lanes))
+        k.decode_kernel[(-(-len(lanes) // block),)](
+            put(words if len(words) else np.zeros(1, np.uint32)), put(lanes), put(lane_words), put(np.array(part_rows, np.int64)),
+            put(order), put(table), cum, mu, b, a, rows, out, status, len(lanes), max_symbols,
+            BLOCK_L=block, num_warps=1)
+        if bool(status.any()):
+            raise CorruptDataError("a cachegen lane is not a valid ANS stream of its symbols")
+        if paged is not None:
+            if sinks[0].shape[1]:
+                from kvcodec.layouts.paged import write_paged
+
+                s = sinks[0].shape[1]
+                write_paged(paged, *(torch.from_numpy(x.astype(np.float32)).to(device) for x in sinks), slots[:s])
+            return None
+        return with_sinks(out[:h * t * dk].view(h, t, dk), sinks[0]), with_sinks(out[h * t * dk:].view(h, t, dv), sinks[1])
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,114 @@
+"""cachegen's Triton kernels against its CPU path, on slices of real SmolLM2 KV.
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), which is slow: the shapes are small, and the lanes short
+(the interpreter's time grows with the symbols per lane, not with the lanes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import kvcodec  # noqa: E402
+from kvcodec.chunking import layer_context  # noqa: E402
+from kvcodec.layouts.paged import read_paged, slot_mapping  # noqa: E402
+
+SMALL_LANES = dict(lane_channels=8, lane_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(real_kv):
+    """Two real layers (shallow and deep), 40 tokens: two chunks of 24 and 16, the first with the sink."""
+    return kvcodec.KVCache([(l.keys[:, :40], l.values[:, :40]) for l in (real_kv.layers[0], real_kv.layers[20])],
+                           model=real_kv.model)
+
+
+def _encode(kv, backend, **config):
+    return kvcodec.encode(kv, "cachegen", chunk_tokens=24, backend=backend, **{**SMALL_LANES, **config})
+
+
+@pytest.mark.parametrize("config", [dict(level=2), dict(level=0, profile="none"), dict(level=4, sink_tokens=0)])
+def test_kernel_bytes_equal_the_cpu_path(tiny, config):
+    assert _encode(tiny, "triton", **config) == _encode(tiny, "cpu", **config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kernel_decode_equals_cpu_decode(tiny, dtype):
+    kv = kvcodec.KVCache([(l.keys.to(dtype), l.values.to(dtype)) for l in tiny.layers], model=tiny.model)
+    blob = _encode(kv, "cpu")
+    cpu, gpu = kvcodec.decode(blob, backend="cpu"), kvcodec.decode(blob, backend="triton")
+    for a, b in zip(cpu.layers, gpu.layers):
+        assert a.keys.dtype == b.keys.dtype == dtype
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_streams_cross_decode(tiny):
+    """A stream made by either side decodes on the other to the same tensors."""
+    from_gpu = _encode(tiny, "triton", level=1)
+    from_cpu = _encode(tiny, "cpu", level=1)
+    a = kvcodec.decode(from_gpu, backend="cpu")
+    b = kvcodec.decode(from_cpu, backend="triton")
+    for x, y in zip(a.layers, b.layers):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
+def test_paged_restore_equals_contiguous(tiny):
+    """Decoding straight into scattered paged blocks gives what a contiguous decode gives."""
+    blob = _encode(tiny, "cpu")
+    expected = kvcodec.decode(blob, backend="cpu")
+    block_size, num_blocks = 16, 9
+    block_table = torch.tensor([7, 2, 5], dtype=torch.int32)  # not in order, not from 0
+    with kvcodec.open(blob) as r:
+        for backend in ("triton", "cpu"):
+            paged = [torch.full((2, num_blocks, block_size, 3, 64), float("nan"), dtype=torch.float16)
+                     for _ in tiny.layers]
+            for i in range(r.num_chunks):
+                frame = r._container.read_frame(i)
+                e = frame.entry
+                for layer, data in frame.sections.items():
+                    lo, hi = r.header.local_range(layer, e.token_start, e.token_count)
+                    ctx = layer_context(r.header, layer, (lo, hi), torch.device("cpu"), backend)
+                    slots = slot_mapping(block_table, lo, hi - lo, block_size)
+                    r.codecs[e.variant].decode_layer_paged(data, ctx, paged[layer], slots)
+            slots = slot_mapping(block_table, 0, 40, block_size)
+            for layer, want in zip(paged, expected.layers):
+                keys, values = read_paged(layer, slots)
+                assert torch.equal(keys, want.keys) and torch.equal(values, want.values), backend
+
+
+def test_kernel_rejects_corrupt_lanes(tiny):
+    """A flipped bit inside a lane's words is caught by the kernel's end-of-lane check (or the checksum)."""
+    codec = kvcodec.get_codec("cachegen", **SMALL_LANES)
+    k, v = tiny.layers[1]
+    header = kvcodec.chunking.make_header(kvcodec.KVCache([(k[:, :16], v[:, :16])]), [codec])
+    ctx = layer_context(header, 0, (0, 16), torch.device("cpu"), "triton")
+    data = codec.encode_layer(k[:, :16], v[:, :16], ctx)
+    parts, sinks = codec._parse(data, ctx)
+    words_end = len(data) - sum(s.nbytes for s in sinks)
+    words_start = words_end - parts[1].words.nbytes  # the values' lanes
+    rng = np.random.default_rng(1)
+    caught = 0
+    for pos in rng.integers(words_start, words_end, 6):
+        bad = bytearray(data)
+        bad[pos] ^= 1 << int(rng.integers(8))
+        try:
+            codec.decode_layer(bytes(bad), ctx)
+        except kvcodec.CorruptDataError:
+            caught += 1
+    assert caught >= 5  # a lane that still ends exactly at state 0 is a 1-in-2**32 event
+
+
+def test_backend_choice_errors(tiny):
+    with pytest.raises(kvcodec.InvalidInputError, match="backend"):
+        kvcodec.encode(tiny, "cachegen", backend="gpu")
+    with pytest.raises(kvcodec.UnsupportedError, match="triton"):
+        kvcodec.encode(tiny, "raw", backend="triton")
+    with pytest.raises(kvcodec.UnsupportedError, match="group"):
+        kvcodec.encode(tiny, "cachegen", group=4, backend="triton")
+    blob = kvcodec.encode(tiny, "raw")
+    with pytest.raises(kvcodec.UnsupportedError, match="triton"):
+        kvcodec.decode(blob, backend="triton")
