@@ -46,37 +46,42 @@ def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend:
     """Encode every chunk of ``kv`` with every codec, in file order."""
     for t0, tn, l0, lc in header.slots():
         for variant, codec in enumerate(codecs):
-            sections = []
-            for layer in range(l0, l0 + lc):
-                lo, hi = header.local_range(layer, t0, tn)
-                if hi == lo:
-                    sections.append(b"")
-                    continue
-                k, v = kv.layers[layer]
-                ctx = layer_context(header, layer, (lo, hi), kv.device, backend)
-                sections.append(codec.encode_layer(k[:, lo:hi], v[:, lo:hi], ctx))
-            yield Frame(variant, t0, tn, l0, sections)
+            ranges = {layer: header.local_range(layer, t0, tn) for layer in range(l0, l0 + lc)}
+            filled = [layer for layer, (lo, hi) in ranges.items() if hi > lo]
+            pairs = [(kv.layers[l].keys[:, ranges[l][0]:ranges[l][1]], kv.layers[l].values[:, ranges[l][0]:ranges[l][1]])
+                     for l in filled]
+            ctxs = [layer_context(header, l, ranges[l], kv.device, backend) for l in filled]
+            coded = dict(zip(filled, codec.encode_layers(pairs, ctxs) if filled else []))
+            yield Frame(variant, t0, tn, l0, [coded.get(layer, b"") for layer in range(l0, l0 + lc)])
 
 
-def decode_section(codec: Codec, header: Header, layer: int, token_start: int, token_count: int, data: bytes,
-                   device: torch.device, backend: str = "auto") -> tuple[int, torch.Tensor, torch.Tensor] | None:
-    """Decode one section; returns (first local token, keys, values), or None for an empty section."""
-    lo, hi = header.local_range(layer, token_start, token_count)
-    if hi == lo:
-        if data:
-            raise CorruptDataError(f"layer {layer} holds no tokens in chunk at {token_start}, but its section is not empty")
-        return None
-    ctx = layer_context(header, layer, (lo, hi), device, backend)
+def decode_sections(codec: Codec, header: Header, token_start: int, token_count: int, sections: dict[int, bytes],
+                    device: torch.device, backend: str = "auto") -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+    """Decode a chunk's sections (by layer) together; returns (first local token, keys, values) by layer,
+    leaving out layers that hold no tokens in the chunk."""
+    ctxs = {}
+    for layer, data in sections.items():
+        lo, hi = header.local_range(layer, token_start, token_count)
+        if hi == lo:
+            if data:
+                raise CorruptDataError(f"layer {layer} holds no tokens in chunk at {token_start}, but its section is not empty")
+            continue
+        ctxs[layer] = layer_context(header, layer, (lo, hi), device, backend)
+    if not ctxs:
+        return {}
     try:
-        keys, values = codec.decode_layer(data, ctx)
+        decoded = codec.decode_layers([sections[l] for l in ctxs], list(ctxs.values()))
     except KVCodecError:
         raise
     except Exception as e:  # a codec's own parsing failing on bad bytes is still bad bytes
-        raise CorruptDataError(f"{codec.codec_id} could not decode layer {layer} at token {token_start}: {e}") from e
-    s = ctx.shape
-    if keys.shape != (s.heads, s.tokens, s.key_dim) or values.shape != (s.heads, s.tokens, s.value_dim):
-        raise CorruptDataError(f"{codec.codec_id} decoded layer {layer} to the wrong shape")
-    return lo, keys, values
+        raise CorruptDataError(f"{codec.codec_id} could not decode the chunk at token {token_start}: {e}") from e
+    out = {}
+    for (layer, ctx), (keys, values) in zip(ctxs.items(), decoded):
+        s = ctx.shape
+        if keys.shape != (s.heads, s.tokens, s.key_dim) or values.shape != (s.heads, s.tokens, s.value_dim):
+            raise CorruptDataError(f"{codec.codec_id} decoded layer {layer} to the wrong shape")
+        out[layer] = (ctx.token_start, keys, values)
+    return out
 
 
 class Assembler:
@@ -87,8 +92,8 @@ class Assembler:
         self.token_start, self.token_end = token_start, token_end
         self.parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {l: [] for l in self.layers}
 
-    def add(self, layer: int, decoded: tuple[int, torch.Tensor, torch.Tensor] | None) -> None:
-        if decoded is not None and layer in self.parts:
+    def add(self, layer: int, decoded: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        if layer in self.parts:
             self.parts[layer].append(decoded)
 
     def build(self, device: torch.device) -> KVCache:
@@ -134,9 +139,9 @@ def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[i
         raise InvalidInputError(f"layers {bad} do not exist; the container has {len(header.layers)}")
     asm = Assembler(header, wanted, *token_range)
     for variant, t0, tn, _, sections in frames:
-        for layer, data in sections.items():
-            if layer in asm.parts:
-                asm.add(layer, decode_section(codecs[variant], header, layer, t0, tn, data, device, backend))
+        own = {layer: data for layer, data in sections.items() if layer in asm.parts}
+        for layer, decoded in decode_sections(codecs[variant], header, t0, tn, own, device, backend).items():
+            asm.add(layer, decoded)
     try:
         return asm.build(device)
     except InvalidInputError as e:

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.cache import KVCache, KVLayer
-from kvcodec.chunking import decode_all, decode_section
+from kvcodec.chunking import decode_all, decode_sections
 from kvcodec.codecs import Codec, get_codec
 from kvcodec.codecs.base import check_backend
 from kvcodec.container import ContainerReader
@@ -139,13 +139,9 @@ class Reader:
         self._check_backend(backend)
         frame = self._container.read_frame(i, layers)
         e = frame.entry
-        out = {}
-        for layer, data in frame.sections.items():
-            decoded = decode_section(self.codecs[e.variant], self.header, layer, e.token_start, e.token_count, data, dev,
-                                     backend)
-            if decoded is not None:
-                out[layer] = KVLayer(decoded[1], decoded[2])
-        return Chunk(i, e.token_start, e.token_count, out)
+        decoded = decode_sections(self.codecs[e.variant], self.header, e.token_start, e.token_count, frame.sections,
+                                  dev, backend)
+        return Chunk(i, e.token_start, e.token_count, {layer: KVLayer(k, v) for layer, (_, k, v) in decoded.items()})
 
     def verify(self, progress: ProgressFn | None = None) -> None:
         """Check every checksum and decode every chunk; raises :class:`CorruptDataError` on the first fault."""

@@ -59,6 +59,14 @@ class Codec(abc.ABC):
         cannot be a section of that shape.
         """
 
+    def encode_layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> list[bytes]:
+        """Encode several sections at once (the layers of one chunk); codecs with batched kernels override this."""
+        return [self.encode_layer(k, v, ctx) for (k, v), ctx in zip(layers, ctxs)]
+
+    def decode_layers(self, datas: list[bytes], ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Decode several sections at once; codecs with batched kernels override this."""
+        return [self.decode_layer(data, ctx) for data, ctx in zip(datas, ctxs)]
+
     def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
         """Decode a section into one layer of vLLM-style paged memory ``(2, num_blocks, block_size, H, D)``:
         token ``t`` of the section goes to flat slot ``slots[t]``.  Codecs with a fused path override this."""

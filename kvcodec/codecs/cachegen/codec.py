@@ -164,23 +164,28 @@ class CacheGen(Codec):
     # --- encode -------------------------------------------------------------------------
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
-        xs = [keys, values]
+        return self.encode_layers([(keys, values)], [ctx])[0]
+
+    def encode_layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> list[bytes]:
+        # Every layer of a chunk at once: on a GPU each pass is then one launch over all of them.
+        xs = [x for pair in layers for x in pair]
         for x in xs:
             if not bool(torch.isfinite(x).all()):
                 raise InvalidInputError("cachegen cannot encode non-finite values (NaN or inf)")
-        kw, vw = self._weights(ctx)
-        mk, mv = self._multipliers(ctx)
-        engine = self._engine(ctx, keys.device)(self, xs)
+        engine = self._engine(ctxs[0], xs[0].device)(self, xs)
+        stats = engine.stats()
         sides = []
-        for x, (total, absolute, token_absolute), is_values in zip(xs, engine.stats(), (False, True)):
-            h, t, d = x.shape
-            if is_values:
-                a_code = step_code(token_absolute * (VALUE_SCALE / d)).reshape(-1)
-                b_target = self._value_steps(vw, mv, h, d)
-            else:
-                a_code, b_target = None, self._key_steps(absolute.reshape(h, d) / t, kw, mk)
-            mu = (total / t).astype(np.float32).astype(np.float16)
-            sides.append(Side(mu, step_code(b_target), a_code))
+        for i, ctx in enumerate(ctxs):
+            (kw, vw), (mk, mv) = self._weights(ctx), self._multipliers(ctx)
+            for x, (total, absolute, token_absolute), is_values in zip(layers[i], stats[2 * i:2 * i + 2], (False, True)):
+                h, t, d = x.shape
+                if is_values:
+                    a_code = step_code(token_absolute * (VALUE_SCALE / d)).reshape(-1)
+                    b_target = self._value_steps(vw, mv, h, d)
+                else:
+                    a_code, b_target = None, self._key_steps(absolute.reshape(h, d) / t, kw, mk)
+                mu = (total / t).astype(np.float32).astype(np.float16)
+                sides.append(Side(mu, step_code(b_target), a_code))
         for _ in range(8):
             fits = True
             for side, (worst, table, anchor_table) in zip(sides, engine.symbol_range(sides)):
@@ -195,11 +200,14 @@ class CacheGen(Codec):
                 break
         else:
             raise InvalidInputError("cachegen could not fit the values into its symbol range")
-        lanes = engine.encode_lanes(sides)
-        sinks = self._sinks(ctx)
-        exact = [x[:, :sinks].detach().float().cpu().numpy().astype("<f2").tobytes() for x in xs] if sinks else []
-        return b"".join([b"".join(side.pack() + [lengths.astype("<u2").tobytes(), words])
-                         for side, (lengths, words) in zip(sides, lanes)] + exact)
+        coded = [b"".join(side.pack() + [lengths.astype("<u2").tobytes(), words])
+                 for side, (lengths, words) in zip(sides, engine.encode_lanes(sides))]
+        out = []
+        for i, ctx in enumerate(ctxs):
+            sinks = self._sinks(ctx)
+            exact = [x[:, :sinks].detach().float().cpu().numpy().astype("<f2").tobytes() for x in layers[i]] if sinks else []
+            out.append(b"".join(coded[2 * i:2 * i + 2] + exact))
+        return out
 
     def _sinks(self, ctx: LayerContext) -> int:
         """How many of this section's tokens are attention sinks, kept exactly (as float16)."""
@@ -244,19 +252,24 @@ class CacheGen(Codec):
     # --- decode -------------------------------------------------------------------------
 
     def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
-        parts, sinks = self._parse(data, ctx)
-        engine = self._engine(ctx, ctx.device)
+        return self.decode_layers([data], [ctx])[0]
+
+    def decode_layers(self, datas: list[bytes], ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        parsed = [self._parse(data, ctx) for data, ctx in zip(datas, ctxs)]
+        engine = self._engine(ctxs[0], ctxs[0].device)
         if engine is CpuEngine:
-            (keys, _), (values, _) = (self._reconstruct(p) for p in parts)
-            return with_sinks(_to_tensor(keys, ctx), sinks[0]), with_sinks(_to_tensor(values, ctx), sinks[1])
-        return engine.decode(self, parts, sinks, ctx)
+            out = []
+            for (parts, sinks), ctx in zip(parsed, ctxs):
+                (keys, _), (values, _) = (self._reconstruct(p) for p in parts)
+                out.append((with_sinks(_to_tensor(keys, ctx), sinks[0]), with_sinks(_to_tensor(values, ctx), sinks[1])))
+            return out
+        return engine.decode_contiguous(self, parsed, ctxs)
 
     def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
         engine = self._engine(ctx, paged.device)
         if engine is CpuEngine:
             return super().decode_layer_paged(data, ctx, paged, slots)
-        parts, sinks = self._parse(data, ctx)
-        engine.decode(self, parts, sinks, ctx, paged=paged, slots=slots)
+        engine.decode_paged(self, self._parse(data, ctx), paged, slots)
 
     def error_bounds(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
         """The largest error each decoded key and value element can have (half its step), ``[H, T, D]``,

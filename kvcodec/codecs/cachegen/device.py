@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, lane_channel_order, tables_from_histogram, with_sinks
 from kvcodec.codecs.cachegen.tables import RADIX, STEPS, codebook, cumulative
 from kvcodec.errors import CorruptDataError, InvalidInputError
@@ -98,7 +100,7 @@ class TritonEngine:
         self.codec, self.xs, self.k = codec, xs, _kernels()
         self.device = xs[0].device
         self.shapes = [tuple(x.shape) for x in xs]
-        self.token_scaled = [False, True]
+        self.token_scaled = [i % 2 == 1 for i in range(len(xs))]  # (keys, values) pairs
         bases = _offsets(xs)
         chan = a = 0
         rows = []
@@ -174,57 +176,93 @@ class TritonEngine:
         return out
 
     @staticmethod
-    def decode(codec: CacheGen, parts: list[Part], sinks: list[np.ndarray], ctx, paged: torch.Tensor | None = None,
-               slots: torch.Tensor | None = None):
-        """Decode both parts in one launch into fresh ``[H, T, D]`` tensors (returned) or into ``paged``."""
-        k = _kernels()
-        shapes = [p.shape for p in parts]
-        sides = [p.side for p in parts]
-        (h, t, dk), (_, _, dv) = shapes
-        if paged is None:
-            device = ctx.device
-            out = torch.empty(h * t * (dk + dv), dtype=ctx.dtype, device=device)
-            rows = torch.cat([torch.arange(t, device=device) * dk, torch.arange(t, device=device) * dv])
-            table_rows = [(0, t * dk, 0), (h * t * dk, t * dv, t)]
-        else:
-            device = paged.device
-            if (paged.dim() != 5 or paged.shape[0] != 2 or tuple(paged.shape[3:]) != (h, dk) or dk != dv
-                    or not paged.is_contiguous()):
-                raise InvalidInputError(f"paged tensor {tuple(paged.shape)} is not a contiguous (2, blocks, block_size, {h}, {dk}) layer")
-            slots = slots.to(device=device, dtype=torch.int64)
-            if len(slots) != t or (t and (int(slots.min()) < 0 or int(slots.max()) >= paged.shape[1] * paged.shape[2])):
-                raise InvalidInputError("slots do not fit the paged tensor")
-            out = paged
-            rows = slots * paged.stride(2)
-            table_rows = [(0, paged.stride(3), 0), (paged.stride(0), paged.stride(3), 0)]
-        lanes, order = _lanes(codec, shapes, sides, [p.lengths for p in parts])
-        mu, b, a, a_base = _side_arrays(sides, shapes, device)
-        chan, part_rows = 0, []
-        for (base, sh, row), (ph, pt, pd), ab in zip(table_rows, shapes, a_base):
-            part_rows.append((base, sh, row, chan, pt, pd, ab))
-            chan += ph * pd
-        words = np.concatenate([p.words for p in parts]).astype(np.uint32)
-        lane_words = np.concatenate([p.lengths for p in parts])
-        table = np.concatenate([s.table for s in sides]).astype(np.int32)
-        put = lambda arr: torch.from_numpy(np.ascontiguousarray(arr)).to(device)  # noqa: E731
-        status = torch.zeros(len(lanes), dtype=torch.int32, device=device)
-        _, cum = _coding_tables(device)
-        max_symbols = int((lanes[:, 2] * lanes[:, 4]).max()) if len(lanes) else 0
-        block = _lane_block(len(lanes))
-        k.decode_kernel[(-(-len(lanes) // block),)](
-            put(words if len(words) else np.zeros(1, np.uint32)), put(lanes), put(lane_words), put(np.array(part_rows, np.int64)),
-            put(order), put(table), cum, mu, b, a, rows, out, status, len(lanes), max_symbols,
-            BLOCK_L=block, num_warps=1)
-        if bool(status.any()):
-            raise CorruptDataError("a cachegen lane is not a valid ANS stream of its symbols")
-        if paged is not None:
-            if sinks[0].shape[1]:
-                from kvcodec.layouts.paged import write_paged
+    def decode_contiguous(codec: CacheGen, parsed: list[tuple[list[Part], list[np.ndarray]]],
+                          ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Decode sections into fresh ``[H, T, D]`` tensors (one allocation), every lane in one launch."""
+        device, dtype = ctxs[0].device, ctxs[0].dtype
+        parts = [p for layer_parts, _ in parsed for p in layer_parts]
+        out = torch.empty(sum(h * t * d for h, t, d in (p.shape for p in parts)), dtype=dtype, device=device)
+        views, targets, at = [], [], 0
+        for p in parts:
+            h, t, d = p.shape
+            views.append(out[at:at + h * t * d].view(h, t, d))
+            targets.append(Target(out, at, t * d, torch.arange(t, device=device) * d))
+            at += h * t * d
+        _decode(codec, parts, targets)
+        sinks = [s for _, layer_sinks in parsed for s in layer_sinks]
+        decoded = [with_sinks(v, s) for v, s in zip(views, sinks)]
+        return list(zip(decoded[0::2], decoded[1::2]))
 
-                s = sinks[0].shape[1]
-                write_paged(paged, *(torch.from_numpy(x.astype(np.float32)).to(device) for x in sinks), slots[:s])
-            return None
-        return with_sinks(out[:h * t * dk].view(h, t, dk), sinks[0]), with_sinks(out[h * t * dk:].view(h, t, dv), sinks[1])
+    @staticmethod
+    def decode_paged(codec: CacheGen, parsed: tuple[list[Part], list[np.ndarray]], paged: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """Decode a section into one layer of paged memory ``(2, blocks, block_size, H, D)`` at ``slots``."""
+        parts, sinks = parsed
+        (h, t, dk), (_, _, dv) = (p.shape for p in parts)
+        if (paged.dim() != 5 or paged.shape[0] != 2 or tuple(paged.shape[3:]) != (h, dk) or dk != dv
+                or not paged.is_contiguous()):
+            raise InvalidInputError(f"paged tensor {tuple(paged.shape)} is not a contiguous (2, blocks, block_size, {h}, {dk}) layer")
+        slots = slots.to(device=paged.device, dtype=torch.int64)
+        if len(slots) != t or (t and (int(slots.min()) < 0 or int(slots.max()) >= paged.shape[1] * paged.shape[2])):
+            raise InvalidInputError("slots do not fit the paged tensor")
+        rows = slots * paged.stride(2)
+        _decode(codec, parts, [Target(paged, kv * paged.stride(0), paged.stride(3), rows) for kv in (0, 1)])
+        if sinks[0].shape[1]:
+            from kvcodec.layouts.paged import write_paged
+
+            n = sinks[0].shape[1]
+            write_paged(paged, *(torch.from_numpy(x.astype(np.float32)).to(paged.device) for x in sinks), slots[:n])
+
+
+@dataclass
+class Target:
+    """Where a part's element ``[h, t, d]`` goes: ``tensor``'s element ``offset + h * head_stride + d + rows[t]``."""
+
+    tensor: torch.Tensor
+    offset: int
+    head_stride: int
+    rows: torch.Tensor  # int64 [T]
+
+
+def _decode(codec: CacheGen, parts: list[Part], targets: list[Target]) -> None:
+    DecodeLaunch(codec, parts, targets).run()
+
+
+class DecodeLaunch:
+    """One decode launch with everything it reads staged on the device: :meth:`run` decodes ``parts`` into
+    ``targets`` and raises :class:`CorruptDataError` for a lane that is not a valid stream.  Staging and
+    running are apart so a caller can time the kernel alone, or stage while the previous chunk decodes."""
+
+    def __init__(self, codec: CacheGen, parts: list[Part], targets: list[Target]) -> None:
+        device = targets[0].tensor.device
+        shapes, sides = [p.shape for p in parts], [p.side for p in parts]
+        lanes, order = _lanes(codec, shapes, sides, [p.lengths for p in parts])
+        self.num_lanes = len(lanes)
+        if not self.num_lanes:
+            return
+        mu, b, a, a_base = _side_arrays(sides, shapes, device)
+        bases = _offsets([t.tensor for t in targets])
+        part_rows, chan, row = [], 0, 0
+        for target, base, (h, t, d), ab in zip(targets, bases, shapes, a_base):
+            part_rows.append((base + target.offset, target.head_stride, row, chan, t, d, ab))
+            chan += h * d
+            row += t
+        words = np.concatenate([p.words for p in parts] + [np.zeros(1, "<u4")]).astype(np.uint32)  # never empty
+        put = lambda arr: torch.from_numpy(np.ascontiguousarray(arr)).to(device)  # noqa: E731
+        self.status = torch.zeros(self.num_lanes, dtype=torch.int32, device=device)
+        self.block = _lane_block(self.num_lanes)
+        self.args = (put(words), put(lanes), put(np.concatenate([p.lengths for p in parts])),
+                     put(np.array(part_rows, np.int64)), put(order),
+                     put(np.concatenate([s.table for s in sides]).astype(np.int32)), _coding_tables(device)[1],
+                     mu, b, a, torch.cat([t.rows.to(device=device, dtype=torch.int64) for t in targets]),
+                     targets[0].tensor, self.status, self.num_lanes, int((lanes[:, 2] * lanes[:, 4]).max()))
+
+    def run(self) -> None:
+        if not self.num_lanes:
+            return
+        _kernels().decode_kernel[(-(-self.num_lanes // self.block),)](*self.args, BLOCK_L=self.block, num_warps=1)
+        if bool(self.status.any()):
+            raise CorruptDataError("a cachegen lane is not a valid ANS stream of its symbols")
 
 
 def _next_pow2(n: int) -> int:

@@ -1,0 +1,301 @@
+"""cachegen's Triton kernels on a CUDA GPU: correctness first, then encode/decode throughput.
+
+    python bench/gpu_cachegen.py [--tokens 256,1024,2048,4096,8192] [--repeat 20]
+    python bench/gpu_cachegen.py --device cpu      # a smoke run in Triton's interpreter, tiny shapes
+
+1. Correctness on the device, on real SmolLM2 KV: the bytes the kernels make equal the CPU path's,
+   decoding on the device equals the CPU decode, and decoding into paged blocks equals the contiguous
+   decode.  Any mismatch is reported and the script exits 1.
+2. Throughput on Llama-3-8B-shaped chunks (32 layers, 8 KV heads, head_dim 128) built by tiling real
+   SmolLM2 KV, as GB/s of float16 KV (median of --repeat runs after warm-up, CUDA events), side by side:
+   cachegen encode (the whole ``encode_layers`` call, host work and copies included) and decode (from
+   host bytes, and the kernel alone with its inputs staged), a plain torch quantize/dequantize with no
+   entropy coding, a device-to-device copy (the memory-bandwidth ceiling), and nvCOMP's ANS on the same
+   symbols when ``nvidia-nvcomp-cu13`` is installed.  Peak device memory beyond input and output is
+   reported for the decode.
+
+Writes bench/results/gpu_cachegen.md (or gpu_cachegen-smoke.md for --device cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = dict(layers=32, heads=8, dim=128)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="256,1024,2048,4096,8192", help="chunk sizes to time (tokens)")
+    ap.add_argument("--repeat", type=int, default=20, help="timed runs per measurement (median reported)")
+    ap.add_argument("--level", type=int, default=2, help="cachegen level")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: smoke-test this script in Triton's interpreter on tiny shapes")
+    return ap.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything defines the kernels
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import kvcodec  # noqa: E402
+from kvcodec.chunking import layer_context, make_header  # noqa: E402
+from kvcodec.codecs.cachegen.device import DecodeLaunch, Target  # noqa: E402
+from kvcodec.layouts.paged import read_paged, slot_mapping  # noqa: E402
+
+
+def real_kv() -> kvcodec.KVCache:
+    """The test suite's real SmolLM2 dump (GPL-3 text), made with ``kvcodec dump`` if missing."""
+    cache = ROOT / ".cache" / "test-kv"
+    dumps = sorted(cache.glob("license-GPL-3-512-float16-*.safetensors")) if cache.exists() else []
+    if not dumps:
+        from kvcodec.cli import main as cli
+
+        cache.mkdir(parents=True, exist_ok=True)
+        path = cache / "license-GPL-3-512-float16-bench.safetensors"
+        if cli(["dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "512", "-o", str(path), "--quiet"]):
+            raise SystemExit("could not dump real KV")
+        dumps = [path]
+    return kvcodec.KVCache.load_safetensors(dumps[-1])
+
+
+def llama_chunk(kv: kvcodec.KVCache, tokens: int, layers: int, heads: int, dim: int,
+                device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A Llama-shaped chunk tiled from real KV: head pairs side by side for head_dim, heads and tokens repeated."""
+    out = []
+    for i in range(layers):
+        src = kv.layers[i % kv.num_layers]
+        pair = []
+        for x in (src.keys, src.values):
+            wide = torch.cat([x, x.roll(1, 0)], 2)[..., :dim] if dim > x.shape[2] else x[..., :dim]
+            wide = wide.repeat(-(-heads // wide.shape[0]), -(-tokens // wide.shape[1]), 1)[:heads, :tokens]
+            pair.append(wide.contiguous().to(device))
+        out.append(tuple(pair))
+    return out
+
+
+def contexts(pairs: list[tuple[torch.Tensor, torch.Tensor]], backend: str, device: torch.device, model: str | None):
+    kv = kvcodec.KVCache([(k.cpu(), v.cpu()) for k, v in pairs[:1]] * len(pairs), model=model)
+    header = make_header(kv, [kvcodec.get_codec("cachegen")])
+    t = pairs[0][0].shape[1]
+    return [layer_context(header, i, (0, t), device, backend) for i in range(len(pairs))]
+
+
+class Timer:
+    """Median seconds of ``fn`` after warm-up: CUDA events on a GPU, the wall clock otherwise."""
+
+    def __init__(self, device: torch.device, repeat: int) -> None:
+        self.cuda, self.repeat = device.type == "cuda", repeat
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        for _ in range(2 if self.cuda else 0):
+            fn()
+        times = []
+        for _ in range(self.repeat):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def check_correctness(kv: kvcodec.KVCache, device: torch.device, say: Callable[[str], None]) -> list[str]:
+    """Bytes, decoded tensors and paged restore against the CPU path on real KV; returns the failures."""
+    failures = []
+    tokens = 64 if device.type == "cpu" else 512
+    layers = 2 if device.type == "cpu" else kv.num_layers
+    small = kvcodec.KVCache([(l.keys[:, :tokens], l.values[:, :tokens]) for l in kv.layers[:layers]], model=kv.model)
+    on_device = kvcodec.KVCache([(l.keys.to(device), l.values.to(device)) for l in small.layers], model=kv.model)
+    lanes = dict(lane_channels=8, lane_tokens=16) if device.type == "cpu" else {}
+    for level in ([2] if device.type == "cpu" else [0, 2, 4]):
+        codec = kvcodec.get_codec("cachegen", level=level, **lanes)
+        cpu_bytes = kvcodec.encode(small, codec, backend="cpu")
+        dev_bytes = kvcodec.encode(on_device, codec, backend="triton")
+        ok = cpu_bytes == dev_bytes
+        say(f"- level {level}: {len(cpu_bytes)} bytes; device encode {'==' if ok else '!='} CPU encode")
+        if not ok:
+            failures.append(f"level {level}: device bytes differ from the CPU path's")
+        a = kvcodec.decode(cpu_bytes, backend="cpu")
+        b = kvcodec.decode(cpu_bytes, device=device, backend="triton")
+        same = all(torch.equal(x.keys, y.keys.cpu()) and torch.equal(x.values, y.values.cpu()) for x, y in zip(a.layers, b.layers))
+        say(f"- level {level}: device decode {'==' if same else '!='} CPU decode ({small.num_elements} elements)")
+        if not same:
+            failures.append(f"level {level}: device decode differs from the CPU decode")
+    # paged: every section of the container restored through a shuffled block table
+    block_size = 16
+    n_blocks = -(-tokens // block_size)
+    table = torch.randperm(n_blocks + 3)[:n_blocks].to(torch.int32)
+    blob = kvcodec.encode(small, kvcodec.get_codec("cachegen", **lanes), chunk_tokens=tokens // 2)
+    expected = kvcodec.decode(blob, backend="cpu")
+    with kvcodec.open(blob) as r:
+        paged = [torch.zeros(2, n_blocks + 3, block_size, *small.layers[0].keys.shape[::2], dtype=torch.float16,
+                             device=device) for _ in small.layers]
+        for i in range(r.num_chunks):
+            frame = r._container.read_frame(i)
+            e = frame.entry
+            for layer, data in frame.sections.items():
+                lo, hi = r.header.local_range(layer, e.token_start, e.token_count)
+                ctx = layer_context(r.header, layer, (lo, hi), device, "triton")
+                r.codecs[e.variant].decode_layer_paged(data, ctx, paged[layer], slot_mapping(table, lo, hi - lo, block_size))
+    slots = slot_mapping(table.to(device), 0, tokens, block_size)
+    same = all(torch.equal(read_paged(p, slots)[0].cpu(), l.keys) and torch.equal(read_paged(p, slots)[1].cpu(), l.values)
+               for p, l in zip(paged, expected.layers))
+    say(f"- paged restore through a shuffled block table {'==' if same else '!='} contiguous decode")
+    if not same:
+        failures.append("paged restore differs from the contiguous decode")
+    return failures
+
+
+def torch_quant_baseline(pairs, timer: Timer) -> tuple[float, float]:
+    """Per-channel uniform 8-bit quantize and dequantize in plain torch (no entropy coding)."""
+    xs = [x for p in pairs for x in p]
+    stats = [(x.float().mean(1, keepdim=True), x.float().std(1, keepdim=True).clamp_min(1e-6) / 16) for x in xs]
+
+    def quant():
+        return [((x.float() - m) / s).round_().clamp_(-127, 127).to(torch.int8) for x, (m, s) in zip(xs, stats)]
+
+    codes = quant()
+    outs = [torch.empty_like(x) for x in xs]
+
+    def dequant():
+        for o, q, (m, s) in zip(outs, codes, stats):
+            torch.add(m, q.float() * s, out=o)  # written in float16
+
+    return timer(quant), timer(dequant)
+
+
+def nvcomp_baseline(symbols: torch.Tensor, timer: Timer) -> tuple[float, float] | str:
+    """nvCOMP's ANS encode and decode of the same symbols (as bytes), or why it could not run."""
+    try:
+        from nvidia import nvcomp
+    except ImportError as e:
+        return f"not installed ({e})"
+    try:
+        codec = nvcomp.Codec(algorithm="ANS")
+        raw = nvcomp.as_array(symbols.view(torch.uint8).contiguous())
+        comp = codec.encode(raw)
+        back = torch.from_dlpack(codec.decode(comp).to_dlpack()) if hasattr(codec.decode(comp), "to_dlpack") else None
+        if back is not None and not torch.equal(back.view(torch.int16).reshape(-1), symbols.reshape(-1)):
+            return "round trip mismatch"
+        return timer(lambda: codec.encode(raw)), timer(lambda: codec.decode(comp))
+    except Exception as e:  # noqa: BLE001 - a baseline failing must not stop the report
+        return f"failed: {type(e).__name__}: {e}"
+
+
+def main() -> int:
+    device = torch.device(ARGS.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (use --device cpu for a smoke run in the interpreter)", file=sys.stderr)
+        return 2
+    lines: list[str] = []
+
+    def say(s: str = "") -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter: correctness only)"
+    say("# cachegen on the GPU (Triton kernels)")
+    say("")
+    say(f"Device: {name}; torch {torch.__version__}; `python bench/gpu_cachegen.py {' '.join(sys.argv[1:])}`.")
+    say("")
+    kv = real_kv()
+    say("## Correctness on real SmolLM2 KV (the device against the CPU path)")
+    say("")
+    failures = check_correctness(kv, device, say)
+    say("")
+    timer = Timer(device, ARGS.repeat if device.type == "cuda" else 1)
+    shape = LLAMA if device.type == "cuda" else dict(layers=2, heads=2, dim=64)
+    token_list = [int(t) for t in ARGS.tokens.split(",")] if device.type == "cuda" else [32]
+    lanes = {} if device.type == "cuda" else dict(lane_channels=8, lane_tokens=8)
+    codec = kvcodec.get_codec("cachegen", level=ARGS.level, **lanes)
+    say(f"## Throughput: {shape['layers']} layers x {shape['heads']} KV heads x head_dim {shape['dim']}, "
+        f"`cachegen:level={ARGS.level}`, GB/s of float16 KV (median of {timer.repeat})")
+    say("")
+    say("| tokens | fp16 MB | bits/elem | encode | decode (from host bytes) | decode kernel | peak extra MB | "
+        "torch quant | torch dequant | D2D copy | nvCOMP ANS enc | nvCOMP ANS dec |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for tokens in token_list:
+        try:
+            pairs = llama_chunk(kv, tokens, device=device, **shape)
+            size = sum(x.numel() * 2 for p in pairs for x in p)
+            gbs = lambda s: f"{size / s / 1e9:.1f}"  # noqa: E731
+            ctxs = contexts(pairs, "triton", device, None)  # a made-up shape: no model profile fits it
+            sections = codec.encode_layers(pairs, ctxs)
+            bits = 8 * sum(len(s) for s in sections) / (size / 2)
+            if tokens == token_list[0]:  # the big shape's bytes against the CPU path too
+                cpu_pairs = [(k.cpu(), v.cpu()) for k, v in pairs[:2]]
+                cpu_ctxs = contexts(cpu_pairs, "cpu", torch.device("cpu"), None)
+                if codec.encode_layers(cpu_pairs, cpu_ctxs) != sections[:2]:
+                    failures.append(f"{tokens} tokens, Llama shape: device bytes differ from the CPU path's")
+            t_enc = timer(lambda: codec.encode_layers(pairs, ctxs))
+            t_dec = timer(lambda: codec.decode_layers(sections, ctxs))
+            parsed = [codec._parse(s, c) for s, c in zip(sections, ctxs)]
+            parts = [p for layer_parts, _ in parsed for p in layer_parts]
+            out = torch.empty(size // 2, dtype=torch.float16, device=device)
+            h, t, d = parts[0].shape
+            rows = torch.arange(t, device=device) * d
+            targets = [Target(out, i * h * t * d, t * d, rows) for i in range(len(parts))]
+            launch = DecodeLaunch(codec, parts, targets)
+            t_kernel = timer(launch.run)
+            decoded = [x for pair in codec.decode_layers(sections, ctxs) for x in pair]
+            staged = out.view(len(parts), h, t, d)
+            sink = codec.sink_tokens  # decode_layers also writes the exact sink tokens; the kernel alone does not
+            if not all(torch.equal(x[:, sink:], y[:, sink:]) for x, y in zip(decoded, staged)):
+                failures.append(f"{tokens} tokens: staged kernel output differs from decode_layers")
+            peak = "-"
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                codec.decode_layers(sections, ctxs)
+                torch.cuda.synchronize()
+                compressed = sum(len(s) for s in sections)
+                peak = f"{(torch.cuda.max_memory_allocated() - base - size - compressed) / 1e6:.2f}"
+            t_q, t_dq = torch_quant_baseline(pairs, timer)
+            flat = torch.cat([x.reshape(-1) for p in pairs for x in p])
+            dst = torch.empty_like(flat)
+            t_copy = timer(lambda: dst.copy_(flat))
+            symbols = torch.cat([((x.float() - x.float().mean(1, keepdim=True)) / 0.05).round().clamp(-255, 255)
+                                 .to(torch.int16).reshape(-1) for p in pairs for x in p])
+            nv = nvcomp_baseline(symbols, timer) if device.type == "cuda" else "cuda only"
+            nv_cells = [gbs(nv[0]), gbs(nv[1])] if isinstance(nv, tuple) else [nv, nv]
+            say(f"| {tokens} | {size / 1e6:.1f} | {bits:.3f} | {gbs(t_enc)} | {gbs(t_dec)} | {gbs(t_kernel)} | {peak} | "
+                f"{gbs(t_q)} | {gbs(t_dq)} | {gbs(t_copy)} | {nv_cells[0]} | {nv_cells[1]} |")
+            del pairs, out, flat, dst, symbols
+        except Exception:  # noqa: BLE001 - report and go on to the next size
+            failures.append(f"{tokens} tokens: {traceback.format_exc(limit=3)}")
+            say(f"| {tokens} | failed, see below | | | | | | | | | | |")
+    say("")
+    say("Peak extra MB: device memory allocated during a decode beyond the float16 output and the compressed "
+        "bytes (staged side information, lane tables, status).")
+    if failures:
+        say("")
+        say("## FAILURES")
+        for f in failures:
+            say(f"- {f}")
+    out_file = ROOT / "bench" / "results" / ("gpu_cachegen.md" if device.type == "cuda" else "gpu_cachegen-smoke.md")
+    out_file.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out_file}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
