@@ -79,10 +79,10 @@ def _quantize(x, mu, step):
 
 
 @triton.jit
-def _token_scale(a_ptr, a_base, h, t, tokens):
-    """The values' per-token step factor, or 1 for a part without token scales (``a_base < 0``)."""
+def _token_scale(a_ptr, a_base, h, t, tokens, mask):
+    """The values' per-token step factor where ``mask``, or 1 (idle elements, parts without token scales)."""
     # both sides vectors: the interpreter mishandles a scalar condition broadcast into a mask
-    scaled = (t < tokens) & (a_base + tl.zeros_like(t) >= 0)
+    scaled = mask & (a_base + tl.zeros_like(t) >= 0)
     a = tl.load(a_ptr + tl.maximum(a_base, 0) + h * tokens + t, mask=scaled, other=1.0)
     return tl.where(scaled, a, 1.0)
 
@@ -144,7 +144,7 @@ def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, maxq_ptr, hist_ptr,
     mask = (t[:, None] < tokens) & (d[None, :] < dim)
     c = chan + h * dim + d
     x = tl.load(x_ptr + base + h * sh + t[:, None] * st + d[None, :] * sd, mask=mask, other=0.0)
-    a = _token_scale(a_ptr, a_base, h, t, tokens)
+    a = _token_scale(a_ptr, a_base, h, t, tokens, t < tokens)
     step = a[:, None] * tl.load(b_ptr + c, mask=d < dim, other=1.0)[None, :]
     q = tl.abs(_quantize(x, tl.load(mu_ptr + c, mask=d < dim, other=0.0)[None, :], step))
     q = tl.where(mask, q, 0)
@@ -182,7 +182,7 @@ def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, c
         h = c // dim
         t = t0 + (i - j * width)
         x = tl.load(x_ptr + base + h * sh + t * st + (c - h * dim) * sd, mask=active, other=0.0)
-        step = _token_scale(a_ptr, a_base, h, t, tokens) * tl.load(b_ptr + g, mask=active, other=1.0)
+        step = _token_scale(a_ptr, a_base, h, t, tokens, active) * tl.load(b_ptr + g, mask=active, other=1.0)
         sym = _quantize(x, tl.load(mu_ptr + g, mask=active, other=0.0), step) + RADIX
         entry = tl.load(table_ptr + g, mask=active, other=0).to(tl.int64) * TABLE_STRIDE + sym
         f = tl.load(freq_ptr + entry, mask=active, other=1).to(tl.uint64)
@@ -260,8 +260,9 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
         c = g - chan
         h = c // dim
         t = t0 + (i - j * width)
-        step = (_token_scale(a_ptr, a_base, h, t, tokens) * tl.load(b_ptr + g, mask=active, other=1.0)).to(tl.float64)
+        step = (_token_scale(a_ptr, a_base, h, t, tokens, active) * tl.load(b_ptr + g, mask=active, other=1.0)).to(tl.float64)
         x = tl.load(mu_ptr + g, mask=active, other=0.0).to(tl.float64) + (s - RADIX).to(tl.float64) * step
+        x = tl.where(active, x, 0.0)  # idle lanes compute garbage; keep it finite
         dst = out_base + h * sh + (c - h * dim) + tl.load(rows_ptr + rows + t, mask=active, other=0)
         tl.store(out_ptr + dst, _to_output(x.to(tl.float32), out_ptr.dtype.element_ty), mask=active)
     tl.store(status_ptr + lane, (bad | (state != 0) | (pos != start)).to(tl.int32), mask=live)

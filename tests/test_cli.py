@@ -88,6 +88,11 @@ def test_errors_map_to_documented_exit_codes(capsys, real_dump, tmp_path):
     assert code == EXIT_IO and "missing.kvc" in err
     code, _, err = run(capsys, "encode", dump, "-o", str(tmp_path / "a.kvc"), "--codec", "kivi:bits=3")
     assert code == 5 and "bits" in err
+    code, _, err = run(capsys, "encode", dump, "-o", str(tmp_path / "a.kvc"), "--codec", "raw", "--backend", "triton")
+    assert code == EXIT_UNSUPPORTED and "triton" in err
+    if not __import__("torch").cuda.is_available():
+        code, _, err = run(capsys, "encode", dump, "-o", str(tmp_path / "a.kvc"), "--device", "cuda")
+        assert code == 5 and "CUDA" in err
     assert not (tmp_path / "a.kvc").exists()
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind by the failed encodes
 
