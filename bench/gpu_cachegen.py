@@ -37,6 +37,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192", help="chunk sizes to time (tokens)")
     ap.add_argument("--repeat", type=int, default=20, help="timed runs per measurement (median reported)")
     ap.add_argument("--level", type=int, default=2, help="cachegen level")
+    ap.add_argument("--lanes", default="64x256,16x256,64x64",
+                    help="lane geometries CHANNELSxTOKENS to time (more, smaller lanes: more GPU parallelism, "
+                         "about 35 bits of flush each); the first is the codec's default")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: smoke-test this script in Triton's interpreter on tiny shapes")
     return ap.parse_args()
@@ -99,10 +102,14 @@ class Timer:
         self.cuda, self.repeat = device.type == "cuda", repeat
 
     def __call__(self, fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
         for _ in range(2 if self.cuda else 0):
             fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        warm = (time.perf_counter() - t0) / 2
         times = []
-        for _ in range(self.repeat):
+        for _ in range(max(3, min(self.repeat, int(5 / max(warm, 1e-9))))):  # about 5 s per measurement at most
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -182,22 +189,40 @@ def torch_quant_baseline(pairs, timer: Timer) -> tuple[float, float]:
     return timer(quant), timer(dequant)
 
 
-def nvcomp_baseline(symbols: torch.Tensor, timer: Timer) -> tuple[float, float] | str:
-    """nvCOMP's ANS encode and decode of the same symbols (as bytes), or why it could not run."""
+def nvcomp_baseline(symbols: torch.Tensor, timer: Timer) -> tuple[float, float, float] | str:
+    """nvCOMP's ANS encode and decode of the same symbols (one byte each), with its bits per symbol,
+    or why it could not run."""
     try:
         from nvidia import nvcomp
     except ImportError as e:
         return f"not installed ({e})"
     try:
         codec = nvcomp.Codec(algorithm="ANS")
-        raw = nvcomp.as_array(symbols.view(torch.uint8).contiguous())
+        raw = nvcomp.as_array(symbols)
         comp = codec.encode(raw)
-        back = torch.from_dlpack(codec.decode(comp).to_dlpack()) if hasattr(codec.decode(comp), "to_dlpack") else None
-        if back is not None and not torch.equal(back.view(torch.int16).reshape(-1), symbols.reshape(-1)):
+        back = torch.as_tensor(codec.decode(comp), device=symbols.device).reshape(-1).view(torch.uint8)
+        if not torch.equal(back, symbols):
             return "round trip mismatch"
-        return timer(lambda: codec.encode(raw)), timer(lambda: codec.decode(comp))
+        bits = 8 * comp.buffer_size / symbols.numel()
+        return timer(lambda: codec.encode(raw)), timer(lambda: codec.decode(comp)), bits
     except Exception as e:  # noqa: BLE001 - a baseline failing must not stop the report
         return f"failed: {type(e).__name__}: {e}"
+
+
+def _symbols(codec, section: bytes, ctx) -> torch.Tensor:  # noqa: ANN001
+    """A section's symbols (decoded on the CPU from its lanes) as bytes ``q + 128``, clamped."""
+    from kvcodec.codecs.cachegen.lanes import decode_lane
+
+    parts, _ = codec._parse(section, ctx)
+    out = []
+    for part in parts:
+        h, t, d = part.shape
+        starts = np.concatenate([[0], np.cumsum(part.lengths)])
+        for k, runs in enumerate(codec.plan(h * d, t, part.side.table, None)):
+            words = part.words[starts[k]:starts[k + 1]].astype(np.uint32)
+            out += decode_lane(words, [(r.size, r.table) for r in runs])
+    q = np.clip(np.concatenate(out), -127, 127) + 128
+    return torch.from_numpy(q.astype(np.uint8)).to(ctx.device)
 
 
 def main() -> int:
@@ -224,15 +249,17 @@ def main() -> int:
     timer = Timer(device, ARGS.repeat if device.type == "cuda" else 1)
     shape = LLAMA if device.type == "cuda" else dict(layers=2, heads=2, dim=64)
     token_list = [int(t) for t in ARGS.tokens.split(",")] if device.type == "cuda" else [32]
-    lanes = {} if device.type == "cuda" else dict(lane_channels=8, lane_tokens=8)
-    codec = kvcodec.get_codec("cachegen", level=ARGS.level, **lanes)
+    geometries = [tuple(int(n) for n in g.split("x")) for g in ARGS.lanes.split(",")] if device.type == "cuda" else [(8, 8)]
     say(f"## Throughput: {shape['layers']} layers x {shape['heads']} KV heads x head_dim {shape['dim']}, "
-        f"`cachegen:level={ARGS.level}`, GB/s of float16 KV (median of {timer.repeat})")
+        f"`cachegen:level={ARGS.level}`, GB/s of float16 KV (median of up to {timer.repeat} runs, at least 3, about 5 s "
+        "per measurement)")
     say("")
-    say("| tokens | fp16 MB | bits/elem | encode | decode (from host bytes) | decode kernel | peak extra MB | "
-        "torch quant | torch dequant | D2D copy | nvCOMP ANS enc | nvCOMP ANS dec |")
-    say("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for tokens in token_list:
+    say("| tokens | lanes | fp16 MB | bits/elem | encode | decode (from host bytes) | decode kernel | peak extra MB | "
+        "torch quant | torch dequant | D2D copy | nvCOMP ANS enc | nvCOMP ANS dec | nvCOMP bits/symbol |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for tokens, (lane_channels, lane_tokens) in ((t, g) for t in token_list for g in geometries):
+        codec = kvcodec.get_codec("cachegen", level=ARGS.level, lane_channels=lane_channels, lane_tokens=lane_tokens)
+        baselines = (lane_channels, lane_tokens) == geometries[0]  # once per size
         try:
             pairs = llama_chunk(kv, tokens, device=device, **shape)
             size = sum(x.numel() * 2 for p in pairs for x in p)
@@ -240,7 +267,7 @@ def main() -> int:
             ctxs = contexts(pairs, "triton", device, None)  # a made-up shape: no model profile fits it
             sections = codec.encode_layers(pairs, ctxs)
             bits = 8 * sum(len(s) for s in sections) / (size / 2)
-            if tokens == token_list[0]:  # the big shape's bytes against the CPU path too
+            if tokens == token_list[0]:  # the big shape's bytes against the CPU path too, for every geometry
                 cpu_pairs = [(k.cpu(), v.cpu()) for k, v in pairs[:2]]
                 cpu_ctxs = contexts(cpu_pairs, "cpu", torch.device("cpu"), None)
                 if codec.encode_layers(cpu_pairs, cpu_ctxs) != sections[:2]:
@@ -269,20 +296,24 @@ def main() -> int:
                 torch.cuda.synchronize()
                 compressed = sum(len(s) for s in sections)
                 peak = f"{(torch.cuda.max_memory_allocated() - base - size - compressed) / 1e6:.2f}"
-            t_q, t_dq = torch_quant_baseline(pairs, timer)
-            flat = torch.cat([x.reshape(-1) for p in pairs for x in p])
-            dst = torch.empty_like(flat)
-            t_copy = timer(lambda: dst.copy_(flat))
-            symbols = torch.cat([((x.float() - x.float().mean(1, keepdim=True)) / 0.05).round().clamp(-255, 255)
-                                 .to(torch.int16).reshape(-1) for p in pairs for x in p])
-            nv = nvcomp_baseline(symbols, timer) if device.type == "cuda" else "cuda only"
-            nv_cells = [gbs(nv[0]), gbs(nv[1])] if isinstance(nv, tuple) else [nv, nv]
-            say(f"| {tokens} | {size / 1e6:.1f} | {bits:.3f} | {gbs(t_enc)} | {gbs(t_dec)} | {gbs(t_kernel)} | {peak} | "
-                f"{gbs(t_q)} | {gbs(t_dq)} | {gbs(t_copy)} | {nv_cells[0]} | {nv_cells[1]} |")
-            del pairs, out, flat, dst, symbols
+            cells = ["", "", "", "", "", ""]
+            if baselines:
+                t_q, t_dq = torch_quant_baseline(pairs, timer)
+                flat = torch.cat([x.reshape(-1) for p in pairs for x in p])
+                dst = torch.empty_like(flat)
+                t_copy = timer(lambda: dst.copy_(flat))
+                # cachegen's own symbols for these tensors, one byte each (clamped to +-127 for nvCOMP's bytes)
+                symbols = torch.cat([_symbols(codec, s, c) for s, c in zip(sections, ctxs)])
+                nv = nvcomp_baseline(symbols, timer) if device.type == "cuda" else "cuda only"
+                nv_cells = [gbs(nv[0]), gbs(nv[1]), f"{nv[2]:.3f}"] if isinstance(nv, tuple) else [nv, "", ""]
+                cells = [gbs(t_q), gbs(t_dq), gbs(t_copy), *nv_cells]
+                del flat, dst, symbols
+            say(f"| {tokens} | {lane_channels}x{lane_tokens} | {size / 1e6:.1f} | {bits:.3f} | {gbs(t_enc)} | {gbs(t_dec)} | "
+                f"{gbs(t_kernel)} | {peak} | {' | '.join(cells)} |")
+            del pairs, out
         except Exception:  # noqa: BLE001 - report and go on to the next size
-            failures.append(f"{tokens} tokens: {traceback.format_exc(limit=3)}")
-            say(f"| {tokens} | failed, see below | | | | | | | | | | |")
+            failures.append(f"{tokens} tokens, lanes {lane_channels}x{lane_tokens}: {traceback.format_exc(limit=3)}")
+            say(f"| {tokens} | {lane_channels}x{lane_tokens} | failed, see below | | | | | | | | | | | |")
     say("")
     say("Peak extra MB: device memory allocated during a decode beyond the float16 output and the compressed "
         "bytes (staged side information, lane tables, status).")

@@ -32,42 +32,42 @@ import triton
 import triton.language as tl
 
 # encode part table columns
-E_IN: tl.constexpr = 0
-E_SH: tl.constexpr = 1
-E_ST: tl.constexpr = 2
-E_SD: tl.constexpr = 3
-E_CHAN: tl.constexpr = 4
-E_T: tl.constexpr = 5
-E_D: tl.constexpr = 6
-E_A: tl.constexpr = 7
-E_H: tl.constexpr = 8
-E_FIELDS: tl.constexpr = 9
+E_IN = tl.constexpr(0)
+E_SH = tl.constexpr(1)
+E_ST = tl.constexpr(2)
+E_SD = tl.constexpr(3)
+E_CHAN = tl.constexpr(4)
+E_T = tl.constexpr(5)
+E_D = tl.constexpr(6)
+E_A = tl.constexpr(7)
+E_H = tl.constexpr(8)
+E_FIELDS = tl.constexpr(9)
 # decode part table columns
-D_OUT: tl.constexpr = 0
-D_SH: tl.constexpr = 1
-D_ROWS: tl.constexpr = 2
-D_CHAN: tl.constexpr = 3
-D_T: tl.constexpr = 4
-D_D: tl.constexpr = 5
-D_A: tl.constexpr = 6
-D_FIELDS: tl.constexpr = 7
+D_OUT = tl.constexpr(0)
+D_SH = tl.constexpr(1)
+D_ROWS = tl.constexpr(2)
+D_CHAN = tl.constexpr(3)
+D_T = tl.constexpr(4)
+D_D = tl.constexpr(5)
+D_A = tl.constexpr(6)
+D_FIELDS = tl.constexpr(7)
 # lane table columns
-L_PART: tl.constexpr = 0
-L_ORDER: tl.constexpr = 1
-L_CHANNELS: tl.constexpr = 2
-L_T0: tl.constexpr = 3
-L_WIDTH: tl.constexpr = 4
-L_WORDS: tl.constexpr = 5
-L_FIELDS: tl.constexpr = 6
+L_PART = tl.constexpr(0)
+L_ORDER = tl.constexpr(1)
+L_CHANNELS = tl.constexpr(2)
+L_T0 = tl.constexpr(3)
+L_WIDTH = tl.constexpr(4)
+L_WORDS = tl.constexpr(5)
+L_FIELDS = tl.constexpr(6)
 
-RADIX: tl.constexpr = 255
-HIST_BINS: tl.constexpr = 256  # symbol magnitudes 0..255; the codebook is symmetric
-TABLE_STRIDE: tl.constexpr = 512  # cumulative table row: 511 symbols + the total
-PRECISION: tl.constexpr = 24
+RADIX = tl.constexpr(255)
+HIST_BINS = tl.constexpr(256)  # symbol magnitudes 0..255; the codebook is symmetric
+TABLE_STRIDE = tl.constexpr(512)  # cumulative table row: 511 symbols + the total
+PRECISION = tl.constexpr(24)
 # Adding and subtracting 1.5 * 2**52 rounds a binary64 of magnitude below 2**51 to the nearest integer,
 # ties to even: the hardware's own rounding, with no libm call that might differ between back ends.
-ROUNDER: tl.constexpr = 6755399441055744.0
-CLAMP: tl.constexpr = 1125899906842624.0  # 2**50
+ROUNDER = tl.constexpr(6755399441055744.0)
+CLAMP = tl.constexpr(1125899906842624.0)  # 2**50
 
 
 @triton.jit

@@ -7,6 +7,11 @@ TRITON_INTERPRET=1), which is slow: the shapes are small, and the lanes short
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -145,3 +150,13 @@ def test_backend_choice_errors(tiny):
     blob = kvcodec.encode(tiny, "raw")
     with pytest.raises(kvcodec.UnsupportedError, match="triton"):
         kvcodec.decode(blob, backend="triton")
+
+
+def test_kernels_compile_for_nvidia_gpus():
+    """The interpreter runs code the GPU compiler would reject: compile every kernel to sm_80 and sm_90
+    cubin (ptxas ships in the triton wheel; no GPU needed) and check the rounding the format relies on."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_kernels.py")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count(": ok,") == 14
