@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvcodec.cli import parse_codec
 from kvcodec.codecs import codec_class, list_codecs
-from kvcodec.evaluate import evaluate, prepare, preset_label
+from kvcodec.evaluate import EvalRow, evaluate, prepare, preset_label
 from kvcodec.models import load_model
 from kvcodec.plot import rate_distortion_plot
 from kvcodec.texts import DEFAULT_EVAL_TEXTS
@@ -34,17 +34,30 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1536)
     p.add_argument("--continuation", type=int, default=512)
     p.add_argument("--codec", action="append", help="only these codec ids (default: all registered)")
+    p.add_argument("--update", action="store_true",
+                   help="re-measure only the --codec ids (their presets and ablations) and keep every other row of "
+                        "the existing results, measured on the same texts and lengths")
     args = p.parse_args()
+    kept: list[EvalRow] = []
+    if args.update:
+        if not args.codec:
+            p.error("--update needs --codec")
+        old = json.loads((RESULTS / "rate_distortion.json").read_text())
+        if (old["prefix_tokens"], old["continuation_tokens"], old["texts"]) != (args.tokens, args.continuation,
+                                                                                list(DEFAULT_EVAL_TEXTS)):
+            p.error("the existing results were measured on other texts or lengths; run without --update")
+        kept = [EvalRow(**r) for r in old["rows"] if r["codec"].strip("`").split(":")[0] not in args.codec]
     model = load_model("smollm2")
     t0 = time.time()
     cases = [prepare(model, text, args.tokens, args.continuation) for text in DEFAULT_EVAL_TEXTS]
     presets = [(cid, preset) for cid in (args.codec or list_codecs()) for preset in codec_class(cid).presets()]
     codecs = [codec_class(cid).from_config(preset) for cid, preset in presets]
     labels = [preset_label(cid, preset) for cid, preset in presets]
-    if not args.codec:
-        codecs += [parse_codec(spec) for spec in ABLATIONS]
-        labels += ABLATIONS
-    rows = sorted(evaluate(model, cases, codecs, labels=labels), key=lambda r: (r.codec.split(":")[0], r.bits_per_element))
+    ablations = [spec for spec in ABLATIONS if not args.codec or spec.split(":")[0] in args.codec]
+    codecs += [parse_codec(spec) for spec in ablations]
+    labels += ablations
+    rows = sorted(kept + evaluate(model, cases, codecs, labels=labels),
+                  key=lambda r: (r.codec.split(":")[0], r.bits_per_element))
     lines = [f"# Rate-distortion on real KV ({model.model_id})", "",
              f"Texts: {', '.join(DEFAULT_EVAL_TEXTS)}; {args.tokens}-token prefix cached in float16, perplexity of the "
              f"next {args.continuation} tokens, mean over texts. Reference perplexities (from the float16 cache): "
@@ -54,7 +67,12 @@ def main() -> None:
     for r in rows:
         lines.append(f"| `{r.codec}` | {r.bits_per_element:.3f} | {16 / r.bits_per_element:.2f} | "
                      f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {r.encode_s:.1f} | {r.decode_s:.1f} |")
-    lines += ["", f"Made by `python bench/rate_distortion.py` in {time.time() - t0:.0f} s on a 2-core CPU."]
+    made = f"Made by `python bench/rate_distortion.py` in {time.time() - t0:.0f} s on a 2-core CPU."
+    if args.update:
+        made = (f"Rows of {', '.join(args.codec)} re-measured by `python bench/rate_distortion.py --update "
+                f"{' '.join('--codec ' + c for c in args.codec)}` in {time.time() - t0:.0f} s; the others are from the "
+                "previous full run.")
+    lines += ["", made]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "rate_distortion.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "rate_distortion.json").write_text(json.dumps(

@@ -64,6 +64,8 @@ RADIX = tl.constexpr(255)
 HIST_BINS = tl.constexpr(256)  # symbol magnitudes 0..255; the codebook is symmetric
 TABLE_STRIDE = tl.constexpr(512)  # cumulative table row: 511 symbols + the total
 PRECISION = tl.constexpr(24)
+SLOT_MASK = tl.constexpr((1 << 24) - 1)
+RENORM_SHIFT = tl.constexpr(64 - 24)  # a full state keeps its top 24 bits below the symbol's frequency
 # Adding and subtracting 1.5 * 2**52 rounds a binary64 of magnitude below 2**51 to the nearest integer,
 # ties to even: the hardware's own rounding, with no libm call that might differ between back ends.
 ROUNDER = tl.constexpr(6755399441055744.0)
@@ -187,7 +189,7 @@ def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, c
         entry = tl.load(table_ptr + g, mask=active, other=0).to(tl.int64) * TABLE_STRIDE + sym
         f = tl.load(freq_ptr + entry, mask=active, other=1).to(tl.uint64)
         cf = tl.load(cum_ptr + entry, mask=active, other=0).to(tl.uint64)
-        emit = active & ((state >> (64 - PRECISION)) >= f)
+        emit = active & ((state >> RENORM_SHIFT) >= f)
         tl.store(out + n, (state & 0xFFFFFFFF).to(tl.uint32), mask=emit & (n < capacity))
         n += emit.to(tl.int64)
         state = tl.where(emit, state >> 32, state)
@@ -244,7 +246,7 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
         j = i // width
         g = tl.load(order_ptr + first + j, mask=active, other=0)
         tab = tl.load(table_ptr + g, mask=active, other=0).to(tl.int64) * TABLE_STRIDE
-        slot = state & ((1 << PRECISION) - 1)
+        slot = state & SLOT_MASK
         s = tl.zeros([BLOCK_L], dtype=tl.int64)
         for bit in tl.static_range(8, -1, -1):  # binary search: the last s with cum[s] <= slot
             probe = s + (1 << bit)

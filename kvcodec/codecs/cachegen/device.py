@@ -59,26 +59,31 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 
 def _lanes(codec: CacheGen, shapes: list[tuple[int, int, int]], sides: list[Side],
            lengths: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The lane table ``[lanes, 6]`` and the channel order of every part (SPEC.md §10.3, group 1)."""
+    """The lane table ``[lanes, 6]`` and the channel order of every part (SPEC.md §10.3, group 1), built
+    with array operations: a chunk of a large model has thousands of lanes."""
+    lc, lt = codec.lane_channels, codec.lane_tokens
     rows, order = [], []
-    chan = word = 0
+    chan = 0
     for p, ((h, t, d), side) in enumerate(zip(shapes, sides)):
-        c = h * d
-        k = 0
-        for c0 in range(0, c, codec.lane_channels):
-            chans = np.arange(c0, min(c0 + codec.lane_channels, c))
-            order.append(chan + lane_channel_order(chans, side.table))
-            for t0 in range(0, t, codec.lane_tokens):
-                n = int(lengths[p][k]) if lengths is not None else 0
-                rows.append((p, chan + c0, len(chans), t0, min(codec.lane_tokens, t - t0), word))
-                word += n
-                k += 1
-        chan += c
-    return np.array(rows, np.int64).reshape(-1, 6), np.concatenate(order).astype(np.int64)
+        c = np.arange(h * d)
+        # within each block of lane_channels channels: by table, ties in channel order (lane_channel_order)
+        order.append(chan + c[np.lexsort((c, side.table, c // lc))])
+        c0, t0 = np.meshgrid(np.arange(0, h * d, lc), np.arange(0, t, lt), indexing="ij")
+        c0, t0 = c0.reshape(-1), t0.reshape(-1)
+        rows.append(np.stack([np.full_like(c0, p), chan + c0, np.minimum(lc, h * d - c0), t0,
+                              np.minimum(lt, t - t0), np.zeros_like(c0)], 1))
+        chan += h * d
+    table = np.concatenate(rows).astype(np.int64)
+    if lengths is not None:
+        table[1:, 5] = np.cumsum(np.concatenate(lengths))[:-1]
+    return table, np.concatenate(order).astype(np.int64)
 
 
-def _side_arrays(sides: list[Side], shapes: list[tuple[int, int, int]],
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+def _put(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+
+
+def _side_arrays(sides: list[Side], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Means and channel steps (float32, concatenated over parts), token steps, and each part's token-step offset."""
     mu = np.concatenate([s.mu.astype(np.float32) for s in sides])
     b = np.concatenate([STEPS[s.b_code] for s in sides])
@@ -89,12 +94,11 @@ def _side_arrays(sides: list[Side], shapes: list[tuple[int, int, int]],
             a.append(STEPS[s.a_code])
             at += len(s.a_code)
     a_all = np.concatenate(a) if a else np.ones(1, np.float32)
-    put = lambda arr: torch.from_numpy(np.ascontiguousarray(arr)).to(device)  # noqa: E731
-    return put(mu), put(b), put(a_all), a_base
+    return _put(mu, device), _put(b, device), _put(a_all, device), a_base
 
 
 class TritonEngine:
-    """The encoder's passes as Triton kernels, for the keys and values of one layer."""
+    """The encoder's passes as Triton kernels over ``(keys, values)`` pairs of tensors (a chunk's layers)."""
 
     def __init__(self, codec: CacheGen, xs: list[torch.Tensor]) -> None:
         self.codec, self.xs, self.k = codec, xs, _kernels()
@@ -131,7 +135,7 @@ class TritonEngine:
         return out
 
     def symbol_range(self, sides: list[Side]) -> list[tuple[np.ndarray, np.ndarray, None]]:
-        mu, b, a, _ = _side_arrays(sides, self.shapes, self.device)
+        mu, b, a, _ = _side_arrays(sides, self.device)
         worst = torch.zeros(self.channels, dtype=torch.int32, device=self.device)
         hist = torch.zeros(self.channels, RADIX + 1, dtype=torch.int32, device=self.device)
         grid = (len(self.xs), self.grid_heads, -(-self.max_tokens // BLOCK_TOKENS))
@@ -147,7 +151,7 @@ class TritonEngine:
 
     def encode_lanes(self, sides: list[Side]) -> list[tuple[np.ndarray, bytes]]:
         lanes, order = _lanes(self.codec, self.shapes, sides)
-        mu, b, a, _ = _side_arrays(sides, self.shapes, self.device)
+        mu, b, a, _ = _side_arrays(sides, self.device)
         table = torch.from_numpy(np.concatenate([s.table for s in sides]).astype(np.int32)).to(self.device)
         freq, cum = _coding_tables(self.device)
         max_symbols = int((lanes[:, 2] * lanes[:, 4]).max())
@@ -240,7 +244,7 @@ class DecodeLaunch:
         self.num_lanes = len(lanes)
         if not self.num_lanes:
             return
-        mu, b, a, a_base = _side_arrays(sides, shapes, device)
+        mu, b, a, a_base = _side_arrays(sides, device)
         bases = _offsets([t.tensor for t in targets])
         part_rows, chan, row = [], 0, 0
         for target, base, (h, t, d), ab in zip(targets, bases, shapes, a_base):
@@ -248,7 +252,7 @@ class DecodeLaunch:
             chan += h * d
             row += t
         words = np.concatenate([p.words for p in parts] + [np.zeros(1, "<u4")]).astype(np.uint32)  # never empty
-        put = lambda arr: torch.from_numpy(np.ascontiguousarray(arr)).to(device)  # noqa: E731
+        put = lambda arr: _put(arr, device)  # noqa: E731
         self.status = torch.zeros(self.num_lanes, dtype=torch.int32, device=device)
         self.block = _lane_block(self.num_lanes)
         self.args = (put(words), put(lanes), put(np.concatenate([p.lengths for p in parts])),
