@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import LayerContext
-from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, lane_channel_order, tables_from_histogram, with_sinks
+from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, tables_from_histogram, with_sinks
 from kvcodec.codecs.cachegen.tables import RADIX, STEPS, codebook, cumulative
 from kvcodec.errors import CorruptDataError, InvalidInputError
 
@@ -59,24 +59,28 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 
 def _lanes(codec: CacheGen, shapes: list[tuple[int, int, int]], sides: list[Side],
            lengths: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The lane table ``[lanes, 6]`` and the channel order of every part (SPEC.md §10.3, group 1), built
-    with array operations: a chunk of a large model has thousands of lanes."""
+    """The lane table ``[lanes, 6]`` and the channel order of every part (SPEC.md §10.3, group 1), in
+    whole-array operations: a chunk of a large model has thousands of lanes and every launch needs this."""
     lc, lt = codec.lane_channels, codec.lane_tokens
-    rows, order = [], []
-    chan = 0
-    for p, ((h, t, d), side) in enumerate(zip(shapes, sides)):
-        c = np.arange(h * d)
-        # within each block of lane_channels channels: by table, ties in channel order (lane_channel_order)
-        order.append(chan + c[np.lexsort((c, side.table, c // lc))])
-        c0, t0 = np.meshgrid(np.arange(0, h * d, lc), np.arange(0, t, lt), indexing="ij")
-        c0, t0 = c0.reshape(-1), t0.reshape(-1)
-        rows.append(np.stack([np.full_like(c0, p), chan + c0, np.minimum(lc, h * d - c0), t0,
-                              np.minimum(lt, t - t0), np.zeros_like(c0)], 1))
-        chan += h * d
-    table = np.concatenate(rows).astype(np.int64)
-    if lengths is not None:
-        table[1:, 5] = np.cumsum(np.concatenate(lengths))[:-1]
-    return table, np.concatenate(order).astype(np.int64)
+    dims = np.array([(h * d, t) for h, t, d in shapes], np.int64).reshape(-1, 2)
+    channels, tokens = dims[:, 0], dims[:, 1]
+    chan_base = np.concatenate([[0], np.cumsum(channels)[:-1]])
+    # order: within each block of lane_channels channels of a part, by table, ties in channel order
+    g = np.arange(int(channels.sum()))
+    part_of = np.repeat(np.arange(len(shapes)), channels)
+    block = np.cumsum(np.concatenate([[0], -(-channels // lc)]))[part_of] + (g - chan_base[part_of]) // lc
+    order = np.argsort(block * 64 + np.concatenate([s.table for s in sides]), kind="stable")  # 48 tables < 64
+    # lanes: per part, channel blocks (outer) by token blocks (inner)
+    cols, rows_per = -(-channels // lc), -(-tokens // lt)
+    count = cols * rows_per
+    p = np.repeat(np.arange(len(shapes)), count)
+    k = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    c0, t0 = (k // rows_per[p]) * lc, (k % rows_per[p]) * lt
+    words = np.zeros(len(k), np.int64)
+    if lengths is not None and len(k):
+        words[1:] = np.cumsum(np.concatenate(lengths))[:-1]
+    table = np.stack([p, chan_base[p] + c0, np.minimum(lc, channels[p] - c0), t0, np.minimum(lt, tokens[p] - t0), words], 1)
+    return table.astype(np.int64).reshape(-1, 6), order.astype(np.int64)
 
 
 def _put(arr: np.ndarray, device: torch.device) -> torch.Tensor:
