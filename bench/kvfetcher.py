@@ -56,6 +56,10 @@ def quality() -> list[dict]:
     cases = [prepare(model, t, 1536, 512) for t in DEFAULT_EVAL_TEXTS]
     specs = [("kvfetcher", dict(bits=3)), ("kvfetcher", dict(bits=4)), ("kvfetcher", dict(bits=5)),
              ("kvfetcher", dict(bits=4, delta=True)),
+             ("kvfetcher", dict(bits=4, scale="spread")), ("kvfetcher", dict(bits=4, scale="spread", preset="veryfast")),
+             ("kvfetcher", dict(bits=4, scale="spread", key_step=2, value_spread=0.85)),
+             ("kvfetcher", dict(bits=4, scale="spread", key_step=2, value_spread=1.0, preset="veryfast")),
+             ("kvfetcher", dict(bits=4, scale="spread", key_step=3, value_spread=1.3, preset="veryfast")),
              ("cachegen", dict(level=0)), ("cachegen", dict(level=2)), ("cachegen", dict(level=4)),
              ("kivi", dict(bits=4, group=128))]
     codecs = [get_codec(c, **cfg) for c, cfg in specs]
@@ -177,10 +181,12 @@ def write(res: dict) -> str:
             lines.append(f"| {r['codec']} | {r['bits_per_element']:.3f} | {100 * r['ppl_change']:+.3f}% | "
                          f"{100 * r['agreement']:.2f}% | {r['encode_s']:.1f} | {r['decode_s']:.1f} |")
         lines.append("")
+        if res.get("quality_note"):
+            lines += [res["quality_note"], ""]
     if "entropy" in res:
         e = res["entropy"]
-        lines += ["## Why 4-bit codes do not reach 2.7 bits", "",
-                  f"Zeroth-order entropy of the 4-bit codes (ideal per-channel tables, no scales) on the 512-token cache: "
+        lines += ["## Why min-max 4-bit codes do not reach 2.7 bits", "",
+                  f"Zeroth-order entropy of the min-max 4-bit codes (ideal per-channel tables, no scales) on the 512-token cache: "
                   f"keys {e['keys']:.2f}, values {e['values']:.2f} bits/code; min-max codes of real KV use the 16 levels "
                   f"widely.  x265 lossless on them: {e['hevc']:.2f} bits/code without the token delta, "
                   f"{e['hevc_delta']:.2f} with it (the delta of neighbouring tokens has *more* entropy than the codes "
@@ -212,13 +218,32 @@ def write(res: dict) -> str:
                          f"{100 * (r['restored_s'] / best_fixed - 1):+.1f}% | {hs} | {r['peak_frames_held']} |")
         lines.append("")
     lines += ["## Against the issue's targets", ""]
-    q4 = next((r for r in res.get("quality", []) if r["codec"] == "kvfetcher:bits=4"), None)
+    q = res.get("quality", [])
+    q4 = next((r for r in q if r["codec"] == "kvfetcher:bits=4"), None)
+    spread = [r for r in q if r["codec"].startswith("kvfetcher:bits=4,scale=spread")]
     if q4:
-        lines.append(f"- At most 2.7 bits/element at 4-bit codes: **not met**, {q4['bits_per_element']:.3f} "
-                     f"(perplexity {100 * q4['ppl_change']:+.3f}%).  The codes' own entropy is about 3.46 bits "
-                     "and the float16 per-token value scales add 0.25, so no lossless coder of these codes can get "
-                     "there; 3-bit codes land at 3.19 bits/element but lose 4.6% perplexity.  At every size, cachegen "
-                     "is smaller and better.")
+        met = [r for r in spread if r["bits_per_element"] <= 2.7 and r["ppl_change"] <= 0.015]
+        text = (f"- At most 2.7 bits/element at 4-bit codes: **{'met' if met else 'not met'}**.  Min-max codes: "
+                f"{q4['bits_per_element']:.3f} (perplexity {100 * q4['ppl_change']:+.3f}%); their own entropy is about "
+                "3.46 bits and the float16 per-token value scales add 0.25, so no lossless coder of them gets there.")
+        if spread:
+            small = min(spread, key=lambda r: r["bits_per_element"])
+            good = [r for r in spread if r["ppl_change"] <= 0.015]
+            text += ("  `scale=spread` (steps from the query RMS for keys and the token's spread for values, codes "
+                     "centred, never clipped) concentrates the codes: ")
+            if good:
+                g = min(good, key=lambda r: r["bits_per_element"])
+                text += (f"`{g['codec']}` holds the perplexity at {100 * g['ppl_change']:+.3f}% with "
+                         f"{g['bits_per_element']:.3f} bits/element; ")
+            text += (f"the smallest setting measured, `{small['codec']}`, reaches {small['bits_per_element']:.3f} "
+                     f"bits/element at {100 * small['ppl_change']:+.3f}%.  The rest of the gap: the per-token value "
+                     "scales (0.25 bits/element), x265's lossless coding 0.4-0.5 bits/code above the codes' "
+                     "zeroth-order entropy (0.07 less with preset=veryfast), and no exact sink token (cachegen keeps "
+                     "the first token in float16).  Tried first and dropped: steps of a fixed number of standard "
+                     "deviations per channel for keys *and* values with outliers clipped (2.4-3.2 bits/element, but "
+                     "+33% to +52% perplexity: the first token, which attention piles onto, lost its precision).")
+        text += "  At every size, cachegen is smaller and better."
+        lines.append(text)
     lines.append("- Lossless w.r.t. the codes: met on the CPU (bit-exact codes, checked by a digest in every section); "
                  "the NVDEC side awaits `bench/gpu_kvfetcher.py` on a GPU.")
     lines.append(f"- Peak decode buffer under 70 MB: met on the CPU path, one frame held whatever the context "
@@ -279,6 +304,7 @@ def main() -> None:
     kv = real_kv()
     if not args.skip_quality:
         res["quality"] = quality()
+        res.pop("quality_note", None)
         CACHE.write_text(json.dumps(res))
     res["entropy"] = entropy(kv)
     res["speed"] = speed(kv)

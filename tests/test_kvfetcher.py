@@ -15,7 +15,7 @@ from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.kvfetcher import adapt as A
 from kvcodec.codecs.kvfetcher import layout as L
 from kvcodec.codecs.kvfetcher import video
-from kvcodec.codecs.kvfetcher.codec import HEAD, KVFetcher, decode_codes
+from kvcodec.codecs.kvfetcher.codec import HEAD, KVFetcher, SectionHead, decode_codes
 from kvcodec.codecs.kvfetcher.paged import restore_paged
 from kvcodec.codecs.quantize import dequantize
 from kvcodec.layouts.paged import from_paged
@@ -29,20 +29,22 @@ def kv3(real_kv):
     return kvcodec.KVCache([real_kv.layers[i] for i in (0, 14, 29)])
 
 
-def _ctx(k: torch.Tensor, dv: int | None = None, dtype=torch.float16) -> LayerContext:
+def _ctx(k: torch.Tensor, dv: int | None = None, dtype=torch.float16, layer: int = 0, model: str | None = None) -> LayerContext:
     h, t, dk = k.shape
-    return LayerContext(0, 1, LayerShape(h, t, dk, dv or dk), dtype)
+    return LayerContext(layer, 30 if model else 1, LayerShape(h, t, dk, dv or dk), dtype, model=model)
 
 
 @pytest.mark.parametrize("cfg", [dict(bits=4), dict(bits=4, delta=True, frame_tokens=96), dict(bits=10, frame_tokens=512),
-                                 dict(bits=2, frame_tokens=16)])
-def test_codes_bit_exact_and_half_step(kv3, cfg):
+                                 dict(bits=2, frame_tokens=16), dict(bits=4, scale="spread"),
+                                 dict(bits=3, scale="spread", key_step=0.5, value_spread=2, delta=True, frame_tokens=64)])
+@pytest.mark.parametrize("model", [None, "SmolLM2-135M-Instruct"])
+def test_codes_bit_exact_and_half_step(kv3, cfg, model):
     codec = KVFetcher(**cfg)
     k, v = kv3.layers[1]
     k, v = k[:, :200], v[:, :200]  # 200 tokens: a short last block (padding) for every frame height
-    ctx = _ctx(k)
+    ctx = _ctx(k, layer=14, model=model)
     data = codec.encode_layer(k, v, ctx)
-    kq, vq, (ks, kz, vs, vz) = codec.quantize(k, v)
+    kq, vq, (ks, kz, vs, vz) = codec.quantize(k, v, ctx)
     dkq, dvq = decode_codes(data, ctx)
     assert np.array_equal(dkq, kq) and np.array_equal(dvq, vq)
     kd, vd = codec.decode_layer(data, ctx)
@@ -78,7 +80,7 @@ def test_video_decoder_in_pieces(kv3):
     k, v = kv3.layers[0]
     ctx = _ctx(k)
     data = codec.encode_layer(k, v, ctx)
-    stream = data[HEAD.size + 4 * 3 * 64 + 4 * 3 * 512:]
+    stream = data[SectionHead(data, ctx).scale_end:]
     whole = decode_codes(data, ctx)
     for size in (1, 7, 1000):
         pieces = [stream[i:i + size] for i in range(0, len(stream), size)] if size > 1 else \
@@ -131,9 +133,58 @@ def test_geometry_and_padding():
 
 def test_config_validation_and_registry():
     assert isinstance(get_codec("kvfetcher", bits=3), KVFetcher)
-    for bad in (dict(bits=1), dict(bits=11), dict(frame_tokens=100), dict(preset="x"), dict(delta=1)):
+    for bad in (dict(bits=1), dict(bits=11), dict(frame_tokens=100), dict(preset="x"), dict(delta=1),
+                dict(scale="std"), dict(scale=None), dict(scale=["minmax"]), dict(key_step=1.0),
+                dict(scale="minmax", value_spread=0.7), dict(scale="spread", key_step=0),
+                dict(scale="spread", value_spread=-1.0), dict(scale="spread", key_step=float("nan")),
+                dict(scale="spread", value_spread=float("inf")), dict(scale="spread", key_step=1e6),
+                dict(scale="spread", value_spread="1"), dict(scale="spread", key_step=True)):
         with pytest.raises(kvcodec.InvalidInputError):
             KVFetcher(**bad)
+    # canonical configs: both steps floats under 'spread' and None under 'minmax'; a config read back is equal
+    sp = KVFetcher(scale="spread", key_step=2, value_spread=1)
+    assert sp.get_config()["key_step"] == 2.0 and isinstance(sp.get_config()["value_spread"], float)
+    assert KVFetcher().get_config()["scale"] == "minmax" and KVFetcher().get_config()["key_step"] is None
+    for c in (sp, KVFetcher(scale="spread"), KVFetcher()):
+        assert get_codec("kvfetcher", **c.get_config()).get_config() == c.get_config()
+
+
+def test_spread_scale_round_trip_and_concentration(kv3):
+    """scale=spread: codes bit-exact through PyAV and the container (the decoder reads only the stream),
+    concentrated near the centre, the section far smaller than min-max's; keys fall back to min-max
+    without a profile, and a profile that does not fit the layer is refused."""
+    model = "SmolLM2-135M-Instruct"
+    k, v = kv3.layers[1]
+    k, v = k[:, :256], v[:, :256]
+    ctx = _ctx(k, layer=14, model=model)
+    sp, mm = KVFetcher(bits=4, scale="spread"), KVFetcher(bits=4)
+    data = sp.encode_layer(k, v, ctx)
+    kq, vq, (ks, kz, vs, vz) = sp.quantize(k, v, ctx)
+    dkq, dvq = decode_codes(data, ctx)
+    assert np.array_equal(dkq, kq) and np.array_equal(dvq, vq)
+    kd, vd = sp.decode_layer(data, ctx)
+    assert torch.equal(kd, dequantize(torch.from_numpy(kq), ks, kz).half())
+    assert torch.equal(vd, dequantize(torch.from_numpy(vq), vs, vz).half())
+    # steps never below min-max's; codes centred (most within +-2 of 8); nothing clipped beyond float16 rounding
+    mk, _, (mks, _, mvs, _) = mm.quantize(k, v, ctx)
+    assert bool((ks.float() >= mks.float()).all()) and bool((vs.float() >= mvs.float()).all())
+    assert float((np.abs(kq.astype(int) - 8) <= 2).mean()) > 0.6 and float((np.abs(vq.astype(int) - 8) <= 2).mean()) > 0.6
+    for x, y, s in ((k, kd, ks), (v, vd, vs)):
+        assert bool(((x.float() - y.float()).abs() <= s.float() * 0.51 + x.float().abs() * 2 ** -10 + 1e-3).all())
+    assert len(data) < 0.85 * len(mm.encode_layer(k, v, ctx))
+    # no profile for the model: keys are min-max's
+    kq0, _, (ks0, kz0, _, _) = sp.quantize(k, v, _ctx(k))
+    assert np.array_equal(kq0, mk) and torch.equal(ks0, mks)
+    with pytest.raises(kvcodec.InvalidInputError):
+        sp.quantize(k[:2], v[:2], _ctx(k[:2], layer=14, model=model))
+    # through the container (model metadata from the cache) and streamed in pieces
+    kv = kvcodec.KVCache(kv3.layers, model=model)
+    blob = kvcodec.encode(kv, codec=sp)
+    back = kvcodec.decode(blob)
+    pieces = [bytes(blob)[i:i + 4099] for i in range(0, len(blob), 4099)]
+    for (a, b), (c, d) in zip(back.layers, kvcodec.decode(iter(pieces)).layers):
+        assert torch.equal(a, c) and torch.equal(b, d)
+    assert len(blob) < 0.85 * len(kvcodec.encode(kv, codec=mm))
 
 
 def test_corrupt_sections_rejected(kv3):
@@ -142,7 +193,7 @@ def test_corrupt_sections_rejected(kv3):
     k, v = k[:, :256], v[:, :256]
     ctx = _ctx(k)
     data = codec.encode_layer(k, v, ctx)
-    stream_at = HEAD.size + 4 * 3 * 64 + 4 * 3 * 256
+    stream_at = SectionHead(data, ctx).scale_end
     bad = [data[:10], data[:-1], data + b"\0", b"XXXX" + data[4:],
            data[:4] + bytes([11]) + data[5:],  # bits out of range
            data[:6] + (64).to_bytes(2, "little") + data[8:],  # frame rows that disagree with the picture size
@@ -237,7 +288,7 @@ def test_nvdec_plumbing_with_a_fake_decoder(kv3, monkeypatch, bits):
     k, v = k[:, :200], v[:, :200]
     ctx = _ctx(k)
     data = codec.encode_layer(k, v, ctx)
-    stream = data[HEAD.size + 4 * 3 * 64 + 4 * 3 * 200:]
+    stream = data[SectionHead(data, ctx).scale_end:]
     ref = decode_codes(data, ctx)
     got = nvdec.decode_codes_cuda(data, ctx, pieces=[stream[i:i + 999] for i in range(0, len(stream), 999)])
     assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1])

@@ -9,10 +9,23 @@ Section layout (little-endian; SPEC.md's ``kvfetcher`` subsection spells it out)
   float16 value scales and zeros ``[H, T]`` (per token);
 * the HEVC elementary stream: frames K0, V0, K1, V1, ... (block ``b`` = tokens
   ``[b*frame_rows, (b+1)*frame_rows)``), one closed GOP starting with a keyframe.
+
+How the encoder picks the scales and zeros (config ``scale``; the decoder only reads them):
+
+* ``minmax`` (kivi's): each slice's codes span its minimum to maximum, so real KV uses all
+  ``2**bits`` levels and the lossless video coder needs about ``bits`` bits per code.
+* ``spread``: steps set by what the error costs, codes centred at ``2**(bits-1)`` on the slice's mean,
+  so most codes sit on a few levels near the centre and the video coder needs far fewer bits.  A key
+  channel's step is ``key_step / w`` with ``w`` the RMS of the queries that read it (the model's profile,
+  :mod:`kvcodec.profiles`; the attention-logit error per channel is then even); a token's value step is
+  ``value_spread`` times the token's standard deviation over its channels.  A step is never smaller than
+  min-max's and the zero is clamped so that the codes still cover the slice's minimum and maximum (no
+  clipping).  Without a profile for the cache's model, keys fall back to min-max.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any, Callable, Iterable, Iterator
 
@@ -23,7 +36,7 @@ import xxhash
 from kvcodec.codecs.base import Codec, LayerContext
 from kvcodec.codecs.kvfetcher import layout as L
 from kvcodec.codecs.kvfetcher import video
-from kvcodec.codecs.quantize import dequantize, minmax_params, quantize
+from kvcodec.codecs.quantize import FP16_MAX, dequantize, minmax_params, quantize
 from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
@@ -31,6 +44,10 @@ from kvcodec.errors import CorruptDataError, InvalidInputError
 MAGIC = b"KVF1"
 HEAD = struct.Struct("<4sBBHHHHIQ2x")
 FLAG_DELTA = 1
+SCALES = ("minmax", "spread")
+DEFAULT_KEY_STEP = 1.5  # attention-logit units (per query RMS); measured on SmolLM2 (bench/results/kvfetcher.md)
+DEFAULT_VALUE_SPREAD = 0.7  # standard deviations of the token's values
+MAX_STEP = 64.0
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 
 
@@ -69,6 +86,24 @@ class SectionHead:
         self.stream = mv[self.scale_end:]
 
 
+def spread_params(x: torch.Tensor, dim: int, bits: int, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 ``(scale, zero)`` per slice of ``x`` reduced over ``dim``: the target ``step`` (broadcast to the
+    slices) but never below min-max's, capped at the slice's range (finite), the slice's mean at code
+    ``2**(bits-1)``, the zero clamped so that the codes cover the slice's minimum and maximum."""
+    if not bool(torch.isfinite(x).all()):
+        raise InvalidInputError("cannot quantize non-finite values (NaN or inf) in the KV cache")
+    top = (1 << bits) - 1
+    x = x.double()
+    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    if float(hi.max()) > FP16_MAX or float(lo.min()) < -FP16_MAX or float((hi - lo).max()) > FP16_MAX:
+        raise InvalidInputError("values beyond float16 range cannot be quantized with float16 scales")
+    mu = x.mean(dim=dim, keepdim=True)
+    s = torch.minimum(torch.maximum(step.double(), (hi - lo) / top), torch.clamp(hi - lo, min=2.0 ** -14))
+    s = torch.where(hi > lo, s * (1 + 2.0 ** -9), 0.0).to(torch.float16)  # up a little: float16 rounding
+    zero = torch.minimum(torch.maximum(mu - (1 << (bits - 1)) * s.double(), hi - top * s.double()), lo)
+    return s, zero.to(torch.float16)
+
+
 def _codes_digest(kq: np.ndarray, vq: np.ndarray, geo: L.FrameGeometry) -> int:
     """xxh3-64 of the codes in frame order: for each block, its key codes ``[H, t, Dk]`` then its value
     codes ``[H, t, Dv]``, as int32 little-endian."""
@@ -83,12 +118,15 @@ def _codes_digest(kq: np.ndarray, vq: np.ndarray, geo: L.FrameGeometry) -> int:
 @register_codec
 class KVFetcher(Codec):
     """Quantized KV codes as lossless HEVC frames: ``bits`` 2..10 (8-bit Main up to 8, Main10 above),
-    ``frame_tokens`` token rows per frame (multiple of 16), x265 ``preset``, ``delta`` token delta along rows."""
+    ``frame_tokens`` token rows per frame (multiple of 16), x265 ``preset``, ``delta`` token delta along rows,
+    ``scale`` ``minmax`` or ``spread`` (with ``key_step`` and ``value_spread``, both None under ``minmax``;
+    see the module's docstring)."""
 
     codec_id = "kvfetcher"
     lossless = False
 
-    def __init__(self, bits: int = 4, frame_tokens: int = 256, preset: str = "ultrafast", delta: bool = False) -> None:
+    def __init__(self, bits: int = 4, frame_tokens: int = 256, preset: str = "ultrafast", delta: bool = False,
+                 scale: str = "minmax", key_step: float | None = None, value_spread: float | None = None) -> None:
         if not (isinstance(bits, int) and not isinstance(bits, bool) and 2 <= bits <= 10):
             raise InvalidInputError(f"kvfetcher bits must be an integer in 2..10, not {bits!r}")
         if not (isinstance(frame_tokens, int) and frame_tokens % L.PAGE == 0 and L.PAGE <= frame_tokens <= video.MAX_SIDE):
@@ -98,10 +136,27 @@ class KVFetcher(Codec):
             raise InvalidInputError(f"kvfetcher preset must be one of {PRESETS}, not {preset!r}")
         if not isinstance(delta, bool):
             raise InvalidInputError(f"kvfetcher delta must be true or false, not {delta!r}")
+        if not isinstance(scale, str) or scale not in SCALES:
+            raise InvalidInputError(f"kvfetcher scale must be one of {SCALES}, not {scale!r}")
+        steps = {"key_step": key_step, "value_spread": value_spread}
+        if scale == "minmax":
+            for name, val in steps.items():
+                if val is not None:
+                    raise InvalidInputError(f"kvfetcher {name} only applies to scale='spread'")
+        else:
+            steps = {"key_step": DEFAULT_KEY_STEP if key_step is None else key_step,
+                     "value_spread": DEFAULT_VALUE_SPREAD if value_spread is None else value_spread}
+            for name, val in steps.items():
+                if not (isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val)
+                        and 0 < val <= MAX_STEP):
+                    raise InvalidInputError(f"kvfetcher {name} must be a number in (0, {MAX_STEP}], not {val!r}")
+            steps = {k: float(v) for k, v in steps.items()}
         self.bits, self.frame_tokens, self.preset, self.delta = bits, frame_tokens, preset, delta
+        self.scale, self.key_step, self.value_spread = scale, steps["key_step"], steps["value_spread"]
 
     def get_config(self) -> dict[str, Any]:
-        return {"bits": self.bits, "frame_tokens": self.frame_tokens, "preset": self.preset, "delta": self.delta}
+        return {"bits": self.bits, "frame_tokens": self.frame_tokens, "preset": self.preset, "delta": self.delta,
+                "scale": self.scale, "key_step": self.key_step, "value_spread": self.value_spread}
 
     @classmethod
     def presets(cls) -> list[dict[str, Any]]:
@@ -109,17 +164,40 @@ class KVFetcher(Codec):
 
     # ---------------------------------------------------------------------------------------- encode
 
-    def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
+    def quantize(self, keys: torch.Tensor, values: torch.Tensor,
+                 ctx: LayerContext | None = None) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
+        """Codes ``[H, T, D]`` and float16 ``[ks, kz, vs, vz]``; ``ctx`` (model and layer) finds the profile."""
         k, v = keys.detach().float().cpu(), values.detach().float().cpu()
-        ks, kz = minmax_params(k, 1, self.bits)
-        vs, vz = minmax_params(v, 2, self.bits)
+        if self.scale == "spread":
+            w = self._key_weight(ctx, k.shape)
+            if w is None:
+                ks, kz = minmax_params(k, 1, self.bits)
+            else:
+                ks, kz = spread_params(k, 1, self.bits, self.key_step / w.double().clamp(min=1e-6)[:, None, :])
+            vs, vz = spread_params(v, 2, self.bits, self.value_spread * v.double().std(dim=2, keepdim=True,
+                                                                                         unbiased=False))
+        else:
+            ks, kz = minmax_params(k, 1, self.bits)
+            vs, vz = minmax_params(v, 2, self.bits)
         return quantize(k, ks, kz, self.bits).numpy(), quantize(v, vs, vz, self.bits).numpy(), [ks, kz, vs, vz]
+
+    @staticmethod
+    def _key_weight(ctx: LayerContext | None, shape: torch.Size) -> torch.Tensor | None:
+        """The profile's query RMS ``[H, Dk]`` for this layer, or None without a profile for the model."""
+        from kvcodec.profiles import find_profile
+
+        prof = find_profile(ctx.model) if ctx is not None else None
+        if prof is None:
+            return None
+        if not (0 <= ctx.layer < len(prof.key_weight)) or tuple(prof.key_weight[ctx.layer].shape) != (shape[0], shape[2]):
+            raise InvalidInputError(f"profile {prof.model!r} does not match layer {ctx.layer}'s shape")
+        return prof.key_weight[ctx.layer].float()
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
         h, t, dk = keys.shape
         dv = values.shape[2]
         geo = L.geometry(t, h, dk, dv, self.frame_tokens)
-        kq, vq, params = self.quantize(keys, values)
+        kq, vq, params = self.quantize(keys, values, ctx)
         frames = []
         for b in range(geo.blocks):
             lo, hi = geo.block(b)
