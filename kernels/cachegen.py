@@ -167,10 +167,12 @@ def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, c
     info = lanes_ptr + lane * L_FIELDS
     p = tl.load(info + L_PART, mask=live, other=0)
     first, channels = tl.load(info + L_ORDER, mask=live, other=0), tl.load(info + L_CHANNELS, mask=live, other=0)
-    t0, width = tl.load(info + L_T0, mask=live, other=0), tl.load(info + L_WIDTH, mask=live, other=1)
+    t0 = tl.load(info + L_T0, mask=live, other=0)
+    width = tl.load(info + L_WIDTH, mask=live, other=1).to(tl.int32)
     row = parts_ptr + p * E_FIELDS
     base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
-    chan, tokens, dim, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_D), tl.load(row + E_A)
+    chan, tokens, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_A)
+    dim = tl.load(row + E_D).to(tl.int32)
     count = tl.where(live, channels * width, 0)
     out = scratch_ptr + lane.to(tl.int64) * capacity
     state = tl.zeros([BLOCK_L], dtype=tl.uint64)
@@ -180,7 +182,7 @@ def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, c
         active = i < count
         j = i // width
         g = tl.load(order_ptr + first + j, mask=active, other=0)
-        c = g - chan
+        c = (g - chan).to(tl.int32)  # 32-bit division per symbol: 64-bit is a long software routine
         h = c // dim
         t = t0 + (i - j * width)
         x = tl.load(x_ptr + base + h * sh + t * st + (c - h * dim) * sd, mask=active, other=0.0)
@@ -226,11 +228,13 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
     info = lanes_ptr + lane * L_FIELDS
     p = tl.load(info + L_PART, mask=live, other=0)
     first, channels = tl.load(info + L_ORDER, mask=live, other=0), tl.load(info + L_CHANNELS, mask=live, other=0)
-    t0, width = tl.load(info + L_T0, mask=live, other=0), tl.load(info + L_WIDTH, mask=live, other=1)
+    t0 = tl.load(info + L_T0, mask=live, other=0)
+    width = tl.load(info + L_WIDTH, mask=live, other=1).to(tl.int32)
     start = tl.load(info + L_WORDS, mask=live, other=0)
     row = parts_ptr + p * D_FIELDS
     out_base, sh, rows = tl.load(row + D_OUT), tl.load(row + D_SH), tl.load(row + D_ROWS)
-    chan, tokens, dim, a_base = tl.load(row + D_CHAN), tl.load(row + D_T), tl.load(row + D_D), tl.load(row + D_A)
+    chan, tokens, a_base = tl.load(row + D_CHAN), tl.load(row + D_T), tl.load(row + D_A)
+    dim = tl.load(row + D_D).to(tl.int32)
     count = tl.where(live, channels * width, 0)
     pos = start + tl.load(lane_words_ptr + lane, mask=live, other=0).to(tl.int64)
     # seed the state from the last one or two words (constriction's AnsCoder(words))
@@ -259,7 +263,7 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
         w = tl.load(words_ptr + pos - 1, mask=refill, other=0).to(tl.uint64)
         state = tl.where(refill, (state << 32) | w, state)
         pos -= refill.to(tl.int64)
-        c = g - chan
+        c = (g - chan).to(tl.int32)  # 32-bit division per symbol: 64-bit is a long software routine
         h = c // dim
         t = t0 + (i - j * width)
         step = (_token_scale(a_ptr, a_base, h, t, tokens, active) * tl.load(b_ptr + g, mask=active, other=1.0)).to(tl.float64)
