@@ -21,6 +21,11 @@ at token ``t0 + i % width`` (SPEC.md §10.3, ``group = 1``).  The ANS state
 machine is constriction's (``kvcodec/codecs/ans_reference.py``): u64 state,
 u32 words, 24-bit probabilities, one renormalisation step at most per symbol.
 
+Side information travels as a section stores it (float16 means, one-byte
+step codes and table indices; steps come from the 256-entry step table), so a
+decode holds little on the device beyond the compressed bytes, the output, the
+lane table and the channel order.
+
 Numerics follow SPEC.md §10.3 so the bytes and the decoded values equal the
 CPU path's: quantization and reconstruction in binary64 (the products there
 are exact, so fused and unfused evaluation agree), steps ``f32(a * b)``.
@@ -64,6 +69,7 @@ RADIX = tl.constexpr(255)
 HIST_BINS = tl.constexpr(256)  # symbol magnitudes 0..255; the codebook is symmetric
 TABLE_STRIDE = tl.constexpr(512)  # cumulative table row: 511 symbols + the total
 PRECISION = tl.constexpr(24)
+UNIT_STEP = tl.constexpr(128)  # the step code whose step is exactly 1
 SLOT_MASK = tl.constexpr((1 << 24) - 1)
 RENORM_SHIFT = tl.constexpr(64 - 24)  # a full state keeps its top 24 bits below the symbol's frequency
 # Adding and subtracting 1.5 * 2**52 rounds a binary64 of magnitude below 2**51 to the nearest integer,
@@ -81,12 +87,18 @@ def _quantize(x, mu, step):
 
 
 @triton.jit
-def _token_scale(a_ptr, a_base, h, t, tokens, mask):
-    """The values' per-token step factor where ``mask``, or 1 (idle elements, parts without token scales)."""
+def _token_scale(steps_ptr, a_ptr, a_base, h, t, tokens, mask):
+    """The values' per-token step factor where ``mask``, else 1 (idle elements, parts without token scales)."""
     # both sides vectors: the interpreter mishandles a scalar condition broadcast into a mask
     scaled = mask & (a_base + tl.zeros_like(t) >= 0)
-    a = tl.load(a_ptr + tl.maximum(a_base, 0) + h * tokens + t, mask=scaled, other=1.0)
-    return tl.where(scaled, a, 1.0)
+    code = tl.load(a_ptr + tl.maximum(a_base, 0) + h * tokens + t, mask=scaled, other=UNIT_STEP)
+    return tl.load(steps_ptr + code.to(tl.int32))
+
+
+@triton.jit
+def _channel_step(steps_ptr, b_ptr, g, mask):
+    """A channel's step where ``mask``, else 1."""
+    return tl.load(steps_ptr + tl.load(b_ptr + g, mask=mask, other=UNIT_STEP).to(tl.int32))
 
 
 @triton.jit
@@ -129,7 +141,7 @@ def stats_kernel(x_ptr, parts_ptr, sum_ptr, abs_ptr, tok_ptr, BLOCK_T: tl.conste
 
 
 @triton.jit
-def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, maxq_ptr, hist_ptr,
+def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, steps_ptr, maxq_ptr, hist_ptr,
                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Quantize a tile and record, per channel, the largest symbol magnitude and a histogram of
     magnitudes (clipped to 255): what the encoder needs to fix steps and choose tables.
@@ -146,8 +158,8 @@ def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, maxq_ptr, hist_ptr,
     mask = (t[:, None] < tokens) & (d[None, :] < dim)
     c = chan + h * dim + d
     x = tl.load(x_ptr + base + h * sh + t[:, None] * st + d[None, :] * sd, mask=mask, other=0.0)
-    a = _token_scale(a_ptr, a_base, h, t, tokens, t < tokens)
-    step = a[:, None] * tl.load(b_ptr + c, mask=d < dim, other=1.0)[None, :]
+    a = _token_scale(steps_ptr, a_ptr, a_base, h, t, tokens, t < tokens)
+    step = a[:, None] * _channel_step(steps_ptr, b_ptr, c, d < dim)[None, :]
     q = tl.abs(_quantize(x, tl.load(mu_ptr + c, mask=d < dim, other=0.0)[None, :], step))
     q = tl.where(mask, q, 0)
     tl.atomic_max(maxq_ptr + c, tl.minimum(tl.max(q, 0), 1 << 30).to(tl.int32), mask=d < dim, sem="relaxed")
@@ -157,7 +169,7 @@ def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, maxq_ptr, hist_ptr,
 
 
 @triton.jit
-def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, cum_ptr, mu_ptr, b_ptr, a_ptr,
+def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, cum_ptr, mu_ptr, b_ptr, a_ptr, steps_ptr,
                   scratch_ptr, nwords_ptr, num_lanes, max_symbols, capacity, BLOCK_L: tl.constexpr):
     """ANS-encode lanes straight from the KV tensor (quantizing on the fly, no symbol buffer).
     Lane ``l`` writes its words, in stream order, to ``scratch[l * capacity:]`` and their count to
@@ -186,7 +198,7 @@ def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, c
         h = c // dim
         t = t0 + (i - j * width)
         x = tl.load(x_ptr + base + h * sh + t * st + (c - h * dim) * sd, mask=active, other=0.0)
-        step = _token_scale(a_ptr, a_base, h, t, tokens, active) * tl.load(b_ptr + g, mask=active, other=1.0)
+        step = _token_scale(steps_ptr, a_ptr, a_base, h, t, tokens, active) * _channel_step(steps_ptr, b_ptr, g, active)
         sym = _quantize(x, tl.load(mu_ptr + g, mask=active, other=0.0), step) + RADIX
         entry = tl.load(table_ptr + g, mask=active, other=0).to(tl.int64) * TABLE_STRIDE + sym
         f = tl.load(freq_ptr + entry, mask=active, other=1).to(tl.uint64)
@@ -218,7 +230,7 @@ def compact_kernel(scratch_ptr, nwords_ptr, offsets_ptr, out_ptr, capacity, BLOC
 
 @triton.jit
 def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, table_ptr, cum_ptr,
-                  mu_ptr, b_ptr, a_ptr, rows_ptr, out_ptr, status_ptr, num_lanes, max_symbols,
+                  mu_ptr, b_ptr, a_ptr, steps_ptr, rows_ptr, out_ptr, status_ptr, num_lanes, max_symbols,
                   BLOCK_L: tl.constexpr):
     """ANS-decode lanes, dequantize and store each element in the output dtype at its place (contiguous
     or paged): no symbol buffer, nothing full-size but the output.  ``status[l]`` is 0 when lane ``l``
@@ -266,7 +278,8 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
         c = (g - chan).to(tl.int32)  # 32-bit division per symbol: 64-bit is a long software routine
         h = c // dim
         t = t0 + (i - j * width)
-        step = (_token_scale(a_ptr, a_base, h, t, tokens, active) * tl.load(b_ptr + g, mask=active, other=1.0)).to(tl.float64)
+        step = _token_scale(steps_ptr, a_ptr, a_base, h, t, tokens, active) * _channel_step(steps_ptr, b_ptr, g, active)
+        step = step.to(tl.float64)
         x = tl.load(mu_ptr + g, mask=active, other=0.0).to(tl.float64) + (s - RADIX).to(tl.float64) * step
         x = tl.where(active, x, 0.0)  # idle lanes compute garbage; keep it finite
         dst = out_base + h * sh + (c - h * dim) + tl.load(rows_ptr + rows + t, mask=active, other=0)

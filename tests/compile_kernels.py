@@ -19,13 +19,13 @@ from triton.compiler import ASTSource
 from kvcodec.kernels import cachegen as K
 
 ENCODE_TABLES = dict(x_ptr="*fp16", parts_ptr="*i64")
-SIDE = dict(mu_ptr="*fp32", b_ptr="*fp32", a_ptr="*fp32")
+SIDE = dict(mu_ptr="*fp16", b_ptr="*u8", a_ptr="*u8", steps_ptr="*fp32")
 # signature, constexprs, warps: as kvcodec/codecs/cachegen/device.py launches them (head_dim 128)
 KERNELS = {
     "stats_kernel": (dict(**ENCODE_TABLES, sum_ptr="*fp64", abs_ptr="*fp64", tok_ptr="*fp64"),
                      dict(BLOCK_T=64, BLOCK_D=128), 4),
     "range_kernel": (dict(**ENCODE_TABLES, **SIDE, maxq_ptr="*i32", hist_ptr="*i32"), dict(BLOCK_T=64, BLOCK_D=128), 4),
-    "encode_kernel": (dict(**ENCODE_TABLES, lanes_ptr="*i64", order_ptr="*i64", table_ptr="*i32", freq_ptr="*i32",
+    "encode_kernel": (dict(**ENCODE_TABLES, lanes_ptr="*i64", order_ptr="*i32", table_ptr="*u8", freq_ptr="*i32",
                            cum_ptr="*i32", **SIDE, scratch_ptr="*u32", nwords_ptr="*i64", num_lanes="i32",
                            max_symbols="i32", capacity="i32"), dict(BLOCK_L=32), 1),
     "compact_kernel": (dict(scratch_ptr="*u32", nwords_ptr="*i64", offsets_ptr="*i64", out_ptr="*u32", capacity="i32"),
@@ -33,8 +33,8 @@ KERNELS = {
 }
 for out in ("fp16", "bf16", "fp32"):
     KERNELS[f"decode_kernel:{out}"] = (
-        dict(words_ptr="*u32", lanes_ptr="*i64", lane_words_ptr="*i64", parts_ptr="*i64", order_ptr="*i64",
-             table_ptr="*i32", cum_ptr="*i32", **SIDE, rows_ptr="*i64", out_ptr=f"*{out}", status_ptr="*i32",
+        dict(words_ptr="*u32", lanes_ptr="*i64", lane_words_ptr="*i64", parts_ptr="*i64", order_ptr="*i32",
+             table_ptr="*u8", cum_ptr="*i32", **SIDE, rows_ptr="*i64", out_ptr=f"*{out}", status_ptr="*i32",
              num_lanes="i32", max_symbols="i32"), dict(BLOCK_L=32), 1)
 
 # rounding the format depends on (SPEC.md §10.3); unrounded fp32 arithmetic never feeds an addition

@@ -80,7 +80,7 @@ def _lanes(codec: CacheGen, shapes: list[tuple[int, int, int]], sides: list[Side
     if lengths is not None and len(k):
         words[1:] = np.cumsum(np.concatenate(lengths))[:-1]
     table = np.stack([p, chan_base[p] + c0, np.minimum(lc, channels[p] - c0), t0, np.minimum(lt, tokens[p] - t0), words], 1)
-    return table.astype(np.int64).reshape(-1, 6), order.astype(np.int64)
+    return table.astype(np.int64).reshape(-1, 6), order.astype(np.int32)
 
 
 def _put(arr: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -88,17 +88,22 @@ def _put(arr: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _side_arrays(sides: list[Side], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Means and channel steps (float32, concatenated over parts), token steps, and each part's token-step offset."""
-    mu = np.concatenate([s.mu.astype(np.float32) for s in sides])
-    b = np.concatenate([STEPS[s.b_code] for s in sides])
+    """Means (float16), channel step codes and token step codes (uint8), concatenated over parts as the
+    section stores them, and each part's offset into the token codes (-1: none)."""
     a, a_base, at = [], [], 0
     for s in sides:
         a_base.append(at if s.a_code is not None else -1)
         if s.a_code is not None:
-            a.append(STEPS[s.a_code])
+            a.append(s.a_code)
             at += len(s.a_code)
-    a_all = np.concatenate(a) if a else np.ones(1, np.float32)
-    return _put(mu, device), _put(b, device), _put(a_all, device), a_base
+    return (_put(np.concatenate([s.mu for s in sides]).astype(np.float16), device),
+            _put(np.concatenate([s.b_code for s in sides]), device),
+            _put(np.concatenate(a) if a else np.zeros(1, np.uint8), device), a_base)
+
+
+@functools.lru_cache(maxsize=8)
+def _steps(device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(STEPS).to(device)
 
 
 class TritonEngine:
@@ -143,7 +148,7 @@ class TritonEngine:
         worst = torch.zeros(self.channels, dtype=torch.int32, device=self.device)
         hist = torch.zeros(self.channels, RADIX + 1, dtype=torch.int32, device=self.device)
         grid = (len(self.xs), self.grid_heads, -(-self.max_tokens // BLOCK_TOKENS))
-        self.k.range_kernel[grid](self.xs[0], self.parts, mu, b, a, worst, hist,
+        self.k.range_kernel[grid](self.xs[0], self.parts, mu, b, a, _steps(self.device), worst, hist,
                                   BLOCK_T=BLOCK_TOKENS, BLOCK_D=self.block_d)
         table = tables_from_histogram(hist).cpu().numpy()
         worst = worst.cpu().numpy().astype(np.int64)
@@ -156,7 +161,7 @@ class TritonEngine:
     def encode_lanes(self, sides: list[Side]) -> list[tuple[np.ndarray, bytes]]:
         lanes, order = _lanes(self.codec, self.shapes, sides)
         mu, b, a, _ = _side_arrays(sides, self.device)
-        table = torch.from_numpy(np.concatenate([s.table for s in sides]).astype(np.int32)).to(self.device)
+        table = _put(np.concatenate([s.table for s in sides]), self.device)
         freq, cum = _coding_tables(self.device)
         max_symbols = int((lanes[:, 2] * lanes[:, 4]).max())
         # each symbol costs at most 24 bits and each word carries 32, plus the two flushed words
@@ -166,7 +171,7 @@ class TritonEngine:
         lanes_dev = torch.from_numpy(lanes).to(self.device)
         block = _lane_block(len(lanes))
         self.k.encode_kernel[(-(-len(lanes) // block),)](
-            self.xs[0], self.parts, lanes_dev, torch.from_numpy(order).to(self.device), table, freq, cum, mu, b, a,
+            self.xs[0], self.parts, lanes_dev, _put(order, self.device), table, freq, cum, mu, b, a, _steps(self.device),
             scratch, nwords, len(lanes), max_symbols, capacity, BLOCK_L=block, num_warps=1)
         counts = nwords.cpu().numpy()
         if (counts > capacity).any():
@@ -261,8 +266,8 @@ class DecodeLaunch:
         self.block = _lane_block(self.num_lanes)
         self.args = (put(words), put(lanes), put(np.concatenate([p.lengths for p in parts])),
                      put(np.array(part_rows, np.int64)), put(order),
-                     put(np.concatenate([s.table for s in sides]).astype(np.int32)), _coding_tables(device)[1],
-                     mu, b, a, torch.cat([t.rows.to(device=device, dtype=torch.int64) for t in targets]),
+                     put(np.concatenate([s.table for s in sides])), _coding_tables(device)[1],
+                     mu, b, a, _steps(device), torch.cat([t.rows.to(device=device, dtype=torch.int64) for t in targets]),
                      targets[0].tensor, self.status, self.num_lanes, int((lanes[:, 2] * lanes[:, 4]).max()))
 
     def run(self) -> None:
