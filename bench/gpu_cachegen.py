@@ -254,9 +254,9 @@ def main() -> int:
         f"`cachegen:level={ARGS.level}`, GB/s of float16 KV (median of up to {timer.repeat} runs, at least 3, about 5 s "
         "per measurement)")
     say("")
-    say("| tokens | lanes | fp16 MB | bits/elem | encode | decode (from host bytes) | decode kernel | peak extra MB | "
+    say("| tokens | lanes | fp16 MB | bits/elem | encode | decode (from host bytes) | decode kernel | staged MB | peak extra MB | "
         "torch quant | torch dequant | D2D copy | nvCOMP ANS enc | nvCOMP ANS dec | nvCOMP bits/symbol |")
-    say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for tokens, (lane_channels, lane_tokens) in ((t, g) for t in token_list for g in geometries):
         codec = kvcodec.get_codec("cachegen", level=ARGS.level, lane_channels=lane_channels, lane_tokens=lane_tokens)
         baselines = (lane_channels, lane_tokens) == geometries[0]  # once per size
@@ -281,6 +281,7 @@ def main() -> int:
             rows = torch.arange(t, device=device) * d
             targets = [Target(out, i * h * t * d, t * d, rows) for i in range(len(parts))]
             launch = DecodeLaunch(codec, parts, targets)
+            staged = sum(a.numel() * a.element_size() for a in launch.args[1:] if isinstance(a, torch.Tensor) and a is not out)
             t_kernel = timer(launch.run)
             decoded = [x for pair in codec.decode_layers(sections, ctxs) for x in pair]
             staged = out.view(len(parts), h, t, d)
@@ -309,14 +310,15 @@ def main() -> int:
                 cells = [gbs(t_q), gbs(t_dq), gbs(t_copy), *nv_cells]
                 del flat, dst, symbols
             say(f"| {tokens} | {lane_channels}x{lane_tokens} | {size / 1e6:.1f} | {bits:.3f} | {gbs(t_enc)} | {gbs(t_dec)} | "
-                f"{gbs(t_kernel)} | {peak} | {' | '.join(cells)} |")
+                f"{gbs(t_kernel)} | {staged / 1e6:.2f} | {peak} | {' | '.join(cells)} |")
             del pairs, out
         except Exception:  # noqa: BLE001 - report and go on to the next size
             failures.append(f"{tokens} tokens, lanes {lane_channels}x{lane_tokens}: {traceback.format_exc(limit=3)}")
-            say(f"| {tokens} | {lane_channels}x{lane_tokens} | failed, see below | | | | | | | | | | | |")
+            say(f"| {tokens} | {lane_channels}x{lane_tokens} | failed, see below | | | | | | | | | | | | |")
     say("")
-    say("Peak extra MB: device memory allocated during a decode beyond the float16 output and the compressed "
-        "bytes (staged side information, lane tables, status).")
+    say("Staged MB: what a decode launch holds on the device besides the lane words and the output (side information "
+        "as stored, lane table, channel order, row offsets, status). Peak extra MB: device memory allocated during a "
+        "whole decode_layers call beyond the float16 output and the compressed bytes.")
     if failures:
         say("")
         say("## FAILURES")
