@@ -281,7 +281,7 @@ def main() -> int:
             rows = torch.arange(t, device=device) * d
             targets = [Target(out, i * h * t * d, t * d, rows) for i in range(len(parts))]
             launch = DecodeLaunch(codec, parts, targets)
-            staged = sum(a.numel() * a.element_size() for a in launch.args[1:] if isinstance(a, torch.Tensor) and a is not out)
+            staged_bytes = sum(a.numel() * a.element_size() for a in launch.args[1:] if isinstance(a, torch.Tensor) and a is not out)
             t_kernel = timer(launch.run)
             decoded = [x for pair in codec.decode_layers(sections, ctxs) for x in pair]
             staged = out.view(len(parts), h, t, d)
@@ -310,7 +310,7 @@ def main() -> int:
                 cells = [gbs(t_q), gbs(t_dq), gbs(t_copy), *nv_cells]
                 del flat, dst, symbols
             say(f"| {tokens} | {lane_channels}x{lane_tokens} | {size / 1e6:.1f} | {bits:.3f} | {gbs(t_enc)} | {gbs(t_dec)} | "
-                f"{gbs(t_kernel)} | {staged / 1e6:.2f} | {peak} | {' | '.join(cells)} |")
+                f"{gbs(t_kernel)} | {staged_bytes / 1e6:.2f} | {peak} | {' | '.join(cells)} |")
             del pairs, out
         except Exception:  # noqa: BLE001 - report and go on to the next size
             failures.append(f"{tokens} tokens, lanes {lane_channels}x{lane_tokens}: {traceback.format_exc(limit=3)}")
