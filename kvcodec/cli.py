@@ -272,14 +272,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvcodec.evaluate import measure_throughput
 
     torch.set_num_threads(args.threads)
-    kv = kvcodec.KVCache.load_safetensors(args.input)
+    kv = kvcodec.KVCache.load_safetensors(args.input).to(_device(args.device))
     rows, out = [], []
     for spec in args.codec or ["raw", "kivi:bits=4"]:
-        r = {"codec": spec, **measure_throughput(kv, parse_codec(spec), args.repeat, args.chunk_tokens).to_dict()}
+        r = {"codec": spec, **measure_throughput(kv, parse_codec(spec), args.repeat, args.chunk_tokens,
+                                                 args.backend).to_dict()}
         out.append(r)
         rows.append([spec, f"{r['bits_per_element']:.3f}", f"{r['encode_MBps']:.0f}", f"{r['decode_MBps']:.0f}",
                      f"{r['encode_Melem_s']:.1f}", f"{r['decode_Melem_s']:.1f}"])
-    lines = [f"{args.input}: {kv}, {_mb(kv.nbytes)}; median of {args.repeat} runs on {args.threads} thread(s)", ""]
+    lines = [f"{args.input}: {kv}, {_mb(kv.nbytes)}; median of {args.repeat} runs on {args.threads} thread(s), "
+             f"device {args.device}", ""]
     lines += _table(["codec", "bits/elem", "enc MB/s", "dec MB/s", "enc Melem/s", "dec Melem/s"], rows)
     _emit(args, {"input": args.input, "threads": args.threads, "rows": out}, lines)
     return EXIT_OK
@@ -414,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--repeat", type=int, default=3, help="runs per codec (default: 3)")
     sp.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
+    add_device_options(sp, "encode and decode on")
 
     sp = command("profile", cmd_profile, "measure a model's channel-importance profile for cachegen",
                  "Run a model over a calibration text and record, per layer, the RMS of the queries on each key\n"

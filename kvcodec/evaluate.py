@@ -118,14 +118,19 @@ class Throughput:
                 "encode_Melem_s": self.elements / self.encode_s / 1e6, "decode_Melem_s": self.elements / self.decode_s / 1e6}
 
 
-def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens: int = 256) -> Throughput:
-    """Encode and decode ``kv`` ``repeat`` times through the container; median wall times."""
+def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens: int = 256,
+                       backend: str = "auto") -> Throughput:
+    """Encode and decode ``kv`` ``repeat`` times through the container, on ``kv``'s device; median wall times
+    (a CUDA device is synchronised before each clock reading)."""
+    sync = torch.cuda.synchronize if kv.device.type == "cuda" else (lambda: None)
     enc, dec = [], []
     for _ in range(repeat):
+        sync()
         t0 = time.perf_counter()
-        blob = encode(kv, codec, chunk_tokens=chunk_tokens)
+        blob = encode(kv, codec, chunk_tokens=chunk_tokens, backend=backend)
         t1 = time.perf_counter()
-        decode(blob)
+        decode(blob, device=kv.device, backend=backend)
+        sync()
         dec.append(time.perf_counter() - t1)
         enc.append(t1 - t0)
     return Throughput(len(blob), 8 * len(blob) / kv.num_elements, statistics.median(enc), statistics.median(dec),
