@@ -167,12 +167,15 @@ class CacheGen(Codec):
         return self.encode_layers([(keys, values)], [ctx])[0]
 
     def encode_layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> list[bytes]:
+        engine_class = self._engine(ctxs[0], layers[0][0].device)
+        if engine_class is CpuEngine and len(layers) > 1:  # nothing to gain on a CPU, and memory to lose
+            return [self.encode_layers([pair], [ctx])[0] for pair, ctx in zip(layers, ctxs)]
         # Every layer of a chunk at once: on a GPU each pass is then one launch over all of them.
         xs = [x for pair in layers for x in pair]
         for x in xs:
             if not bool(torch.isfinite(x).all()):
                 raise InvalidInputError("cachegen cannot encode non-finite values (NaN or inf)")
-        engine = self._engine(ctxs[0], xs[0].device)(self, xs)
+        engine = engine_class(self, xs)
         stats = engine.stats()
         sides = []
         for i, ctx in enumerate(ctxs):
