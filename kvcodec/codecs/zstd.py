@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import zstandard
 
 from kvcodec.codecs.base import Codec, LayerContext
 from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
@@ -45,6 +44,8 @@ class Zstd(Codec):
         return {"level": self.level}
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
+        import zstandard  # on use: importing kvcodec should not need every baseline's library
+
         cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True, write_checksum=False,
                                         write_dict_id=False, threads=0)
         return cctx.compress(tensor_bytes(keys) + tensor_bytes(values))
@@ -55,6 +56,8 @@ class Zstd(Codec):
         expected = nk + s.heads * s.tokens * s.value_dim * item
         if bytes(data[:4]) != FRAME_MAGIC:
             raise CorruptDataError("zstd section does not start with a zstd frame")
+        import zstandard
+
         try:
             params = zstandard.get_frame_parameters(data)
         except zstandard.ZstdError as e:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One run on a lent GPU machine (the `device` tool): install kvcodec and the wheels its image lacks, run a GPU
+# bench, and leave its table and log in $OUT.  The image has torch and triton but not constriction, zstandard,
+# av or PyNvVideoCodec, and cannot download; fetch their cp312 wheels here first (scripts/gpu_wheels.sh).
+#
+#   device run:  bash scripts/gpu_check.sh cachegen [bench options]     carry: .whl, .cache/test-kv
+#                bash scripts/gpu_check.sh kvfetcher [bench options]    carry: .whl
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bench=${1:?usage: gpu_check.sh cachegen|kvfetcher [bench options]}
+shift
+out=${OUT:-/tmp/kvcodec-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/kvcodec-site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$PYTHONPATH" \
+    .whl/"$bench"/*.whl
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$PYTHONPATH" .
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+status=0
+python3 "bench/gpu_$bench.py" "$@" 2>&1 | tee "$out/gpu_$bench.log" || status=$?
+cp "bench/results/gpu_$bench.md" "$out/" 2>/dev/null || true
+exit "$status"
