@@ -68,6 +68,8 @@ L_FIELDS = tl.constexpr(6)
 RADIX = tl.constexpr(255)
 HIST_BINS = tl.constexpr(256)  # symbol magnitudes 0..255; the codebook is symmetric
 TABLE_STRIDE = tl.constexpr(512)  # cumulative table row: 511 symbols + the total
+BUCKET_SHIFT = tl.constexpr(12)  # 2**12 buckets of the 2**24 slots per table (tables.slot_buckets)
+LUT_STRIDE = tl.constexpr(4097)
 PRECISION = tl.constexpr(24)
 UNIT_STEP = tl.constexpr(128)  # the step code whose step is exactly 1
 SLOT_MASK = tl.constexpr((1 << 24) - 1)
@@ -229,7 +231,7 @@ def compact_kernel(scratch_ptr, nwords_ptr, offsets_ptr, out_ptr, capacity, BLOC
 
 
 @triton.jit
-def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, table_ptr, cum_ptr,
+def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, table_ptr, cum_ptr, lut_ptr,
                   mu_ptr, b_ptr, a_ptr, steps_ptr, rows_ptr, out_ptr, status_ptr, num_lanes, max_symbols,
                   BLOCK_L: tl.constexpr):
     """ANS-decode lanes, dequantize and store each element in the output dtype at its place (contiguous
@@ -261,13 +263,19 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
         active = i < count
         j = i // width
         g = tl.load(order_ptr + first + j, mask=active, other=0)
-        tab = tl.load(table_ptr + g, mask=active, other=0).to(tl.int64) * TABLE_STRIDE
+        table = tl.load(table_ptr + g, mask=active, other=0).to(tl.int64)
+        tab = table * TABLE_STRIDE
         slot = state & SLOT_MASK
-        s = tl.zeros([BLOCK_L], dtype=tl.int64)
-        for bit in tl.static_range(8, -1, -1):  # binary search: the last s with cum[s] <= slot
-            probe = s + (1 << bit)
-            s = tl.where(tl.load(cum_ptr + tab + probe, mask=active, other=1 << 30).to(tl.uint64) <= slot,
-                         probe, s)
+        # the symbol of the slot: the last s with cum[s] <= slot.  The slot's bucket bounds it to
+        # [lut[b], lut[b + 1]], nearly always one symbol; a binary search covers the rest (the tails)
+        bucket = table * LUT_STRIDE + (slot >> BUCKET_SHIFT).to(tl.int64)
+        s = tl.load(lut_ptr + bucket, mask=active, other=0).to(tl.int64)
+        size = tl.where(active, tl.load(lut_ptr + bucket + 1, mask=active, other=0).to(tl.int64) - s + 1, 1)
+        while tl.max(size, 0) > 1:
+            half = size // 2
+            right = tl.load(cum_ptr + tab + s + half, mask=active & (half > 0), other=0).to(tl.uint64) <= slot
+            s = tl.where(right, s + half, s)
+            size = tl.where(right, size - half, half)
         lo = tl.load(cum_ptr + tab + s, mask=active, other=0).to(tl.uint64)
         hi = tl.load(cum_ptr + tab + s + 1, mask=active, other=1).to(tl.uint64)
         state = tl.where(active, (state >> PRECISION) * (hi - lo) + (slot - lo), state)

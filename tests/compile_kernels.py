@@ -34,7 +34,7 @@ KERNELS = {
 for out in ("fp16", "bf16", "fp32"):
     KERNELS[f"decode_kernel:{out}"] = (
         dict(words_ptr="*u32", lanes_ptr="*i64", lane_words_ptr="*i64", parts_ptr="*i64", order_ptr="*i32",
-             table_ptr="*u8", cum_ptr="*i32", **SIDE, rows_ptr="*i64", out_ptr=f"*{out}", status_ptr="*i32",
+             table_ptr="*u8", cum_ptr="*i32", lut_ptr="*i16", **SIDE, rows_ptr="*i64", out_ptr=f"*{out}", status_ptr="*i32",
              num_lanes="i32", max_symbols="i32"), dict(BLOCK_L=32), 1)
 
 # rounding the format depends on (SPEC.md §10.3); unrounded fp32 arithmetic never feeds an addition

@@ -16,7 +16,7 @@ import torch
 
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, tables_from_histogram, with_sinks
-from kvcodec.codecs.cachegen.tables import RADIX, STEPS, codebook, cumulative
+from kvcodec.codecs.cachegen.tables import RADIX, STEPS, codebook, cumulative, slot_buckets
 from kvcodec.errors import CorruptDataError, InvalidInputError
 
 BLOCK_LANES = 32  # lanes per program on a GPU: one warp, one lane per thread
@@ -40,12 +40,13 @@ def _kernels():
 
 
 @functools.lru_cache(maxsize=8)
-def _coding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frequencies and left cumulatives, ``[48, 512]`` int32 each, on ``device``."""
+def _coding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Frequencies and left cumulatives, ``[48, 512]`` int32 each, and the slot buckets, on ``device``."""
     cum = cumulative()
     freq = np.zeros_like(cum)
     freq[:, :-1] = codebook()
-    return (torch.from_numpy(freq.astype(np.int32)).to(device), torch.from_numpy(cum.astype(np.int32)).to(device))
+    return (torch.from_numpy(freq.astype(np.int32)).to(device), torch.from_numpy(cum.astype(np.int32)).to(device),
+            torch.from_numpy(slot_buckets()).to(device))
 
 
 def _offsets(tensors: list[torch.Tensor]) -> list[int]:
@@ -162,7 +163,7 @@ class TritonEngine:
         lanes, order = _lanes(self.codec, self.shapes, sides)
         mu, b, a, _ = _side_arrays(sides, self.device)
         table = _put(np.concatenate([s.table for s in sides]), self.device)
-        freq, cum = _coding_tables(self.device)
+        freq, cum, _ = _coding_tables(self.device)
         max_symbols = int((lanes[:, 2] * lanes[:, 4]).max())
         # each symbol costs at most 24 bits and each word carries 32, plus the two flushed words
         capacity = (3 * max_symbols) // 4 + 4
@@ -266,7 +267,7 @@ class DecodeLaunch:
         self.block = _lane_block(self.num_lanes)
         self.args = (put(words), put(lanes), put(np.concatenate([p.lengths for p in parts])),
                      put(np.array(part_rows, np.int64)), put(order),
-                     put(np.concatenate([s.table for s in sides])), _coding_tables(device)[1],
+                     put(np.concatenate([s.table for s in sides])), *_coding_tables(device)[1:],
                      mu, b, a, _steps(device), torch.cat([t.rows.to(device=device, dtype=torch.int64) for t in targets]),
                      targets[0].tensor, self.status, self.num_lanes, int((lanes[:, 2] * lanes[:, 4]).max()))
 

@@ -108,3 +108,18 @@ def cumulative() -> np.ndarray:
     what a decoder searches to find the symbol of a slot."""
     cb = codebook().astype(np.int64)
     return np.concatenate([np.zeros((NUM_TABLES, 1), np.int64), np.cumsum(cb, 1)], 1)
+
+
+BUCKET_BITS = 12
+
+
+@functools.lru_cache(maxsize=1)
+def slot_buckets() -> np.ndarray:
+    """Per table, the symbol whose slots hold the start of each of ``2**BUCKET_BITS`` equal buckets of the
+    ``2**PRECISION`` slots, then the last symbol: ``[NUM_TABLES, 2**BUCKET_BITS + 1]`` int16.  A slot in
+    bucket ``b`` decodes to a symbol in ``[lut[b], lut[b + 1]]``, nearly always a single one, so a GPU
+    decoder needs one lookup where a binary search over the table needs nine dependent loads."""
+    starts = np.arange(1 << BUCKET_BITS, dtype=np.int64) << (PRECISION - BUCKET_BITS)
+    cum = cumulative()
+    lut = [np.searchsorted(cum[j], starts, side="right") - 1 for j in range(NUM_TABLES)]
+    return np.concatenate([np.array(lut), np.full((NUM_TABLES, 1), ALPHABET - 1)], 1).astype(np.int16)
