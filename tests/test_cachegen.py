@@ -169,3 +169,19 @@ def test_non_finite_input_is_rejected():
     kv = kvcodec.KVCache([(torch.tensor([[[1.0, float("nan")]]]), torch.ones(1, 1, 2))])
     with pytest.raises(kvcodec.InvalidInputError):
         kvcodec.encode(kv, "cachegen")
+
+
+def test_codebook_is_symmetric_so_tables_can_be_chosen_from_magnitudes():
+    cb = tables.codebook()
+    assert np.array_equal(cb[:, :tables.RADIX], cb[:, tables.RADIX + 1:][:, ::-1])
+
+
+def test_slot_buckets_bound_every_symbol():
+    """The decoder's bucket table: a slot's symbol lies in [lut[b], lut[b + 1]] for its bucket b."""
+    cum, lut = tables.cumulative(), tables.slot_buckets().astype(np.int64)
+    rng = np.random.default_rng(0)
+    slots = np.concatenate([rng.integers(0, 1 << 24, 20000), (np.arange(4096) << 12), (np.arange(1, 4097) << 12) - 1])
+    for j in range(tables.NUM_TABLES):
+        symbol = np.searchsorted(cum[j], slots, side="right") - 1
+        b = slots >> (tables.PRECISION - tables.BUCKET_BITS)
+        assert (lut[j, b] <= symbol).all() and (symbol <= lut[j, b + 1]).all()
