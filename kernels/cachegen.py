@@ -116,6 +116,19 @@ def _to_output(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _lanes(lanes_ptr, num_lanes, BLOCK_L: tl.constexpr):
+    """This program's lanes: index, liveness, part, first channel-order entry, channels, first token, width."""
+    lane = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    live = lane < num_lanes
+    info = lanes_ptr + lane * L_FIELDS
+    p = tl.load(info + L_PART, mask=live, other=0)
+    first, channels = tl.load(info + L_ORDER, mask=live, other=0), tl.load(info + L_CHANNELS, mask=live, other=0)
+    t0 = tl.load(info + L_T0, mask=live, other=0)
+    width = tl.load(info + L_WIDTH, mask=live, other=1).to(tl.int32)
+    return lane, live, p, first, channels, t0, width
+
+
+@triton.jit
 def stats_kernel(x_ptr, parts_ptr, sum_ptr, abs_ptr, tok_ptr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per channel the binary64 sum and absolute sum over tokens; per (head, token) the absolute sum over
     the head's channels (parts with token scales).  Grid: (parts, heads)."""
@@ -176,13 +189,7 @@ def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, c
     """ANS-encode lanes straight from the KV tensor (quantizing on the fly, no symbol buffer).
     Lane ``l`` writes its words, in stream order, to ``scratch[l * capacity:]`` and their count to
     ``nwords[l]`` (``capacity + 1`` flags an overflow).  Grid: lane blocks."""
-    lane = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    live = lane < num_lanes
-    info = lanes_ptr + lane * L_FIELDS
-    p = tl.load(info + L_PART, mask=live, other=0)
-    first, channels = tl.load(info + L_ORDER, mask=live, other=0), tl.load(info + L_CHANNELS, mask=live, other=0)
-    t0 = tl.load(info + L_T0, mask=live, other=0)
-    width = tl.load(info + L_WIDTH, mask=live, other=1).to(tl.int32)
+    lane, live, p, first, channels, t0, width = _lanes(lanes_ptr, num_lanes, BLOCK_L)
     row = parts_ptr + p * E_FIELDS
     base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
     chan, tokens, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_A)
@@ -237,14 +244,8 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
     """ANS-decode lanes, dequantize and store each element in the output dtype at its place (contiguous
     or paged): no symbol buffer, nothing full-size but the output.  ``status[l]`` is 0 when lane ``l``
     ended exactly at the start of its words with state 0, as a valid stream must.  Grid: lane blocks."""
-    lane = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    live = lane < num_lanes
-    info = lanes_ptr + lane * L_FIELDS
-    p = tl.load(info + L_PART, mask=live, other=0)
-    first, channels = tl.load(info + L_ORDER, mask=live, other=0), tl.load(info + L_CHANNELS, mask=live, other=0)
-    t0 = tl.load(info + L_T0, mask=live, other=0)
-    width = tl.load(info + L_WIDTH, mask=live, other=1).to(tl.int32)
-    start = tl.load(info + L_WORDS, mask=live, other=0)
+    lane, live, p, first, channels, t0, width = _lanes(lanes_ptr, num_lanes, BLOCK_L)
+    start = tl.load(lanes_ptr + lane * L_FIELDS + L_WORDS, mask=live, other=0)
     row = parts_ptr + p * D_FIELDS
     out_base, sh, rows = tl.load(row + D_OUT), tl.load(row + D_SH), tl.load(row + D_ROWS)
     chan, tokens, a_base = tl.load(row + D_CHAN), tl.load(row + D_T), tl.load(row + D_A)
