@@ -67,6 +67,8 @@ L_FIELDS = tl.constexpr(6)
 
 RADIX = tl.constexpr(255)
 HIST_BINS = tl.constexpr(256)  # symbol magnitudes 0..255; the codebook is symmetric
+NUM_TABLES = tl.constexpr(48)
+TABLE_GROUP = tl.constexpr(16)
 TABLE_STRIDE = tl.constexpr(512)  # cumulative table row: 511 symbols + the total
 BUCKET_SHIFT = tl.constexpr(12)  # 2**12 buckets of the 2**24 slots per table (tables.slot_buckets)
 LUT_STRIDE = tl.constexpr(4097)
@@ -156,31 +158,48 @@ def stats_kernel(x_ptr, parts_ptr, sum_ptr, abs_ptr, tok_ptr, BLOCK_T: tl.conste
 
 
 @triton.jit
-def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, steps_ptr, maxq_ptr, hist_ptr,
-                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Quantize a tile and record, per channel, the largest symbol magnitude and a histogram of
-    magnitudes (clipped to 255): what the encoder needs to fix steps and choose tables.
-    Grid: (parts, heads, token tiles)."""
+def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, steps_ptr, lengths_ptr, maxq_ptr, table_ptr,
+                 BLOCK_T: tl.constexpr):
+    """Quantize one channel's tokens and record the largest symbol magnitude and the codebook table that
+    codes the symbols in the fewest bits: a histogram of magnitudes (the codebook is symmetric) against
+    code lengths in 1/65536 bit, summed exactly in 64-bit integers, first table on a tie (as the CPU
+    path's float64 matrix product, exact at these sizes).  No atomics, nothing per bin in memory.
+    Grid: (parts, channels)."""
     p = tl.program_id(0)
-    h = tl.program_id(1)
+    c = tl.program_id(1)
     row = parts_ptr + p * E_FIELDS
     base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
     chan, tokens, dim, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_D), tl.load(row + E_A)
-    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    if (h >= tl.load(row + E_H)) | (tl.program_id(2) * BLOCK_T >= tokens):
+    if c >= tl.load(row + E_H) * dim:
         return
-    d = tl.arange(0, BLOCK_D)
-    mask = (t[:, None] < tokens) & (d[None, :] < dim)
-    c = chan + h * dim + d
-    x = tl.load(x_ptr + base + h * sh + t[:, None] * st + d[None, :] * sd, mask=mask, other=0.0)
-    a = _token_scale(steps_ptr, a_ptr, a_base, h, t, tokens, t < tokens)
-    step = a[:, None] * _channel_step(steps_ptr, b_ptr, c, d < dim)[None, :]
-    q = tl.abs(_quantize(x, tl.load(mu_ptr + c, mask=d < dim, other=0.0)[None, :], step))
-    q = tl.where(mask, q, 0)
-    tl.atomic_max(maxq_ptr + c, tl.minimum(tl.max(q, 0), 1 << 30).to(tl.int32), mask=d < dim, sem="relaxed")
-    bins = tl.minimum(q, HIST_BINS - 1).to(tl.int32)
-    tl.atomic_add(hist_ptr + c[None, :].to(tl.int64) * HIST_BINS + bins, tl.full(bins.shape, 1, tl.int32),
-                  mask=mask, sem="relaxed")
+    h = c // dim
+    g = chan + c
+    mu = tl.load(mu_ptr + g)
+    b = tl.load(steps_ptr + tl.load(b_ptr + g).to(tl.int32))
+    hist = tl.zeros([HIST_BINS], dtype=tl.int32)
+    worst = tl.zeros([BLOCK_T], dtype=tl.int64)
+    for t0 in range(0, tokens, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        m = t < tokens
+        x = tl.load(x_ptr + base + h * sh + t * st + (c - h * dim) * sd, mask=m, other=0.0)
+        q = tl.abs(_quantize(x, mu, _token_scale(steps_ptr, a_ptr, a_base, h, t, tokens, m) * b))
+        q = tl.where(m, q, 0)
+        worst = tl.maximum(worst, q)
+        hist += tl.histogram(tl.minimum(q, HIST_BINS - 1).to(tl.int32), HIST_BINS)
+    bins = tl.arange(0, HIST_BINS)
+    padding = tl.cdiv(tokens, BLOCK_T) * BLOCK_T - tokens  # the tile's idle tokens, counted as magnitude 0
+    counts = (hist - tl.where(bins == 0, padding, 0)).to(tl.int64)
+    best = tl.full([], 1 << 62, tl.int64)
+    best_table = 0
+    for j0 in tl.static_range(0, NUM_TABLES, TABLE_GROUP):  # a [magnitudes, tables] tile at a time
+        j = j0 + tl.arange(0, TABLE_GROUP)
+        cost = tl.sum(counts[:, None] * tl.load(lengths_ptr + bins[:, None] * NUM_TABLES + j[None, :]).to(tl.int64), 0)
+        low = tl.min(cost, 0)
+        better = low < best  # strictly: the first table wins a tie
+        best_table = tl.where(better, j0 + tl.argmin(cost, 0, tie_break_left=True), best_table)
+        best = tl.where(better, low, best)
+    tl.store(maxq_ptr + g, tl.minimum(tl.max(worst, 0), 1 << 30).to(tl.int32))
+    tl.store(table_ptr + g, best_table.to(tl.uint8))
 
 
 @triton.jit

@@ -24,7 +24,8 @@ SIDE = dict(mu_ptr="*fp16", b_ptr="*u8", a_ptr="*u8", steps_ptr="*fp32")
 KERNELS = {
     "stats_kernel": (dict(**ENCODE_TABLES, sum_ptr="*fp64", abs_ptr="*fp64", tok_ptr="*fp64"),
                      dict(BLOCK_T=64, BLOCK_D=128), 4),
-    "range_kernel": (dict(**ENCODE_TABLES, **SIDE, maxq_ptr="*i32", hist_ptr="*i32"), dict(BLOCK_T=64, BLOCK_D=128), 4),
+    "range_kernel": (dict(**ENCODE_TABLES, **SIDE, lengths_ptr="*i32", maxq_ptr="*i32", table_ptr="*u8"),
+                     dict(BLOCK_T=64), 4),
     "encode_kernel": (dict(**ENCODE_TABLES, lanes_ptr="*i64", order_ptr="*i32", table_ptr="*u8", freq_ptr="*i32",
                            cum_ptr="*i32", **SIDE, scratch_ptr="*u32", nwords_ptr="*i64", num_lanes="i32",
                            max_symbols="i32", capacity="i32"), dict(BLOCK_L=32), 1),

@@ -38,7 +38,7 @@ def _encode(kv, backend, **config):
     return kvcodec.encode(kv, "cachegen", chunk_tokens=24, backend=backend, **{**SMALL_LANES, **config})
 
 
-@pytest.mark.parametrize("config", [dict(level=2), dict(level=0, profile="none"), dict(level=4, sink_tokens=0)])
+@pytest.mark.parametrize("config", [dict(level=2), dict(level=0, profile="none", sink_tokens=0)])
 def test_kernel_bytes_equal_the_cpu_path(tiny, config):
     assert _encode(tiny, "triton", **config) == _encode(tiny, "cpu", **config)
 
@@ -53,7 +53,7 @@ def test_kernel_decode_equals_cpu_decode(tiny, dtype):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(layer=st.integers(0, 29), start=st.integers(0, 480), tokens=st.integers(1, 32), level=st.integers(0, 4),
        lane_channels=st.integers(1, 12), lane_tokens=st.integers(1, 12), sink_tokens=st.integers(0, 2),
        dtype=st.sampled_from([torch.float16, torch.bfloat16]))

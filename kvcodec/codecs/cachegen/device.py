@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import LayerContext
-from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, tables_from_histogram, with_sinks
-from kvcodec.codecs.cachegen.tables import RADIX, STEPS, codebook, cumulative, slot_buckets
+from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, with_sinks
+from kvcodec.codecs.cachegen.tables import STEPS, code_lengths_fixed, codebook, cumulative, slot_buckets
 from kvcodec.errors import CorruptDataError, InvalidInputError
 
 BLOCK_LANES = 32  # lanes per program on a GPU: one warp, one lane per thread
@@ -107,6 +107,12 @@ def _steps(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(STEPS).to(device)
 
 
+@functools.lru_cache(maxsize=8)
+def _code_lengths(device: torch.device) -> torch.Tensor:
+    """Code lengths of symbol magnitudes in 1/65536 bit, ``[magnitudes, tables]`` int32."""
+    return torch.from_numpy(code_lengths_fixed().astype(np.int32)).to(device)
+
+
 class TritonEngine:
     """The encoder's passes as Triton kernels over ``(keys, values)`` pairs of tensors (a chunk's layers)."""
 
@@ -146,13 +152,12 @@ class TritonEngine:
 
     def symbol_range(self, sides: list[Side]) -> list[tuple[np.ndarray, np.ndarray, None]]:
         mu, b, a, _ = _side_arrays(sides, self.device)
-        worst = torch.zeros(self.channels, dtype=torch.int32, device=self.device)
-        hist = torch.zeros(self.channels, RADIX + 1, dtype=torch.int32, device=self.device)
-        grid = (len(self.xs), self.grid_heads, -(-self.max_tokens // BLOCK_TOKENS))
-        self.k.range_kernel[grid](self.xs[0], self.parts, mu, b, a, _steps(self.device), worst, hist,
-                                  BLOCK_T=BLOCK_TOKENS, BLOCK_D=self.block_d)
-        table = tables_from_histogram(hist).cpu().numpy()
-        worst = worst.cpu().numpy().astype(np.int64)
+        worst = torch.empty(self.channels, dtype=torch.int32, device=self.device)
+        table = torch.empty(self.channels, dtype=torch.uint8, device=self.device)
+        grid = (len(self.xs), max(x.shape[0] * x.shape[2] for x in self.xs))
+        self.k.range_kernel[grid](self.xs[0], self.parts, mu, b, a, _steps(self.device), _code_lengths(self.device),
+                                  worst, table, BLOCK_T=BLOCK_TOKENS)
+        table, worst = table.cpu().numpy(), worst.cpu().numpy().astype(np.int64)
         out, chan = [], 0
         for h, _, d in self.shapes:
             out.append((worst[chan:chan + h * d], table[chan:chan + h * d], None))
