@@ -155,8 +155,10 @@ class KVFetcher(Codec):
         self.scale, self.key_step, self.value_spread = scale, steps["key_step"], steps["value_spread"]
 
     def get_config(self) -> dict[str, Any]:
-        return {"bits": self.bits, "frame_tokens": self.frame_tokens, "preset": self.preset, "delta": self.delta,
-                "scale": self.scale, "key_step": self.key_step, "value_spread": self.value_spread}
+        config = {"bits": self.bits, "frame_tokens": self.frame_tokens, "preset": self.preset, "delta": self.delta}
+        if self.scale != "minmax":  # min-max configs keep the four keys they had before `scale` existed
+            config.update(scale=self.scale, key_step=self.key_step, value_spread=self.value_spread)
+        return config
 
     @classmethod
     def presets(cls) -> list[dict[str, Any]]:
