@@ -43,8 +43,7 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     input and config give the same bytes, whichever backend makes them.
     """
     codecs = _codecs(codec, config)
-    for c in codecs:
-        check_backend(c, backend)
+    check_backend(codecs, backend)
     header = make_header(kv, codecs, chunk_tokens, chunk_layers)
     frames: Iterable[Any] = encode_frames(kv, header, codecs, backend)
     if progress:
@@ -103,8 +102,7 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
         raise InvalidInputError("chunk selection needs random access; pass bytes, a path or a seekable file")
     header, frames = iter_frames(data)
     codecs = build_codecs(header)
-    for c in codecs:
-        check_backend(c, backend)
+    check_backend(codecs, backend)
     rows: Iterable[Any] = ((h.variant, h.token_start, h.token_count, h.layer_start,
                             {h.layer_start + j: s for j, s in enumerate(sections)}) for h, sections in _best(frames))
     if progress:

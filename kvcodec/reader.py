@@ -136,7 +136,7 @@ class Reader:
                    device: torch.device | str | None = None, backend: str = "auto") -> Chunk:
         """Decode chunk ``i`` (or only ``layers`` of it); ``backend`` as for :func:`kvcodec.decode`."""
         dev = torch.device(device or "cpu")
-        self._check_backend(backend)
+        check_backend(self.codecs, backend)
         frame = self._container.read_frame(i, layers)
         e = frame.entry
         decoded = decode_sections(self.codecs[e.variant], self.header, e.token_start, e.token_count, frame.sections,
@@ -158,7 +158,7 @@ class Reader:
         up.  Where a chunk is stored in several variants, the highest (best) is used.
         ``backend`` as for :func:`kvcodec.decode`.
         """
-        self._check_backend(backend)
+        check_backend(self.codecs, backend)
         entries = self._select(chunks)
         if layers is None and chunks is not None:
             layers = sorted({l for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)})
@@ -181,10 +181,6 @@ class Reader:
 
         return decode_all(self.header, frames(), self.codecs, layers, token_range, torch.device(device or "cpu"),
                           backend)
-
-    def _check_backend(self, backend: str) -> None:
-        for codec in self.codecs:
-            check_backend(codec, backend)
 
     def _select(self, chunks: Sequence[int] | None) -> list[tuple[int, ChunkEntry]]:
         entries = self._container.entries

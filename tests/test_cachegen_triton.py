@@ -140,6 +140,13 @@ def test_kernel_treats_damaged_lanes_like_the_cpu_path(tiny):
         codec.decode_layer(bytes(bad), ctx)
 
 
+def test_kernels_reject_non_finite_input(tiny):
+    k, v = (x.clone() for x in tiny.layers[1])
+    v[1, 3, 5] = float("nan")
+    with pytest.raises(kvcodec.InvalidInputError, match="non-finite"):
+        kvcodec.encode(kvcodec.KVCache([(k[:, :8], v[:, :8])]), "cachegen", backend="triton", **SMALL_LANES)
+
+
 def test_backend_choice_errors(tiny):
     with pytest.raises(kvcodec.InvalidInputError, match="backend"):
         kvcodec.encode(tiny, "cachegen", backend="gpu")

@@ -4,6 +4,7 @@ carrying only the attributes the connector reads, real paged tensors and a real 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
@@ -202,35 +203,35 @@ def _stored(store: KVStore):
     return ids, kv
 
 
-def _load(store: KVStore, ids: list[int]) -> tuple[set[int], list[int], dict[str, torch.Tensor], int]:
+def _load(store: KVStore, ids: list[int], between: Callable[[], None] = lambda: None
+          ) -> tuple[set[int], list[int], dict[str, torch.Tensor], int, KVCodecConnector]:
+    """A second request extending ``ids`` by 10 tokens: the scheduler's lookup, ``between``, then the worker's
+    load; returns the blocks reported failed, the block table, the paged tensors, the matched tokens and the
+    worker."""
     sched, worker, fresh = _pair(store)
     ids2 = ids + _ids(10, seed=7)
     req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
     ext, _ = sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, None, ext)
+    between()
     blocks = _table(len(ids2), seed=2)
     meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
-    return _forward(worker, meta, fresh), blocks, fresh, ext
+    return _forward(worker, meta, fresh), blocks, fresh, ext, worker
 
 
 def test_corrupt_chunk_reported_not_raised():
     store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
     ids, kv = _stored(store)
-    sched, worker, fresh = _pair(store)
-    ids2 = ids + _ids(10, seed=7)
-    req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
-    ext, _ = sched.get_num_new_matched_tokens(req, 0)
-    assert ext == 96
-    sched.update_state_after_alloc(req, None, ext)
-    # between the scheduler's lookup and the worker's load, chunk 1 (tokens 32..63) is damaged
     tier = store.tiers[0]
     key = store.keys_for(ids)[1][0]
-    blob = bytearray(tier.get(key))
-    blob[len(blob) // 2] ^= 0xFF
-    tier.put(key, bytes(blob))
-    blocks = _table(len(ids2), seed=2)
-    meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
-    errors = _forward(worker, meta, fresh)
+
+    def damage() -> None:  # between the scheduler's lookup and the worker's load, chunk 1 (tokens 32..63)
+        blob = bytearray(tier.get(key))
+        blob[len(blob) // 2] ^= 0xFF
+        tier.put(key, bytes(blob))
+
+    errors, blocks, fresh, ext, worker = _load(store, ids, damage)
+    assert ext == 96
     assert errors == set(blocks[32 // BS: 96 // BS])  # chunk 1 and everything after it
     assert worker.get_block_ids_with_load_errors() == set()  # reported once
     slots = slot_mapping(torch.tensor(blocks), 0, 32, BS)
@@ -256,7 +257,7 @@ def test_chunk_that_fails_to_decode_is_reported_and_evicted(monkeypatch):
             return super().read_chunk(i, layers=layers, **kw)
 
     monkeypatch.setattr(vc, "Reader", FlakyReader)
-    errors, blocks, fresh, ext = _load(store, ids)
+    errors, blocks, fresh, ext, _ = _load(store, ids)
     assert ext == 96 and errors == set(blocks[64 // BS: 96 // BS])
     slots = slot_mapping(torch.tensor(blocks), 0, 64, BS)
     for name, layer in zip(NAMES, kv.layers):
@@ -267,14 +268,8 @@ def test_chunk_that_fails_to_decode_is_reported_and_evicted(monkeypatch):
 def test_missing_chunk_reported():
     store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
     ids, _ = _stored(store)
-    sched, worker, fresh = _pair(store)
-    ids2 = ids + _ids(10, seed=7)
-    req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
-    ext, _ = sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, None, ext)
-    store.evict(ids)  # gone before the worker gets to it (another engine evicted it)
-    blocks = _table(len(ids2), seed=2)
-    errors = _forward(worker, sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext)), fresh)
+    # gone before the worker gets to it (another engine evicted it)
+    errors, blocks, _, _, _ = _load(store, ids, lambda: store.evict(ids))
     assert errors == set(blocks[: 96 // BS])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import inspect
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -113,9 +113,10 @@ def expect_size(data: bytes, expected: int, what: str) -> None:
 BACKENDS = ("auto", "cpu", "triton")
 
 
-def check_backend(codec: Codec, backend: str) -> None:
-    """Reject an unknown backend, or one the codec does not implement."""
+def check_backend(codecs: Sequence[Codec], backend: str) -> None:
+    """Reject an unknown backend, or one that any of ``codecs`` does not implement."""
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {list(BACKENDS)}, not {backend!r}")
-    if backend != "auto" and backend not in codec.backends:
-        raise UnsupportedError(f"codec {codec.codec_id!r} has no {backend!r} backend; it runs on {list(codec.backends)}")
+    for codec in codecs:
+        if backend != "auto" and backend not in codec.backends:
+            raise UnsupportedError(f"codec {codec.codec_id!r} has no {backend!r} backend; it runs on {list(codec.backends)}")

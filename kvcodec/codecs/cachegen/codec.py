@@ -172,11 +172,11 @@ class CacheGen(Codec):
             return [self.encode_layers([pair], [ctx])[0] for pair, ctx in zip(layers, ctxs)]
         # Every layer of a chunk at once: on a GPU each pass is then one launch over all of them.
         xs = [x for pair in layers for x in pair]
-        for x in xs:
-            if not bool(torch.isfinite(x).all()):
-                raise InvalidInputError("cachegen cannot encode non-finite values (NaN or inf)")
         engine = engine_class(self, xs)
         stats = engine.stats()
+        # float64 sums of finite float32 values cannot overflow: a non-finite sum means a non-finite input
+        if not all(np.isfinite(total).all() for total, _, _ in stats):
+            raise InvalidInputError("cachegen cannot encode non-finite values (NaN or inf)")
         sides = []
         for i, ctx in enumerate(ctxs):
             (kw, vw), (mk, mv) = self._weights(ctx), self._multipliers(ctx)
@@ -311,19 +311,24 @@ class CacheGen(Codec):
         words = reader.take(int(lengths.sum()), "<u4")
         return Part((h, t, d), Side(mu, b_code, a_code, table, anchor_table), lengths, words)
 
+    def symbols(self, part: Part) -> tuple[np.ndarray, np.ndarray | None]:
+        """A part's symbols ``[C, T]`` (and its anchor symbols when ``group > 1``), decoded from its lanes."""
+        h, t, d = part.shape
+        q = np.zeros((h * d, t), np.int64)
+        qa = np.zeros((h * d, -(-t // self.group)), np.int64) if self.group > 1 else None
+        targets = {"q": q, "anchor": qa}
+        offsets = np.concatenate([[0], np.cumsum(part.lengths)])
+        for k, runs in enumerate(self.plan(h * d, t, part.side.table, part.side.anchor_table)):
+            words = part.words[offsets[k]:offsets[k + 1]].astype(np.uint32)
+            for r, symbols in zip(runs, decode_lane(words, [(r.size, r.table) for r in runs])):
+                r.scatter(targets[r.source], symbols)
+        return q, qa
+
     def _reconstruct(self, part: Part) -> tuple[np.ndarray, np.ndarray]:
         """``(x, half step)``, both ``[H, T, D]`` float32, of a part, on the CPU (SPEC.md §10.3)."""
         h, t, d = part.shape
         side = part.side
-        c = h * d
-        q = np.zeros((c, t), np.int64)
-        qa = np.zeros((c, -(-t // self.group)), np.int64) if self.group > 1 else None
-        targets = {"q": q, "anchor": qa}
-        offsets = np.concatenate([[0], np.cumsum(part.lengths)])
-        for k, runs in enumerate(self.plan(c, t, side.table, side.anchor_table)):
-            words = part.words[offsets[k]:offsets[k + 1]].astype(np.uint32)
-            for r, symbols in zip(runs, decode_lane(words, [(r.size, r.table) for r in runs])):
-                r.scatter(targets[r.source], symbols)
+        q, qa = self.symbols(part)
         step = _steps(side.token_steps(h, t), side.b_code, d)
         m = side.mu.astype(np.float64)[:, None]
         if qa is None:
@@ -478,18 +483,16 @@ def _steps(a: np.ndarray, b_code: np.ndarray, d: int) -> np.ndarray:
 
 
 def choose_tables(q: np.ndarray) -> np.ndarray:
-    """Per row of symbols, the codebook table that codes it in the fewest bits (first on a tie)."""
+    """Per row of symbols, the codebook table that codes it in the fewest bits (first on a tie).
+
+    Costs are sums of integer code lengths below 2**53, so float64 adds them exactly: the Triton range
+    kernel, which sums them in 64-bit integers, picks the same tables."""
     rows = q.shape[0]
-    magnitude = np.minimum(np.abs(q), RADIX)
+    magnitude = np.minimum(np.abs(q), RADIX)  # the codebook is symmetric
     hist = np.bincount((np.arange(rows)[:, None] * (RADIX + 1) + magnitude).reshape(-1), minlength=rows * (RADIX + 1))
-    return tables_from_histogram(torch.from_numpy(hist.reshape(rows, RADIX + 1))).numpy()
-
-
-def tables_from_histogram(hist: torch.Tensor) -> torch.Tensor:
-    """Best table per row of a ``[C, RADIX + 1]`` histogram of symbol magnitudes, on the histogram's device.
-    Costs are integers below 2**53, so float64 adds them exactly and every device agrees."""
-    lengths = torch.from_numpy(code_lengths_fixed()).to(hist.device)
-    return torch.argmin(hist.double() @ lengths, dim=1).to(torch.uint8)
+    # einsum's own loop, not BLAS: a matrix this small is not worth waking (or waiting for) BLAS threads
+    costs = np.einsum("rm,mt->rt", hist.reshape(rows, RADIX + 1).astype(np.float64), code_lengths_fixed(), optimize=False)
+    return np.argmin(costs, axis=1).astype(np.uint8)
 
 
 def _quantize(xc: np.ndarray, mu: np.ndarray, step: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -45,8 +45,7 @@ def _coding_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, to
     cum = cumulative()
     freq = np.zeros_like(cum)
     freq[:, :-1] = codebook()
-    return (torch.from_numpy(freq.astype(np.int32)).to(device), torch.from_numpy(cum.astype(np.int32)).to(device),
-            torch.from_numpy(slot_buckets()).to(device))
+    return _put(freq.astype(np.int32), device), _put(cum.astype(np.int32), device), _put(slot_buckets(), device)
 
 
 def _offsets(tensors: list[torch.Tensor]) -> list[int]:
@@ -104,13 +103,13 @@ def _side_arrays(sides: list[Side], device: torch.device) -> tuple[torch.Tensor,
 
 @functools.lru_cache(maxsize=8)
 def _steps(device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(STEPS).to(device)
+    return _put(STEPS, device)
 
 
 @functools.lru_cache(maxsize=8)
 def _code_lengths(device: torch.device) -> torch.Tensor:
     """Code lengths of symbol magnitudes in 1/65536 bit, ``[magnitudes, tables]`` int32."""
-    return torch.from_numpy(code_lengths_fixed().astype(np.int32)).to(device)
+    return _put(code_lengths_fixed().astype(np.int32), device)
 
 
 class TritonEngine:
@@ -132,8 +131,11 @@ class TritonEngine:
         self.channels, self.token_entries = chan, a
         self.parts = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.grid_heads = max(x.shape[0] for x in xs)
-        self.max_tokens = max(x.shape[1] for x in xs)
         self.block_d = _next_pow2(max(x.shape[2] for x in xs))
+
+    def _by_part(self, per_channel: np.ndarray) -> list[np.ndarray]:
+        """A host array over the concatenated channels of all parts, cut into one piece per part."""
+        return np.split(per_channel, np.cumsum([h * d for h, _, d in self.shapes])[:-1])
 
     def stats(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         total = torch.zeros(self.channels, dtype=torch.float64, device=self.device)
@@ -141,13 +143,12 @@ class TritonEngine:
         tokens = torch.zeros(max(self.token_entries, 1), dtype=torch.float64, device=self.device)
         self.k.stats_kernel[(len(self.xs), self.grid_heads)](self.xs[0], self.parts, total, absolute, tokens,
                                                              BLOCK_T=BLOCK_TOKENS, BLOCK_D=self.block_d)
-        total, absolute, tokens = total.cpu().numpy(), absolute.cpu().numpy(), tokens.cpu().numpy()
-        out, chan, at = [], 0, 0
-        for (h, t, d), scaled in zip(self.shapes, self.token_scaled):
-            tok = tokens[at:at + h * t].reshape(h, t) if scaled else None
-            out.append((total[chan:chan + h * d], absolute[chan:chan + h * d], tok))
-            chan += h * d
-            at += h * t if scaled else 0
+        sizes = [h * t if scaled else 0 for (h, t, _), scaled in zip(self.shapes, self.token_scaled)]
+        out = []
+        for part_total, part_absolute, part_tokens, (h, t, _), scaled in zip(
+                self._by_part(total.cpu().numpy()), self._by_part(absolute.cpu().numpy()),
+                np.split(tokens.cpu().numpy(), np.cumsum(sizes)[:-1]), self.shapes, self.token_scaled):
+            out.append((part_total, part_absolute, part_tokens.reshape(h, t) if scaled else None))
         return out
 
     def symbol_range(self, sides: list[Side]) -> list[tuple[np.ndarray, np.ndarray, None]]:
@@ -157,12 +158,8 @@ class TritonEngine:
         grid = (len(self.xs), max(x.shape[0] * x.shape[2] for x in self.xs))
         self.k.range_kernel[grid](self.xs[0], self.parts, mu, b, a, _steps(self.device), _code_lengths(self.device),
                                   worst, table, BLOCK_T=BLOCK_TOKENS)
-        table, worst = table.cpu().numpy(), worst.cpu().numpy().astype(np.int64)
-        out, chan = [], 0
-        for h, _, d in self.shapes:
-            out.append((worst[chan:chan + h * d], table[chan:chan + h * d], None))
-            chan += h * d
-        return out
+        return [(w, tab, None) for w, tab in zip(self._by_part(worst.cpu().numpy().astype(np.int64)),
+                                                  self._by_part(table.cpu().numpy()))]
 
     def encode_lanes(self, sides: list[Side]) -> list[tuple[np.ndarray, bytes]]:
         lanes, order = _lanes(self.codec, self.shapes, sides)
@@ -174,17 +171,16 @@ class TritonEngine:
         capacity = (3 * max_symbols) // 4 + 4
         scratch = torch.empty(len(lanes) * capacity, dtype=torch.uint32, device=self.device)
         nwords = torch.empty(len(lanes), dtype=torch.int64, device=self.device)
-        lanes_dev = torch.from_numpy(lanes).to(self.device)
         block = _lane_block(len(lanes))
         self.k.encode_kernel[(-(-len(lanes) // block),)](
-            self.xs[0], self.parts, lanes_dev, _put(order, self.device), table, freq, cum, mu, b, a, _steps(self.device),
+            self.xs[0], self.parts, _put(lanes, self.device), _put(order, self.device), table, freq, cum, mu, b, a, _steps(self.device),
             scratch, nwords, len(lanes), max_symbols, capacity, BLOCK_L=block, num_warps=1)
         counts = nwords.cpu().numpy()
         if (counts > capacity).any():
             raise InvalidInputError("a cachegen lane overflowed its word budget")  # cannot happen: 24 bits/symbol
         starts = np.concatenate([[0], np.cumsum(counts)])
         words = torch.empty(max(int(starts[-1]), 1), dtype=torch.uint32, device=self.device)
-        self.k.compact_kernel[(len(lanes),)](scratch, nwords, torch.from_numpy(starts[:-1]).to(self.device), words,
+        self.k.compact_kernel[(len(lanes),)](scratch, nwords, _put(starts[:-1], self.device), words,
                                             capacity, BLOCK=256)
         data = words[:int(starts[-1])].cpu().numpy().astype("<u4").tobytes()
         out = []
