@@ -44,13 +44,13 @@ def test_codes_bit_exact_and_half_step(kv3, cfg, model):
     k, v = k[:, :200], v[:, :200]  # 200 tokens: a short last block (padding) for every frame height
     ctx = _ctx(k, layer=14, model=model)
     data = codec.encode_layer(k, v, ctx)
-    kq, vq, (ks, kz, vs, vz) = codec.quantize(k, v, ctx)
+    kq, vq, sc = codec.quantize(k, v, ctx)
     dkq, dvq = decode_codes(data, ctx)
     assert np.array_equal(dkq, kq) and np.array_equal(dvq, vq)
     kd, vd = codec.decode_layer(data, ctx)
     assert kd.dtype == torch.float16 and kd.shape == k.shape and vd.shape == v.shape
     # within half a quantization step (plus float16 rounding of the result)
-    for x, y, s in ((k, kd, ks), (v, vd, vs)):
+    for x, y, s in ((k, kd, sc.ks), (v, vd, sc.vs)):
         err = (x.float() - y.float()).abs()
         assert bool((err <= s.float() / 2 + x.float().abs() * 2 ** -10 + 1e-3).all())
 
@@ -61,9 +61,9 @@ def test_round_trip_container_and_stream_pieces(kv3):
     codec = KVFetcher(bits=4)
     for (k, v), (kd, vd) in zip(kv3.layers, back.layers):
         for c0 in (0, 256):  # the default 256-token chunks: codes are per section
-            kq, vq, (ks, kz, vs, vz) = codec.quantize(k[:, c0:c0 + 256], v[:, c0:c0 + 256])
-            ref_k = dequantize(torch.from_numpy(kq), ks, kz).half()
-            ref_v = dequantize(torch.from_numpy(vq), vs, vz).half()
+            kq, vq, sc = codec.quantize(k[:, c0:c0 + 256], v[:, c0:c0 + 256])
+            ref_k = dequantize(torch.from_numpy(kq), sc.ks, sc.kz).half()
+            ref_v = dequantize(torch.from_numpy(vq), sc.vs, sc.vz).half()
             assert torch.equal(kd[:, c0:c0 + 256], ref_k) and torch.equal(vd[:, c0:c0 + 256], ref_v)
     # the container's stream path, fed in irregular pieces
     data = bytes(blob)
@@ -80,7 +80,7 @@ def test_video_decoder_in_pieces(kv3):
     k, v = kv3.layers[0]
     ctx = _ctx(k)
     data = codec.encode_layer(k, v, ctx)
-    stream = data[SectionHead(data, ctx).scale_end:]
+    stream = data[SectionHead(data, ctx).stream_start:]
     whole = decode_codes(data, ctx)
     for size in (1, 7, 1000):
         pieces = [stream[i:i + size] for i in range(0, len(stream), size)] if size > 1 else \
@@ -152,30 +152,38 @@ def test_config_validation_and_registry():
 
 def test_spread_scale_round_trip_and_concentration(kv3):
     """scale=spread: codes bit-exact through PyAV and the container (the decoder reads only the stream),
-    concentrated near the centre, the section far smaller than min-max's; keys fall back to min-max
-    without a profile, and a profile that does not fit the layer is refused."""
+    concentrated near the centre, the section far smaller than min-max's; keys fall back to min-max steps
+    (rounded up to the step grid) without a profile, and a profile that does not fit the layer is refused."""
     model = "SmolLM2-135M-Instruct"
     k, v = kv3.layers[1]
     k, v = k[:, :256], v[:, :256]
     ctx = _ctx(k, layer=14, model=model)
     sp, mm = KVFetcher(bits=4, scale="spread"), KVFetcher(bits=4)
     data = sp.encode_layer(k, v, ctx)
-    kq, vq, (ks, kz, vs, vz) = sp.quantize(k, v, ctx)
+    kq, vq, sc = sp.quantize(k, v, ctx)
     dkq, dvq = decode_codes(data, ctx)
     assert np.array_equal(dkq, kq) and np.array_equal(dvq, vq)
     kd, vd = sp.decode_layer(data, ctx)
-    assert torch.equal(kd, dequantize(torch.from_numpy(kq), ks, kz).half())
-    assert torch.equal(vd, dequantize(torch.from_numpy(vq), vs, vz).half())
-    # steps never below min-max's; codes centred (most within +-2 of 8); nothing clipped beyond float16 rounding
-    mk, _, (mks, _, mvs, _) = mm.quantize(k, v, ctx)
-    assert bool((ks.float() >= mks.float()).all()) and bool((vs.float() >= mvs.float()).all())
+    q = torch.from_numpy
+    assert torch.equal(kd[:, 1:], (sc.kz.float() + q(kq[:, 1:]).float() * sc.ks).half())
+    assert torch.equal(vd[:, 1:], (sc.vm.float() + (q(vq[:, 1:]).float() - 8) * sc.vs[:, 1:]).half())
+    # the sequence's first token (the attention sink) is exact and coded as the centre code
+    assert torch.equal(kd[:, 0], k[:, 0]) and torch.equal(vd[:, 0], v[:, 0])
+    assert (kq[:, 0] == 8).all() and (vq[:, 0] == 8).all() and HEAD.unpack_from(data)[-1] == 1
+    later = LayerContext(14, 30, ctx.shape, torch.float16, model=model, token_start=256)
+    assert HEAD.unpack_from(sp.encode_layer(k, v, later))[-1] == 0  # only the section holding token 0 has it
+    # key steps never below min-max's (over the quantized tokens); codes centred (most within +-2 of 8); nothing
+    # clipped beyond float16 rounding
+    _, _, msc = mm.quantize(k[:, 1:], v[:, 1:], ctx)
+    assert bool((sc.ks >= msc.ks.float()).all())
     assert float((np.abs(kq.astype(int) - 8) <= 2).mean()) > 0.6 and float((np.abs(vq.astype(int) - 8) <= 2).mean()) > 0.6
-    for x, y, s in ((k, kd, ks), (v, vd, vs)):
-        assert bool(((x.float() - y.float()).abs() <= s.float() * 0.51 + x.float().abs() * 2 ** -10 + 1e-3).all())
-    assert len(data) < 0.85 * len(mm.encode_layer(k, v, ctx))
-    # no profile for the model: keys are min-max's
-    kq0, _, (ks0, kz0, _, _) = sp.quantize(k, v, _ctx(k))
-    assert np.array_equal(kq0, mk) and torch.equal(ks0, mks)
+    for x, y, s in ((k, kd, sc.ks), (v, vd, sc.vs)):
+        assert bool(((x.float() - y.float()).abs() <= s * 0.51 + x.float().abs() * 2 ** -10 + 1e-3).all())
+    assert len(data) < 0.75 * len(mm.encode_layer(k, v, ctx))
+    # no profile for the model: key steps are min-max's, rounded up to the next step of the 2**(1/8) grid
+    _, _, sc0 = sp.quantize(k, v, _ctx(k))
+    ratio = sc0.ks / msc.ks.float()
+    assert bool((ratio >= 1).all()) and bool((ratio < 2 ** 0.125 * 1.01).all())
     with pytest.raises(kvcodec.InvalidInputError):
         sp.quantize(k[:2], v[:2], _ctx(k[:2], layer=14, model=model))
     # through the container (model metadata from the cache) and streamed in pieces
@@ -188,26 +196,47 @@ def test_spread_scale_round_trip_and_concentration(kv3):
     assert len(blob) < 0.85 * len(kvcodec.encode(kv, codec=mm))
 
 
-def test_corrupt_sections_rejected(kv3):
-    codec = KVFetcher(bits=4, frame_tokens=128)
+def test_key_columns_follow_step_codes(kv3):
+    """A spread section's key pictures hold channels in decreasing step-code order (ties by channel), the
+    order the decoder derives from the stored codes; value pictures keep channel order."""
+    k, v = kv3.layers[2]
+    k, v = k[:, :128], v[:, :128]
+    ctx = _ctx(k, layer=29, model="SmolLM2-135M-Instruct")
+    codec = KVFetcher(bits=4, scale="spread", frame_tokens=128)
+    data = codec.encode_layer(k, v, ctx)
+    kq, vq, sc = codec.quantize(k, v, ctx)
+    head = SectionHead(data, ctx)
+    kf, vf = video.decode_stream([bytes(head.stream)], head.geo.rows, head.geo.cols, 4, 2)
+    order = head.scales.key_columns
+    codes = sc.kc.reshape(-1)
+    assert len(set(codes.tolist())) > 4  # a real spread of steps, so the order is not trivial
+    assert all(codes[a] > codes[b] or (codes[a] == codes[b] and a < b) for a, b in zip(order, order[1:]))
+    assert np.array_equal(kf[:128, :192], kq.transpose(1, 0, 2).reshape(128, 192)[:, order])
+    assert np.array_equal(vf[:128, :192], vq.transpose(1, 0, 2).reshape(128, 192))
+
+
+@pytest.mark.parametrize("scale", ["minmax", "spread"])
+def test_corrupt_sections_rejected(kv3, scale):
+    codec = KVFetcher(bits=4, frame_tokens=128, scale=scale)
     k, v = kv3.layers[2]
     k, v = k[:, :256], v[:, :256]
-    ctx = _ctx(k)
+    ctx = _ctx(k, layer=29, model="SmolLM2-135M-Instruct")
     data = codec.encode_layer(k, v, ctx)
-    stream_at = SectionHead(data, ctx).scale_end
+    stream_at = SectionHead(data, ctx).stream_start
     bad = [data[:10], data[:-1], data + b"\0", b"XXXX" + data[4:],
            data[:4] + bytes([11]) + data[5:],  # bits out of range
            data[:6] + (64).to_bytes(2, "little") + data[8:],  # frame rows that disagree with the picture size
            data[:stream_at] + bytes(len(data) - stream_at),  # stream zeroed
            data[:stream_at + 200] + bytes([data[stream_at + 200] ^ 0x55]) + data[stream_at + 201:],
            data[:len(data) - 3000] + bytes(3000),  # tail damaged (the last ~300 bytes only code padding rows)
-           data[:HEAD.size] + b"\xff\x7c" * ((stream_at - HEAD.size) // 2) + data[stream_at:]]  # scales inf
+           data[:HEAD.size] + b"\x00\x7c" * ((stream_at - HEAD.size) // 2) + data[stream_at:],  # scales +inf
+           data[:5] + bytes([data[5] | 4]) + data[6:]]  # an unknown flag
     for i, d in enumerate(bad):
         with pytest.raises(kvcodec.CorruptDataError):
             codec.decode_layer(d, ctx)
     # the wrong shape for the section
     with pytest.raises(kvcodec.CorruptDataError):
-        codec.decode_layer(data, _ctx(k[:, :128]))
+        codec.decode_layer(data, _ctx(k[:, :128], layer=29, model="SmolLM2-135M-Instruct"))
 
 
 def test_resolution_policy_on_traces():
@@ -280,16 +309,16 @@ class _FakeNvc:
         return _FakeNvc._Dec()
 
 
-@pytest.mark.parametrize("bits", [4, 10])
-def test_nvdec_plumbing_with_a_fake_decoder(kv3, monkeypatch, bits):
+@pytest.mark.parametrize("bits,scale", [(4, "minmax"), (10, "minmax"), (4, "spread")])
+def test_nvdec_plumbing_with_a_fake_decoder(kv3, monkeypatch, bits, scale):
     from kvcodec.codecs.kvfetcher import nvdec
     monkeypatch.setattr(nvdec, "_nvc", lambda: _FakeNvc)
-    codec = KVFetcher(bits=bits, frame_tokens=128)
+    codec = KVFetcher(bits=bits, frame_tokens=128, scale=scale)
     k, v = kv3.layers[1]
     k, v = k[:, :200], v[:, :200]
-    ctx = _ctx(k)
+    ctx = _ctx(k, layer=14, model="SmolLM2-135M-Instruct")
     data = codec.encode_layer(k, v, ctx)
-    stream = data[SectionHead(data, ctx).scale_end:]
+    stream = data[SectionHead(data, ctx).stream_start:]
     ref = decode_codes(data, ctx)
     got = nvdec.decode_codes_cuda(data, ctx, pieces=[stream[i:i + 999] for i in range(0, len(stream), 999)])
     assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1])

@@ -17,6 +17,8 @@ def tensor_bytes(x: torch.Tensor) -> bytes:
 
 
 def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not len(data):  # torch cannot view an empty byte tensor as a wider dtype
+        return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(dtype).reshape(shape)
 
 

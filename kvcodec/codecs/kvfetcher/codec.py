@@ -2,25 +2,27 @@
 
 Section layout (little-endian; SPEC.md's ``kvfetcher`` subsection spells it out):
 
-* a 28-byte head ``<4sBBHHHHIQ2x``: magic ``KVF1``, bits, flags (bit 0: token delta),
+* a 28-byte head ``<4sBBHHHHIQ2x``: magic ``KVF1``, bits, flags (bit 0: token delta, bit 1: step codes),
   frame rows (tokens per frame), picture rows, picture cols, frame count, stream
-  length, xxh3-64 of the quantized codes (keys then values, int32 little-endian);
-* float16 key scales and zeros ``[H, Dk]`` (per channel over the section's tokens),
-  float16 value scales and zeros ``[H, T]`` (per token);
+  length, xxh3-64 of the quantized codes (keys then values, int32 little-endian), exact tokens ``S``;
+* the scale block (:mod:`.scales`): float16 scales and zeros, or one-byte step codes with float16 zeros/means;
+* the first ``S`` tokens exactly, float16 keys ``[H, S, Dk]`` then values ``[H, S, Dv]``;
 * the HEVC elementary stream: frames K0, V0, K1, V1, ... (block ``b`` = tokens
   ``[b*frame_rows, (b+1)*frame_rows)``), one closed GOP starting with a keyframe.
 
-How the encoder picks the scales and zeros (config ``scale``; the decoder only reads them):
+How the encoder picks the steps (config ``scale``; the decoder only reads the scale block):
 
 * ``minmax`` (kivi's): each slice's codes span its minimum to maximum, so real KV uses all
   ``2**bits`` levels and the lossless video coder needs about ``bits`` bits per code.
-* ``spread``: steps set by what the error costs, codes centred at ``2**(bits-1)`` on the slice's mean,
+* ``spread``: steps set by what the error costs, codes centred at ``2**(bits-1)``,
   so most codes sit on a few levels near the centre and the video coder needs far fewer bits.  A key
   channel's step is ``key_step / w`` with ``w`` the RMS of the queries that read it (the model's profile,
-  :mod:`kvcodec.profiles`; the attention-logit error per channel is then even); a token's value step is
-  ``value_spread`` times the token's standard deviation over its channels.  A step is never smaller than
-  min-max's and the zero is clamped so that the codes still cover the slice's minimum and maximum (no
-  clipping).  Without a profile for the cache's model, keys fall back to min-max.
+  :mod:`kvcodec.profiles`; the attention-logit error per channel is then even), centred on the channel's
+  mean; a token's value step is ``value_spread`` times the RMS of its values' deviations from their channel
+  means, on which its codes centre.  Steps are on cachegen's ``2**(1/8)`` grid, stored as one byte, and never
+  so small that a code clips.  Without a profile for the cache's model, key steps are min-max's.  The
+  sequence's first token (the attention sink, far from every mean) is stored exactly, as cachegen does,
+  and left out of the statistics; its codes are the centre code.
 """
 
 from __future__ import annotations
@@ -35,19 +37,20 @@ import xxhash
 
 from kvcodec.codecs.base import Codec, LayerContext
 from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.kvfetcher import scales as S
 from kvcodec.codecs.kvfetcher import video
-from kvcodec.codecs.quantize import FP16_MAX, dequantize, minmax_params, quantize
 from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
 
 MAGIC = b"KVF1"
-HEAD = struct.Struct("<4sBBHHHHIQ2x")
-FLAG_DELTA = 1
+HEAD = struct.Struct("<4sBBHHHHIQH")
+FLAG_DELTA = 1  # bit 1 (S.FLAG_STEP_CODES) says which scale block follows the head
 SCALES = ("minmax", "spread")
 DEFAULT_KEY_STEP = 1.5  # attention-logit units (per query RMS); measured on SmolLM2 (bench/results/kvfetcher.md)
 DEFAULT_VALUE_SPREAD = 0.7  # standard deviations of the token's values
 MAX_STEP = 64.0
+SINK_TOKENS = 1  # spread keeps the sequence's first token exactly, as cachegen's default does
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 
 
@@ -58,10 +61,10 @@ class SectionHead:
         s = ctx.shape
         if len(data) < HEAD.size:
             raise CorruptDataError(f"kvfetcher section of {len(data)} bytes is shorter than its head")
-        magic, bits, flags, frame_rows, rows, cols, nframes, stream_len, digest = HEAD.unpack_from(data)
+        magic, bits, flags, frame_rows, rows, cols, nframes, stream_len, digest, exact = HEAD.unpack_from(data)
         if magic != MAGIC:
             raise CorruptDataError("kvfetcher section has a bad magic")
-        if not 2 <= bits <= 10 or flags & ~FLAG_DELTA:
+        if not 2 <= bits <= 10 or flags & ~(FLAG_DELTA | S.FLAG_STEP_CODES):
             raise CorruptDataError(f"kvfetcher section has bits={bits}, flags={flags}")
         try:
             geo = L.geometry(s.tokens, s.heads, s.key_dim, s.value_dim, frame_rows)
@@ -69,39 +72,27 @@ class SectionHead:
             raise CorruptDataError(f"kvfetcher section: {e}") from None
         if (geo.frame_rows, geo.rows, geo.cols, geo.num_frames) != (frame_rows, rows, cols, nframes):
             raise CorruptDataError("kvfetcher section's frame geometry does not match its shape")
+        if exact > s.tokens:
+            raise CorruptDataError(f"kvfetcher section has {exact} exact tokens of {s.tokens}")
         self.bits, self.delta, self.geo, self.digest = bits, bool(flags & FLAG_DELTA), geo, digest
-        nk, nv = s.heads * s.key_dim, s.heads * s.tokens
-        self.scale_end = HEAD.size + 4 * nk + 4 * nv
-        if len(data) != self.scale_end + stream_len:
-            raise CorruptDataError(f"kvfetcher section is {len(data)} bytes; its head says {self.scale_end + stream_len}")
+        dims = (s.heads, s.tokens, s.key_dim, s.value_dim)
+        scale_end = HEAD.size + S.size(flags, *dims)
+        self.stream_start = scale_end + 2 * s.heads * exact * (s.key_dim + s.value_dim)
+        if len(data) != self.stream_start + stream_len:
+            raise CorruptDataError(f"kvfetcher section is {len(data)} bytes; its head says {self.stream_start + stream_len}")
         mv = memoryview(data)
-        o = HEAD.size
-        self.ks = tensor_from_bytes(mv[o:o + 2 * nk], torch.float16, (s.heads, 1, s.key_dim))
-        self.kz = tensor_from_bytes(mv[o + 2 * nk:o + 4 * nk], torch.float16, (s.heads, 1, s.key_dim))
-        o += 4 * nk
-        self.vs = tensor_from_bytes(mv[o:o + 2 * nv], torch.float16, (s.heads, s.tokens, 1))
-        self.vz = tensor_from_bytes(mv[o + 2 * nv:o + 4 * nv], torch.float16, (s.heads, s.tokens, 1))
-        if not all(bool(torch.isfinite(t).all()) for t in (self.ks, self.kz, self.vs, self.vz)):
-            raise CorruptDataError("kvfetcher section has non-finite scales or zeros")
-        self.stream = mv[self.scale_end:]
+        self.scales = S.parse(mv[HEAD.size:scale_end], flags, *dims, bits)
+        o = scale_end + 2 * s.heads * exact * s.key_dim
+        self.exact = (tensor_from_bytes(mv[scale_end:o], torch.float16, (s.heads, exact, s.key_dim)),
+                      tensor_from_bytes(mv[o:self.stream_start], torch.float16, (s.heads, exact, s.value_dim)))
+        self.stream = mv[self.stream_start:]
 
-
-def spread_params(x: torch.Tensor, dim: int, bits: int, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 ``(scale, zero)`` per slice of ``x`` reduced over ``dim``: the target ``step`` (broadcast to the
-    slices) but never below min-max's, capped at the slice's range (finite), the slice's mean at code
-    ``2**(bits-1)``, the zero clamped so that the codes cover the slice's minimum and maximum."""
-    if not bool(torch.isfinite(x).all()):
-        raise InvalidInputError("cannot quantize non-finite values (NaN or inf) in the KV cache")
-    top = (1 << bits) - 1
-    x = x.double()
-    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
-    if float(hi.max()) > FP16_MAX or float(lo.min()) < -FP16_MAX or float((hi - lo).max()) > FP16_MAX:
-        raise InvalidInputError("values beyond float16 range cannot be quantized with float16 scales")
-    mu = x.mean(dim=dim, keepdim=True)
-    s = torch.minimum(torch.maximum(step.double(), (hi - lo) / top), torch.clamp(hi - lo, min=2.0 ** -14))
-    s = torch.where(hi > lo, s * (1 + 2.0 ** -9), 0.0).to(torch.float16)  # up a little: float16 rounding
-    zero = torch.minimum(torch.maximum(mu - (1 << (bits - 1)) * s.double(), hi - top * s.double()), lo)
-    return s, zero.to(torch.float16)
+    def with_exact(self, x: torch.Tensor, lo: int, is_value: bool) -> torch.Tensor:
+        """``x``, the dequantized block starting at token ``lo``, with the section's exact tokens put back."""
+        exact = self.exact[is_value]
+        if lo < exact.shape[1]:
+            x[:, :exact.shape[1] - lo] = exact[:, lo:lo + x.shape[1]].to(x.device, x.dtype)
+        return x
 
 
 def _codes_digest(kq: np.ndarray, vq: np.ndarray, geo: L.FrameGeometry) -> int:
@@ -167,21 +158,20 @@ class KVFetcher(Codec):
     # ---------------------------------------------------------------------------------------- encode
 
     def quantize(self, keys: torch.Tensor, values: torch.Tensor,
-                 ctx: LayerContext | None = None) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
-        """Codes ``[H, T, D]`` and float16 ``[ks, kz, vs, vz]``; ``ctx`` (model and layer) finds the profile."""
+                 ctx: LayerContext | None = None) -> tuple[np.ndarray, np.ndarray, S.FloatScales | S.StepScales]:
+        """Codes ``[H, T, D]`` and the scale block; ``ctx`` (model and layer) finds the profile."""
         k, v = keys.detach().float().cpu(), values.detach().float().cpu()
-        if self.scale == "spread":
-            w = self._key_weight(ctx, k.shape)
-            if w is None:
-                ks, kz = minmax_params(k, 1, self.bits)
-            else:
-                ks, kz = spread_params(k, 1, self.bits, self.key_step / w.double().clamp(min=1e-6)[:, None, :])
-            vs, vz = spread_params(v, 2, self.bits, self.value_spread * v.double().std(dim=2, keepdim=True,
-                                                                                         unbiased=False))
-        else:
-            ks, kz = minmax_params(k, 1, self.bits)
-            vs, vz = minmax_params(v, 2, self.bits)
-        return quantize(k, ks, kz, self.bits).numpy(), quantize(v, vs, vz, self.bits).numpy(), [ks, kz, vs, vz]
+        if self.scale == "minmax":
+            return S.minmax(k, v, self.bits)
+        w = self._key_weight(ctx, k.shape)
+        target = None if w is None else self.key_step / w.double().clamp(min=1e-6)
+        return S.spread(k, v, self.bits, target, self.value_spread, self._exact_tokens(ctx, k.shape[1]))
+
+    def _exact_tokens(self, ctx: LayerContext | None, tokens: int) -> int:
+        """How many of the section's first tokens are the sequence's sink, kept exactly (spread only; a
+        section of the sink alone is quantized, as there is nothing left to take statistics from)."""
+        start = ctx.token_start if ctx is not None else 0
+        return max(0, min(SINK_TOKENS - start, tokens - 1)) if self.scale == "spread" else 0
 
     @staticmethod
     def _key_weight(ctx: LayerContext | None, shape: torch.Size) -> torch.Tensor | None:
@@ -199,16 +189,18 @@ class KVFetcher(Codec):
         h, t, dk = keys.shape
         dv = values.shape[2]
         geo = L.geometry(t, h, dk, dv, self.frame_tokens)
-        kq, vq, params = self.quantize(keys, values, ctx)
+        kq, vq, sc = self.quantize(keys, values, ctx)
+        n = self._exact_tokens(ctx, t)
+        exact = [tensor_bytes(x[:, :n].detach().cpu().to(torch.float16)) for x in (keys, values)]
         frames = []
         for b in range(geo.blocks):
             lo, hi = geo.block(b)
-            frames.append(L.to_frame(kq[:, lo:hi], geo, self.bits, self.delta))
+            frames.append(L.to_frame(kq[:, lo:hi], geo, self.bits, self.delta, sc.key_columns))
             frames.append(L.to_frame(vq[:, lo:hi], geo, self.bits, self.delta))
         stream = video.encode_frames(frames, self.bits, self.preset)
-        head = HEAD.pack(MAGIC, self.bits, FLAG_DELTA if self.delta else 0, geo.frame_rows, geo.rows, geo.cols,
-                         geo.num_frames, len(stream), _codes_digest(kq, vq, geo))
-        return b"".join([head, *(tensor_bytes(p) for p in params), stream])
+        head = HEAD.pack(MAGIC, self.bits, (FLAG_DELTA if self.delta else 0) | sc.flags, geo.frame_rows, geo.rows,
+                         geo.cols, geo.num_frames, len(stream), _codes_digest(kq, vq, geo), n)
+        return b"".join([head, sc.to_bytes(), *exact, stream])
 
     # ---------------------------------------------------------------------------------------- decode
 
@@ -250,7 +242,8 @@ def iter_frames(head: SectionHead, ctx: LayerContext,
     for f in frames():
         lo, hi = geo.block(i // 2)
         is_v = bool(i % 2)
-        yield lo, hi, is_v, L.from_frame(f, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta)
+        yield lo, hi, is_v, L.from_frame(f, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta,
+                                         None if is_v else head.scales.key_columns)
         i += 1
     if i != geo.num_frames:
         raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
@@ -270,9 +263,9 @@ def restore(data: bytes, ctx: LayerContext,
         q = np.ascontiguousarray(q, "<i4")
         h.update(q.tobytes())
         if is_v:
-            sink(lo, hi, None, dequantize(torch.from_numpy(q), head.vs[:, lo:hi], head.vz[:, lo:hi]))
+            sink(lo, hi, None, head.with_exact(head.scales.values(torch.from_numpy(q), lo, hi), lo, True))
         else:
-            sink(lo, hi, dequantize(torch.from_numpy(q), head.ks, head.kz), None)
+            sink(lo, hi, head.with_exact(head.scales.keys(torch.from_numpy(q)), lo, False), None)
     if h.intdigest() != head.digest:
         raise CorruptDataError("kvfetcher codes do not match the section's checksum")
 

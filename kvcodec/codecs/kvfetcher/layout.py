@@ -74,10 +74,14 @@ def code_dtype(bits: int) -> np.dtype:
 
 # ------------------------------------------------------------------------------------------ frames
 
-def to_frame(codes: np.ndarray, geo: FrameGeometry, bits: int, delta: bool = False) -> np.ndarray:
-    """``[H, t, D]`` codes of one token block (``t <= frame_rows``) to a padded, delta-coded frame."""
+def to_frame(codes: np.ndarray, geo: FrameGeometry, bits: int, delta: bool = False,
+             columns: np.ndarray | None = None) -> np.ndarray:
+    """``[H, t, D]`` codes of one token block (``t <= frame_rows``) to a padded, delta-coded frame;
+    frame column ``j`` holds channel ``columns[j]`` (``h * D + d``; default: channel ``j``)."""
     h, t, d = codes.shape
     rows2d = codes.transpose(1, 0, 2).reshape(t, h * d).astype(np.int32)
+    if columns is not None:
+        rows2d = rows2d[:, columns]
     img = np.zeros((geo.rows, geo.cols), np.int32)
     img[:t, : h * d] = rows2d
     img[t:, : h * d] = rows2d[-1]
@@ -86,20 +90,29 @@ def to_frame(codes: np.ndarray, geo: FrameGeometry, bits: int, delta: bool = Fal
     return img.astype(code_dtype(bits))
 
 
-def from_frame(frame: np.ndarray, t: int, h: int, d: int, bits: int, delta: bool = False) -> np.ndarray:
+def from_frame(frame: np.ndarray, t: int, h: int, d: int, bits: int, delta: bool = False,
+               columns: np.ndarray | None = None) -> np.ndarray:
     """Inverse of :func:`to_frame`: ``[H, t, D]`` int32 codes from a decoded frame (undoing the delta)."""
     body = frame[:t, : h * d].astype(np.int32)
     if delta:
         body = np.cumsum(body, axis=0, dtype=np.int64).astype(np.int32) & ((1 << bits) - 1)
+    if columns is not None:
+        body, frame_order = np.empty_like(body), body
+        body[:, columns] = frame_order
     return body.reshape(t, h, d).transpose(1, 0, 2)
 
 
-def frame_to_torch(frame: torch.Tensor, t: int, h: int, d: int, bits: int, delta: bool = False) -> torch.Tensor:
-    """The same as :func:`from_frame` on a torch luma plane (any device; ``int32`` codes ``[H, t, D]``).
+def frame_to_torch(frame: torch.Tensor, t: int, h: int, d: int, bits: int, delta: bool = False,
+                   columns: torch.Tensor | None = None) -> torch.Tensor:
+    """The same as :func:`from_frame` on a torch luma plane (any device, ``columns`` on it too; ``int32`` codes
+    ``[H, t, D]``).
 
     For 10-bit NVDEC output, pass the sample values already shifted down (NVDEC keeps them in the high bits).
     """
     body = frame[:t, : h * d].to(torch.int32)
     if delta:
         body = torch.cumsum(body, 0, dtype=torch.int32) & ((1 << bits) - 1)
+    if columns is not None:
+        body, frame_order = torch.empty_like(body), body
+        body[:, columns.to(body.device)] = frame_order
     return body.reshape(t, h, d).permute(1, 0, 2)

@@ -20,7 +20,6 @@ import torch
 
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.kvfetcher import layout as L
-from kvcodec.codecs.quantize import dequantize
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 
 
@@ -108,6 +107,11 @@ class NvdecStream:
         yield from self.feed(None)
 
 
+def _key_columns(head: Any, device: torch.device) -> torch.Tensor | None:
+    cols = head.scales.key_columns
+    return None if cols is None else torch.from_numpy(cols).to(device)
+
+
 def restore_cuda(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
                  pieces: Iterable[bytes] | None = None, gpu: int = 0, check: bool = True) -> None:
     """The NVDEC twin of :func:`kvcodec.codecs.kvfetcher.codec.restore`: frame by frame into ``sink`` on the GPU.
@@ -124,8 +128,8 @@ def restore_cuda(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch
     head = SectionHead(data, ctx)
     geo = head.geo
     dev = ctx.device
-    ks, kz = head.ks.to(dev), head.kz.to(dev)
-    vs, vz = head.vs.to(dev), head.vz.to(dev)
+    scales = head.scales.to(dev)
+    columns = _key_columns(head, dev)
     nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu)
     h = xxhash.xxh3_64()
     i = 0
@@ -138,13 +142,14 @@ def restore_cuda(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch
     for y in frames():
         lo, hi = geo.block(i // 2)
         is_v = bool(i % 2)
-        q = L.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta)
+        q = L.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta,
+                             None if is_v else columns)
         if check:
             h.update(q.contiguous().cpu().numpy().astype("<i4").tobytes())
         if is_v:
-            sink(lo, hi, None, dequantize(q, vs[:, lo:hi], vz[:, lo:hi]))
+            sink(lo, hi, None, head.with_exact(scales.values(q, lo, hi), lo, True))
         else:
-            sink(lo, hi, dequantize(q, ks, kz), None)
+            sink(lo, hi, head.with_exact(scales.keys(q), lo, False), None)
         i += 1
     if i != geo.num_frames:
         raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
@@ -162,13 +167,15 @@ def decode_codes_cuda(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | 
 
     head = SectionHead(data, ctx)
     geo = head.geo
+    columns = _key_columns(head, torch.device("cpu"))  # moved to each frame's device as it is used
     nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu)
     i = 0
     for piece in [*([bytes(head.stream)] if pieces is None else pieces), None]:
         for y in nv.feed(piece):
             lo, hi = geo.block(i // 2)
             is_v = bool(i % 2)
-            q = L.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta)
+            q = L.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta,
+                                 None if is_v else columns)
             (vq if is_v else kq)[:, lo:hi] = q.cpu().numpy()
             i += 1
     if i != geo.num_frames:
