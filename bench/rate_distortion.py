@@ -24,9 +24,10 @@ from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # What cachegen's design choices do, at the default level: CacheGen's anchor/delta coding (groups of 2 and of
-# the paper's 10 tokens), no model profile (steps from the keys alone), and no attention-sink token.
+# the paper's 10 tokens), no model profile (steps from the keys alone), and no attention-sink token; and
+# kvfetcher's 4-bit codes with kivi's min-max scales instead of its default spread steps.
 ABLATIONS = ["cachegen:level=2,group=2", "cachegen:level=2,group=10", "cachegen:level=2,profile=none",
-             "cachegen:level=2,sink_tokens=0"]
+             "cachegen:level=2,sink_tokens=0", "kvfetcher:scale=minmax"]
 
 
 def main() -> None:

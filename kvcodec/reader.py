@@ -10,7 +10,7 @@ import torch
 
 from kvcodec.cache import KVCache, KVLayer
 from kvcodec.chunking import decode_all, decode_sections
-from kvcodec.codecs import Codec, get_codec
+from kvcodec.codecs import Codec, codec_class
 from kvcodec.codecs.base import check_backend
 from kvcodec.container import ContainerReader
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
@@ -87,7 +87,7 @@ def build_codecs(header: Header) -> list[Codec]:
     codecs = []
     for v in header.variants:
         try:
-            codec = get_codec(v.codec, **v.config)
+            codec = codec_class(v.codec).from_file_config(v.config)
         except UnsupportedError:
             raise
         except InvalidInputError as e:

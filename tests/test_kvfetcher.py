@@ -34,7 +34,8 @@ def _ctx(k: torch.Tensor, dv: int | None = None, dtype=torch.float16, layer: int
     return LayerContext(layer, 30 if model else 1, LayerShape(h, t, dk, dv or dk), dtype, model=model)
 
 
-@pytest.mark.parametrize("cfg", [dict(bits=4), dict(bits=4, delta=True, frame_tokens=96), dict(bits=10, frame_tokens=512),
+@pytest.mark.parametrize("cfg", [dict(bits=4, scale="minmax"), dict(bits=4, delta=True, frame_tokens=96),
+                                 dict(bits=10, frame_tokens=512, scale="minmax"), dict(bits=10, frame_tokens=256),
                                  dict(bits=2, frame_tokens=16), dict(bits=4, scale="spread"),
                                  dict(bits=3, scale="spread", key_step=0.5, value_spread=2, delta=True, frame_tokens=64)])
 @pytest.mark.parametrize("model", [None, "SmolLM2-135M-Instruct"])
@@ -56,9 +57,9 @@ def test_codes_bit_exact_and_half_step(kv3, cfg, model):
 
 
 def test_round_trip_container_and_stream_pieces(kv3):
-    blob = kvcodec.encode(kv3, codec="kvfetcher", bits=4)
+    blob = kvcodec.encode(kv3, codec="kvfetcher", bits=4, scale="minmax")
     back = kvcodec.decode(blob)
-    codec = KVFetcher(bits=4)
+    codec = KVFetcher(bits=4, scale="minmax")
     for (k, v), (kd, vd) in zip(kv3.layers, back.layers):
         for c0 in (0, 256):  # the default 256-token chunks: codes are per section
             kq, vq, sc = codec.quantize(k[:, c0:c0 + 256], v[:, c0:c0 + 256])
@@ -134,7 +135,7 @@ def test_geometry_and_padding():
 def test_config_validation_and_registry():
     assert isinstance(get_codec("kvfetcher", bits=3), KVFetcher)
     for bad in (dict(bits=1), dict(bits=11), dict(frame_tokens=100), dict(preset="x"), dict(delta=1),
-                dict(scale="std"), dict(scale=None), dict(scale=["minmax"]), dict(key_step=1.0),
+                dict(scale="std"), dict(scale=None), dict(scale=["minmax"]), dict(scale="minmax", key_step=1.0),
                 dict(scale="minmax", value_spread=0.7), dict(scale="spread", key_step=0),
                 dict(scale="spread", value_spread=-1.0), dict(scale="spread", key_step=float("nan")),
                 dict(scale="spread", value_spread=float("inf")), dict(scale="spread", key_step=1e6),
@@ -144,10 +145,16 @@ def test_config_validation_and_registry():
     # canonical configs: both steps floats under 'spread' and None under 'minmax'; a config read back is equal
     sp = KVFetcher(scale="spread", key_step=2, value_spread=1)
     assert sp.get_config()["key_step"] == 2.0 and isinstance(sp.get_config()["value_spread"], float)
-    # min-max configs keep their original four keys, so containers written before `scale` existed still open
-    assert KVFetcher().get_config() == {"bits": 4, "frame_tokens": 256, "preset": "ultrafast", "delta": False}
-    for c in (sp, KVFetcher(scale="spread"), KVFetcher()):
-        assert get_codec("kvfetcher", **c.get_config()).get_config() == c.get_config()
+    assert KVFetcher().get_config() == {"bits": 4, "frame_tokens": 256, "preset": "ultrafast", "delta": False,
+                                        "scale": "spread", "key_step": 2.0, "value_spread": 1.0}
+    # min-max configs keep their original four keys, so containers written when min-max was the only scale still
+    # open: a file's config without `scale` is min-max
+    mm = KVFetcher(scale="minmax")
+    assert mm.get_config() == {"bits": 4, "frame_tokens": 256, "preset": "ultrafast", "delta": False}
+    assert KVFetcher.from_file_config(mm.get_config()).scale == "minmax"
+    for c in (sp, KVFetcher(), mm):
+        assert KVFetcher.from_file_config(c.get_config()).get_config() == c.get_config()
+    assert get_codec("kvfetcher", bits=4).scale == "spread"
 
 
 def test_spread_scale_round_trip_and_concentration(kv3):
@@ -158,7 +165,7 @@ def test_spread_scale_round_trip_and_concentration(kv3):
     k, v = kv3.layers[1]
     k, v = k[:, :256], v[:, :256]
     ctx = _ctx(k, layer=14, model=model)
-    sp, mm = KVFetcher(bits=4, scale="spread"), KVFetcher(bits=4)
+    sp, mm = KVFetcher(bits=4, scale="spread"), KVFetcher(bits=4, scale="minmax")
     data = sp.encode_layer(k, v, ctx)
     kq, vq, sc = sp.quantize(k, v, ctx)
     dkq, dvq = decode_codes(data, ctx)

@@ -93,6 +93,12 @@ class Codec(abc.ABC):
             raise InvalidInputError(f"codec {cls.codec_id!r} has no option(s) {unknown}; it takes {sorted(set(params) - {'self'})}")
         return cls(**config)
 
+    @classmethod
+    def from_file_config(cls, config: dict[str, Any]) -> Codec:
+        """Build from a config read from a file.  A codec whose defaults changed maps configs written before
+        the change here, so that old files still read as what they are."""
+        return cls.from_config(config)
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({args})"

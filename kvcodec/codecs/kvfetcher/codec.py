@@ -47,8 +47,9 @@ MAGIC = b"KVF1"
 HEAD = struct.Struct("<4sBBHHHHIQH")
 FLAG_DELTA = 1  # bit 1 (S.FLAG_STEP_CODES) says which scale block follows the head
 SCALES = ("minmax", "spread")
-DEFAULT_KEY_STEP = 1.5  # attention-logit units (per query RMS); measured on SmolLM2 (bench/results/kvfetcher.md)
-DEFAULT_VALUE_SPREAD = 0.7  # standard deviations of the token's values
+# Measured on SmolLM2 (bench/results/kvfetcher.md): 2.61 bits/element, perplexity +0.68%.
+DEFAULT_KEY_STEP = 2.0  # attention-logit units (per query RMS)
+DEFAULT_VALUE_SPREAD = 1.0  # RMS deviations of the token's values from their channel means
 MAX_STEP = 64.0
 SINK_TOKENS = 1  # spread keeps the sequence's first token exactly, as cachegen's default does
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
@@ -110,14 +111,14 @@ def _codes_digest(kq: np.ndarray, vq: np.ndarray, geo: L.FrameGeometry) -> int:
 class KVFetcher(Codec):
     """Quantized KV codes as lossless HEVC frames: ``bits`` 2..10 (8-bit Main up to 8, Main10 above),
     ``frame_tokens`` token rows per frame (multiple of 16), x265 ``preset``, ``delta`` token delta along rows,
-    ``scale`` ``minmax`` or ``spread`` (with ``key_step`` and ``value_spread``, both None under ``minmax``;
-    see the module's docstring)."""
+    ``scale`` ``spread`` (default, with ``key_step`` and ``value_spread``) or ``minmax`` (both None); see the
+    module's docstring."""
 
     codec_id = "kvfetcher"
     lossless = False
 
     def __init__(self, bits: int = 4, frame_tokens: int = 256, preset: str = "ultrafast", delta: bool = False,
-                 scale: str = "minmax", key_step: float | None = None, value_spread: float | None = None) -> None:
+                 scale: str = "spread", key_step: float | None = None, value_spread: float | None = None) -> None:
         if not (isinstance(bits, int) and not isinstance(bits, bool) and 2 <= bits <= 10):
             raise InvalidInputError(f"kvfetcher bits must be an integer in 2..10, not {bits!r}")
         if not (isinstance(frame_tokens, int) and frame_tokens % L.PAGE == 0 and L.PAGE <= frame_tokens <= video.MAX_SIDE):
@@ -152,8 +153,13 @@ class KVFetcher(Codec):
         return config
 
     @classmethod
+    def from_file_config(cls, config: dict[str, Any]) -> KVFetcher:
+        # min-max configs have no `scale` key: they were written when min-max was the only (and default) scale
+        return cls.from_config(config if "scale" in config else {**config, "scale": "minmax"})
+
+    @classmethod
     def presets(cls) -> list[dict[str, Any]]:
-        return [{"bits": b} for b in (2, 3, 4, 5, 6)]
+        return [{"key_step": ks, "value_spread": vs} for ks, vs in ((3.0, 1.5), (2.5, 1.2), (2.0, 1.0), (1.75, 0.85), (1.5, 0.7))]
 
     # ---------------------------------------------------------------------------------------- encode
 
