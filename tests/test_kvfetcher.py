@@ -18,7 +18,7 @@ from kvcodec.codecs.kvfetcher import video
 from kvcodec.codecs.kvfetcher.codec import HEAD, KVFetcher, SectionHead, decode_codes
 from kvcodec.codecs.kvfetcher.paged import restore_paged
 from kvcodec.codecs.quantize import dequantize
-from kvcodec.layouts.paged import from_paged
+from kvcodec.layouts.paged import from_paged, slot_mapping
 
 av = pytest.importorskip("av")
 
@@ -101,16 +101,22 @@ def test_paged_restoration_equals_contiguous(kv3):
     from kvcodec.chunking import make_header
     header = make_header(kv, [codec], 256)
     for layer in range(kv.num_layers):
-        paged = torch.zeros(2, num_blocks, block, 3, 64, dtype=torch.float16)
+        paged, by_slots = (torch.zeros(2, num_blocks, block, 3, 64, dtype=torch.float16) for _ in range(2))
         k, v = kv.layers[layer]
         for c0 in (0, 256):
             ctx = layer_context(header, layer, (c0, c0 + 256), torch.device("cpu"))
             data = codec.encode_layer(k[:, c0:c0 + 256], v[:, c0:c0 + 256], ctx)
             peaks.append(restore_paged(data, ctx, paged, table))
+            # the Codec API's paged decode (what engine adapters call) takes the same frame-wise path
+            codec.decode_layer_paged(data, ctx, by_slots, slot_mapping(table, c0, 256, block))
         got = from_paged([paged], table, 512)
         assert torch.equal(got.layers[0].keys, contiguous.layers[layer].keys)
         assert torch.equal(got.layers[0].values, contiguous.layers[layer].values)
+        assert torch.equal(by_slots, paged)
     assert max(peaks) == 4 * 3 * 128 * 64  # one frame of float32 values at a time
+    for bad in (torch.arange(255), torch.full((256,), num_blocks * block)):
+        with pytest.raises(kvcodec.InvalidInputError):
+            codec.decode_layer_paged(data, ctx, paged, bad)
 
 
 def test_geometry_and_padding():

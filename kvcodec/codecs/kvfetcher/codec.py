@@ -109,7 +109,9 @@ def _codes_digest(kq: np.ndarray, vq: np.ndarray, geo: L.FrameGeometry) -> int:
 
 @register_codec
 class KVFetcher(Codec):
-    """Quantized KV codes as lossless HEVC frames: ``bits`` 2..10 (8-bit Main up to 8, Main10 above),
+    """KVFetcher: quantized KV codes as lossless HEVC video frames, decoded by FFmpeg or NVDEC.
+
+    ``bits`` 2..10 (8-bit Main up to 8, Main10 above),
     ``frame_tokens`` token rows per frame (multiple of 16), x265 ``preset``, ``delta`` token delta along rows,
     ``scale`` ``spread`` (default, with ``key_step`` and ``value_spread``) or ``minmax`` (both None); see the
     module's docstring."""
@@ -223,6 +225,12 @@ class KVFetcher(Codec):
 
         restore(data, ctx, sink)
         return keys, values
+
+    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
+        """Frame by frame into the paged blocks: one frame's values are held at a time, whatever the section's length."""
+        from kvcodec.codecs.kvfetcher.paged import scatter_frames
+
+        scatter_frames(data, ctx, paged, slots)
 
     def decode_codes(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
         """The quantized codes ``[H, T, Dk]``, ``[H, T, Dv]`` (int32) of a section, checked against its digest."""

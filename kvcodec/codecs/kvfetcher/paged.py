@@ -12,33 +12,40 @@ from kvcodec.errors import InvalidInputError
 from kvcodec.layouts.paged import slot_mapping
 
 
-def restore_paged(data: bytes, ctx: LayerContext, paged: torch.Tensor, block_table: torch.Tensor,
-                  token_start: int | None = None, pieces: Iterable[bytes] | None = None) -> int:
-    """Decode one section frame by frame into ``paged`` (one layer, ``(2, num_blocks, block_size, H, D)``).
-
-    Token ``i`` of the section goes to sequence position ``token_start + i`` (default ``ctx.token_start``),
-    whose slot comes from ``block_table``.  Each frame is dequantized and scattered as soon as it is
-    decoded, then dropped.  Returns the peak bytes of decoded frame data held at once.
-    """
+def scatter_frames(data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
+                   pieces: Iterable[bytes] | None = None) -> int:
+    """Decode one section frame by frame into ``paged`` (one layer, ``(2, num_blocks, block_size, H, D)``):
+    token ``i`` of the section goes to flat slot ``slots[i]``.  Each frame is dequantized and scattered as soon as
+    it is decoded, then dropped.  Returns the peak bytes of decoded frame data held at once."""
     s = ctx.shape
     if paged.dim() != 5 or paged.shape[0] != 2 or tuple(paged.shape[3:]) != (s.heads, s.key_dim) or s.key_dim != s.value_dim:
         raise InvalidInputError(f"paged tensor {tuple(paged.shape)} does not fit a layer of {s}")
-    start = ctx.token_start if token_start is None else token_start
-    block_size = paged.shape[2]
     flat = paged.view(2, -1, *paged.shape[3:])
+    slots = slots.to(paged.device).long()
+    if slots.shape != (s.tokens,):
+        raise InvalidInputError(f"{tuple(slots.shape)} slots for a section of {s.tokens} tokens")
+    if s.tokens and not (0 <= int(slots.min()) and int(slots.max()) < flat.shape[1]):
+        raise InvalidInputError("slots point outside the paged tensor")
     peak = 0
 
     def sink(lo: int, hi: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
         nonlocal peak
-        slots = slot_mapping(block_table, start + lo, hi - lo, block_size)
-        if int(slots.max()) >= flat.shape[1]:
-            raise InvalidInputError("block table points past the paged tensor")
         x = k if k is not None else v
-        peak = max(peak, x.numel() * 4)
-        flat[0 if k is not None else 1, slots] = x.transpose(0, 1).to(paged.device, paged.dtype)
+        peak = max(peak, x.numel() * x.element_size())
+        flat[0 if k is not None else 1, slots[lo:hi]] = x.transpose(0, 1).to(paged.device, paged.dtype)
 
     restore(data, ctx, sink, pieces)
     return peak
 
 
-__all__ = ["restore_paged"]
+def restore_paged(data: bytes, ctx: LayerContext, paged: torch.Tensor, block_table: torch.Tensor,
+                  token_start: int | None = None, pieces: Iterable[bytes] | None = None) -> int:
+    """:func:`scatter_frames` through a block table: token ``i`` of the section goes to sequence position
+    ``token_start + i`` (default ``ctx.token_start``), whose slot comes from ``block_table``."""
+    start = ctx.token_start if token_start is None else token_start
+    if paged.dim() != 5:
+        raise InvalidInputError(f"paged tensor {tuple(paged.shape)} is not (2, num_blocks, block_size, H, D)")
+    return scatter_frames(data, ctx, paged, slot_mapping(block_table, start, ctx.shape.tokens, paged.shape[2]), pieces)
+
+
+__all__ = ["restore_paged", "scatter_frames"]
