@@ -96,7 +96,7 @@ def main() -> int:
                 stream = bytes(head.stream)
                 try:
                     ref = decode_codes(data, ctx)
-                    got = nvdec.decode_codes_cuda(data, ctx, pieces=[stream[i:i + 4096] for i in range(0, len(stream), 4096)])
+                    got = nvdec.decode_codes_nvdec(data, ctx, pieces=[stream[i:i + 4096] for i in range(0, len(stream), 4096)])
                     same = np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1])
                 except Exception:
                     traceback.print_exc()
@@ -168,7 +168,7 @@ def _restore_gpu(nvdec, data, ctx, paged, table, dev) -> None:  # noqa: ANN001
         x = k if k is not None else v
         flat[0 if k is not None else 1, slots] = x.transpose(0, 1).to(paged.dtype)
 
-    nvdec.restore_cuda(data, replace(ctx, device=dev), sink, check=False)
+    nvdec.restore_nvdec(data, replace(ctx, device=dev), sink, check=False)
 
 
 if __name__ == "__main__":

@@ -118,3 +118,13 @@ def test_eval_measures_kivi_with_the_real_model(capsys, tmp_path):
     assert abs(k8["ppl_change"]) < 0.01 and k8["agreement"] > 0.97
     assert k2["ppl_change"] > k4["ppl_change"] and k2["ppl_change"] > 0.05
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_backend_choices_are_the_codecs_backends():
+    from kvcodec.cli import build_parser
+    from kvcodec.codecs.base import BACKENDS
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("encode", "decode"):
+        action = next(a for a in commands[name]._actions if a.dest == "backend")
+        assert tuple(action.choices) == BACKENDS

@@ -333,5 +333,30 @@ def test_nvdec_plumbing_with_a_fake_decoder(kv3, monkeypatch, bits, scale):
     data = codec.encode_layer(k, v, ctx)
     stream = data[SectionHead(data, ctx).stream_start:]
     ref = decode_codes(data, ctx)
-    got = nvdec.decode_codes_cuda(data, ctx, pieces=[stream[i:i + 999] for i in range(0, len(stream), 999)])
+    got = nvdec.decode_codes_nvdec(data, ctx, pieces=[stream[i:i + 999] for i in range(0, len(stream), 999)])
     assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1])
+
+
+def test_nvdec_restoration_matches_ffmpeg_with_a_fake_decoder(kv3, monkeypatch):
+    """The NVDEC restore path (frame to codes, key column order, dequantization, exact sink token) gives the
+    tensors the FFmpeg path gives; the API's 'nvdec' backend refuses a CPU device."""
+    from kvcodec.codecs.kvfetcher import nvdec
+    monkeypatch.setattr(nvdec, "_nvc", lambda: _FakeNvc)
+    codec = KVFetcher(frame_tokens=128)
+    k, v = kv3.layers[1]
+    k, v = k[:, :200], v[:, :200]
+    ctx = _ctx(k, layer=14, model="SmolLM2-135M-Instruct")
+    data = codec.encode_layer(k, v, ctx)
+    ref_k, ref_v = codec.decode_layer(data, ctx)
+    got_k, got_v = torch.full_like(ref_k, float("nan")), torch.full_like(ref_v, float("nan"))
+
+    def sink(lo, hi, kk, vv):
+        (got_k if kk is not None else got_v)[:, lo:hi] = kk if kk is not None else vv
+
+    nvdec.restore_nvdec(data, ctx, sink)
+    assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
+    blob = kvcodec.encode(kvcodec.KVCache([(k, v)], model="SmolLM2-135M-Instruct"), codec=codec)
+    with pytest.raises(kvcodec.InvalidInputError, match="CUDA"):
+        kvcodec.decode(blob, backend="nvdec")
+    with pytest.raises(kvcodec.UnsupportedError):
+        kvcodec.decode(kvcodec.encode(kvcodec.KVCache([(k, v)]), codec="raw"), backend="nvdec")

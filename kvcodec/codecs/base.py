@@ -116,7 +116,7 @@ def expect_size(data: bytes, expected: int, what: str) -> None:
         raise CorruptDataError(f"{what}: section is {len(data)} bytes, its shape needs {expected}")
 
 
-BACKENDS = ("auto", "cpu", "triton")
+BACKENDS = ("auto", "cpu", "triton", "nvdec")
 
 
 def check_backend(codecs: Sequence[Codec], backend: str) -> None:

@@ -118,6 +118,8 @@ class KVFetcher(Codec):
 
     codec_id = "kvfetcher"
     lossless = False
+    # "nvdec" is opt-in: "auto" keeps FFmpeg on the CPU until the NVDEC path has been checked on a GPU
+    backends = ("cpu", "nvdec")
 
     def __init__(self, bits: int = 4, frame_tokens: int = 256, preset: str = "ultrafast", delta: bool = False,
                  scale: str = "spread", key_step: float | None = None, value_spread: float | None = None) -> None:
@@ -223,7 +225,7 @@ class KVFetcher(Codec):
             if v is not None:
                 values[:, lo:hi] = v.to(ctx.device, ctx.dtype)
 
-        restore(data, ctx, sink)
+        restore_on(data, ctx, sink)
         return keys, values
 
     def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
@@ -282,6 +284,20 @@ def restore(data: bytes, ctx: LayerContext,
             sink(lo, hi, head.with_exact(head.scales.keys(torch.from_numpy(q)), lo, False), None)
     if h.intdigest() != head.digest:
         raise CorruptDataError("kvfetcher codes do not match the section's checksum")
+
+
+def restore_on(data: bytes, ctx: LayerContext,
+               sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
+               pieces: Iterable[bytes] | None = None) -> None:
+    """:func:`restore` through the decoder ``ctx.backend`` names: NVDEC for ``"nvdec"`` (a CUDA device), else FFmpeg."""
+    if ctx.backend != "nvdec":
+        restore(data, ctx, sink, pieces)
+        return
+    if ctx.device.type != "cuda":
+        raise InvalidInputError("kvfetcher's 'nvdec' backend decodes on a CUDA device (pass device='cuda')")
+    from kvcodec.codecs.kvfetcher.nvdec import restore_nvdec
+
+    restore_nvdec(data, ctx, sink, pieces, gpu=ctx.device.index or 0)
 
 
 def decode_codes(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ import torch
 
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.kvfetcher import layout as L
-from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
+from kvcodec.errors import CorruptDataError, UnsupportedError
 
 
 def _nvc() -> Any:
@@ -112,9 +112,10 @@ def _key_columns(head: Any, device: torch.device) -> torch.Tensor | None:
     return None if cols is None else torch.from_numpy(cols).to(device)
 
 
-def restore_cuda(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
-                 pieces: Iterable[bytes] | None = None, gpu: int = 0, check: bool = True) -> None:
-    """The NVDEC twin of :func:`kvcodec.codecs.kvfetcher.codec.restore`: frame by frame into ``sink`` on the GPU.
+def restore_nvdec(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
+                  pieces: Iterable[bytes] | None = None, gpu: int = 0, check: bool = True) -> None:
+    """The NVDEC twin of :func:`kvcodec.codecs.kvfetcher.codec.restore`: NVDEC on GPU ``gpu`` decodes, and each frame
+    is dequantized where it lands (on that GPU) and handed to ``sink``.
 
     ``check`` verifies the section's code digest (it copies each frame's codes to the host; turn it off to time
     the GPU path alone)."""
@@ -122,8 +123,6 @@ def restore_cuda(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch
 
     from kvcodec.codecs.kvfetcher.codec import SectionHead
 
-    if ctx.device.type != "cuda":
-        raise InvalidInputError("NVDEC restoration needs a CUDA device in the layer context")
     s = ctx.shape
     head = SectionHead(data, ctx)
     geo = head.geo
@@ -157,7 +156,7 @@ def restore_cuda(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch
         raise CorruptDataError("kvfetcher codes decoded by NVDEC do not match the section's checksum")
 
 
-def decode_codes_cuda(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | None = None,
+def decode_codes_nvdec(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | None = None,
                       gpu: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """int32 codes ``[H, T, Dk]``, ``[H, T, Dv]`` decoded by NVDEC (for bit-exact comparison with PyAV)."""
     s = ctx.shape

@@ -7,7 +7,7 @@ from typing import Iterable
 import torch
 
 from kvcodec.codecs.base import LayerContext
-from kvcodec.codecs.kvfetcher.codec import restore
+from kvcodec.codecs.kvfetcher.codec import restore_on
 from kvcodec.errors import InvalidInputError
 from kvcodec.layouts.paged import slot_mapping
 
@@ -34,7 +34,7 @@ def scatter_frames(data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: t
         peak = max(peak, x.numel() * x.element_size())
         flat[0 if k is not None else 1, slots[lo:hi]] = x.transpose(0, 1).to(paged.device, paged.dtype)
 
-    restore(data, ctx, sink, pieces)
+    restore_on(data, ctx, sink, pieces)
     return peak
 
 
