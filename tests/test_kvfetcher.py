@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kvcodec.formats.v1 import LayerShape
 
 import kvcodec
@@ -360,3 +362,34 @@ def test_nvdec_restoration_matches_ffmpeg_with_a_fake_decoder(kv3, monkeypatch):
         kvcodec.decode(blob, backend="nvdec")
     with pytest.raises(kvcodec.UnsupportedError):
         kvcodec.decode(kvcodec.encode(kvcodec.KVCache([(k, v)]), codec="raw"), backend="nvdec")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(layer=st.integers(0, 29), start=st.integers(0, 511), tokens=st.integers(1, 300),
+       bits=st.integers(2, 10), rows=st.sampled_from([16, 48, 128, 256]), scale=st.sampled_from(["spread", "minmax"]),
+       delta=st.booleans(), token_start=st.sampled_from([0, 1, 256]), dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+def test_round_trip_property_on_real_slices(real_kv, layer, start, tokens, bits, rows, scale, delta, token_start, dtype):
+    """Any real slice, bit depth, frame height, scale, delta and position: the codes come back bit-exactly through
+    PyAV, every value within half a step (exact for the sink token), and the contiguous and paged decodes agree."""
+    k, v = real_kv.layers[layer]
+    k, v = k[:, start:start + tokens].to(dtype), v[:, start:start + tokens].to(dtype)
+    t = k.shape[1]
+    codec = KVFetcher(bits=bits, frame_tokens=rows, scale=scale, delta=delta)
+    ctx = LayerContext(layer, 30, LayerShape(3, t, 64, 64), dtype, model="SmolLM2-135M-Instruct", token_start=token_start)
+    data = codec.encode_layer(k, v, ctx)
+    kq, vq, sc = codec.quantize(k, v, ctx)
+    dkq, dvq = decode_codes(data, ctx)
+    assert np.array_equal(dkq, kq) and np.array_equal(dvq, vq)
+    kd, vd = codec.decode_layer(data, ctx)
+    exact = HEAD.unpack_from(data)[-1]
+    assert exact == (1 if scale == "spread" and token_start == 0 and t > 1 else 0)
+    for x, y, s in ((k, kd, sc.ks), (v, vd, sc.vs)):
+        err = (x.float() - y.float()).abs()
+        s = s[:, exact:] if s.shape[1] == t else s  # per-token value steps, per-channel key steps
+        assert bool((err[:, exact:] <= s.float() / 2 * 1.01 + x.float()[:, exact:].abs() * 2 ** -7 + 1e-3).all())
+        assert torch.equal(y[:, :exact], x[:, :exact])
+    paged = torch.zeros(2, -(-t // 16) + 2, 16, 3, 64, dtype=dtype)
+    slots = torch.randperm(paged.shape[1] * 16)[:t]
+    codec.decode_layer_paged(data, ctx, paged, slots)
+    flat = paged.view(2, -1, 3, 64)
+    assert torch.equal(flat[0, slots].transpose(0, 1), kd) and torch.equal(flat[1, slots].transpose(0, 1), vd)
