@@ -393,3 +393,15 @@ def test_round_trip_property_on_real_slices(real_kv, layer, start, tokens, bits,
     codec.decode_layer_paged(data, ctx, paged, slots)
     flat = paged.view(2, -1, 3, 64)
     assert torch.equal(flat[0, slots].transpose(0, 1), kd) and torch.equal(flat[1, slots].transpose(0, 1), vd)
+
+
+def test_layers_in_parallel_make_the_same_bytes(kv3):
+    """encode_layers / decode_layers run a chunk's sections on threads; the result is the sequential one."""
+    codec = KVFetcher(frame_tokens=64)
+    pairs = [(k[:, :128], v[:, :128]) for k, v in kv3.layers]
+    ctxs = [_ctx(k, layer=i, model="SmolLM2-135M-Instruct") for i, (k, _) in zip((0, 14, 29), pairs)]
+    sections = codec.encode_layers(pairs, ctxs)
+    assert sections == [codec.encode_layer(k, v, c) for (k, v), c in zip(pairs, ctxs)]
+    for (a, b), data, c in zip(codec.decode_layers(sections, ctxs), sections, ctxs):
+        ra, rb = codec.decode_layer(data, c)
+        assert torch.equal(a, ra) and torch.equal(b, rb)

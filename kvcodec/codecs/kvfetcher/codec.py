@@ -28,7 +28,9 @@ How the encoder picks the steps (config ``scale``; the decoder only reads the sc
 from __future__ import annotations
 
 import math
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -212,7 +214,15 @@ class KVFetcher(Codec):
                          geo.cols, geo.num_frames, len(stream), _codes_digest(kq, vq, geo), n)
         return b"".join([head, sc.to_bytes(), *exact, stream])
 
+    def encode_layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> list[bytes]:
+        return _in_threads(lambda i: self.encode_layer(*layers[i], ctxs[i]), len(layers))
+
     # ---------------------------------------------------------------------------------------- decode
+
+    def decode_layers(self, datas: list[bytes], ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if any(ctx.backend == "nvdec" for ctx in ctxs):  # one NVDEC engine: sections in turn
+            return super().decode_layers(datas, ctxs)
+        return _in_threads(lambda i: self.decode_layer(datas[i], ctxs[i]), len(datas))
 
     def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
         s = ctx.shape
@@ -237,6 +247,16 @@ class KVFetcher(Codec):
     def decode_codes(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
         """The quantized codes ``[H, T, Dk]``, ``[H, T, Dv]`` (int32) of a section, checked against its digest."""
         return decode_codes(data, ctx)
+
+
+def _in_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
+    """``[fn(0), ..., fn(n-1)]`` on up to one thread per core: x265 and FFmpeg work without the GIL, and each
+    section is its own stream, so a chunk's layers code in parallel (the bytes do not depend on it)."""
+    workers = min(n, os.cpu_count() or 1)
+    if workers <= 1:
+        return [fn(i) for i in range(n)]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, range(n)))
 
 
 def iter_frames(head: SectionHead, ctx: LayerContext,
