@@ -4,7 +4,7 @@
 # av or PyNvVideoCodec, and cannot download; fetch their cp312 wheels here first (scripts/gpu_wheels.sh).
 #
 #   device run:  bash scripts/gpu_check.sh cachegen [bench options]     carry: .whl, .cache/test-kv
-#                bash scripts/gpu_check.sh kvfetcher [bench options]    carry: .whl
+#                bash scripts/gpu_check.sh kvfetcher [bench options]    carry: .whl, .cache/test-kv (real KV; else synthetic)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=${1:?usage: gpu_check.sh cachegen|kvfetcher [bench options]}
