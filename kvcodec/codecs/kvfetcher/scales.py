@@ -7,7 +7,7 @@
   Per value token this costs one byte instead of four, which is most of the side information at 64-wide heads.
   Key frames put their columns in decreasing step-code order (ties by channel): coarse-step channels hold few
   levels, fine-step ones many, and sorted columns keep the video coder's adaptive contexts on one kind at a time
-  (measured: key codes 0.09 bits/code smaller on SmolLM2).  The decoder derives that order from the codes.
+  (measured on SmolLM2: 2.47 to 2.40 bits per code, keys and values together).  The decoder derives that order from the codes.
 
 Encoders build them from KV (:func:`minmax`, :func:`spread`); decoders parse them (:func:`parse`).
 """
