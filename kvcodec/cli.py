@@ -415,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("input", help="KV dump (.safetensors)")
     sp.add_argument("--codec", action="append", help=CODEC_HELP + "; repeatable (default: raw, kivi:bits=4)")
     sp.add_argument("--repeat", type=int, default=3, help="runs per codec (default: 3)")
-    sp.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    sp.add_argument("--threads", type=int, default=1,
+                    help="threads for torch and for codecs that code sections in parallel (kvfetcher) (default: 1)")
     sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
     add_device_options(sp, "encode and decode on")
 

@@ -12,6 +12,6 @@ kvcodec encode out/kv.safetensors -o out/kv.kvc --codec cachegen
 kvcodec info out/kv.kvc
 kvcodec verify out/kv.kvc --against out/kv.safetensors
 kvcodec decode out/kv.kvc -o out/kv-decoded.safetensors
-kvcodec bench out/kv.safetensors --codec raw --codec kivi:bits=4 --codec lmcache-cachegen --codec cachegen
+kvcodec bench out/kv.safetensors --codec raw --codec kivi:bits=4 --codec lmcache-cachegen --codec cachegen --codec kvfetcher
 kvcodec eval --codec raw --codec kivi:bits=2 --codec kivi:bits=4 --codec lmcache-cachegen \
-    --codec cachegen:level=0 --codec cachegen:level=2 --codec cachegen:level=4 --plot out/rate-distortion.png
+    --codec cachegen:level=0 --codec cachegen:level=2 --codec cachegen:level=4 --codec kvfetcher --plot out/rate-distortion.png

@@ -28,7 +28,6 @@ How the encoder picks the steps (config ``scale``; the decoder only reads the sc
 from __future__ import annotations
 
 import math
-import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
@@ -250,9 +249,9 @@ class KVFetcher(Codec):
 
 
 def _in_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
-    """``[fn(0), ..., fn(n-1)]`` on up to one thread per core: x265 and FFmpeg work without the GIL, and each
-    section is its own stream, so a chunk's layers code in parallel (the bytes do not depend on it)."""
-    workers = min(n, os.cpu_count() or 1)
+    """``[fn(0), ..., fn(n-1)]`` on up to ``torch.get_num_threads()`` threads: x265 and FFmpeg work without the
+    GIL, and each section is its own stream, so a chunk's layers code in parallel (the bytes do not depend on it)."""
+    workers = min(n, torch.get_num_threads())
     if workers <= 1:
         return [fn(i) for i in range(n)]
     with ThreadPoolExecutor(workers) as pool:
