@@ -135,6 +135,8 @@ def test_geometry_and_padding():
         for delta in (False, True):
             f = L.to_frame(q, g, bits, delta)
             assert f.shape == (g.rows, g.cols) and int(f.max()) < (1 << bits)
+            if not delta:  # padding rows and columns hold the centre code
+                assert (f[37:] == 1 << (bits - 1)).all() and (f[:, 15:] == 1 << (bits - 1)).all()
             assert np.array_equal(L.from_frame(f, 37, 3, 5, bits, delta), q)
             t = L.frame_to_torch(torch.from_numpy(f.astype(np.int32)), 37, 3, 5, bits, delta)
             assert np.array_equal(t.numpy(), q)

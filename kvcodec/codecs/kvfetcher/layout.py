@@ -2,8 +2,11 @@
 
 One frame = (K or V, a block of ``frame_rows`` tokens) of one section: row ``r``
 is token ``block_start + r``, column ``h * D + d`` is head ``h``, channel ``d``.
-Rows past the section's last token repeat its last row (delta 0), and columns
-past ``H * D`` are 0, up to the frame size (even sides, at least :data:`MIN_SIDE`).
+Rows past the block's last token and columns past ``H * D``, up to the frame size
+(even sides, at least :data:`MIN_SIDE`), hold the centre code ``2**(bits-1)``: a
+constant costs the video coder almost nothing, where repeating the last token row
+cost as much as real rows (4.7 against 2.7 bits per code for 64-token blocks in
+144-row pictures, measured on SmolLM2 KV).
 The token delta is taken per frame along rows, modulo ``2**bits``: the first
 row is kept raw, row ``r > 0`` stores ``(q[r] - q[r-1]) mod 2**bits``.
 """
@@ -82,9 +85,8 @@ def to_frame(codes: np.ndarray, geo: FrameGeometry, bits: int, delta: bool = Fal
     rows2d = codes.transpose(1, 0, 2).reshape(t, h * d).astype(np.int32)
     if columns is not None:
         rows2d = rows2d[:, columns]
-    img = np.zeros((geo.rows, geo.cols), np.int32)
+    img = np.full((geo.rows, geo.cols), 1 << (bits - 1), np.int32)
     img[:t, : h * d] = rows2d
-    img[t:, : h * d] = rows2d[-1]
     if delta:
         img[1:] = (img[1:] - img[:-1]) & ((1 << bits) - 1)
     return img.astype(code_dtype(bits))
