@@ -104,19 +104,27 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
     codecs = build_codecs(header)
     check_backend(codecs, backend)
     rows: Iterable[Any] = ((h.variant, h.token_start, h.token_count, h.layer_start,
-                            {h.layer_start + j: s for j, s in enumerate(sections)}) for h, sections in _best(frames))
+                            {h.layer_start + j: s for j, s in enumerate(sections)})
+                           for h, sections in _best(frames, len(header.variants)))
     if progress:
         rows = progress(rows, len(header.slots()))
     return decode_all(header, rows, codecs, layers, (0, header.max_tokens), torch.device(device or "cpu"), backend)
 
 
-def _best(frames: Iterable[Any]) -> Iterator[Any]:
-    """Of the variants of each chunk (consecutive, in increasing order), keep the last: the best."""
+def _best(frames: Iterable[Any], num_variants: int) -> Iterator[Any]:
+    """Of the variants of each chunk (consecutive, in increasing order), keep the last: the best.
+
+    A chunk in the highest variant is passed on at once, since nothing better can follow; only a lower one
+    waits for the next chunk's head.  (Holding every chunk back made a streamed decode trail the link by two
+    chunks instead of one.)"""
     held = None
     for frame in frames:
         if held is not None and held[0].slot != frame[0].slot:
             yield held
         held = frame
+        if frame[0].variant == num_variants - 1:
+            yield frame
+            held = None
     if held is not None:
         yield held
 
