@@ -280,8 +280,7 @@ def write(res: dict) -> str:
             lines.append(f"| {r['link']} | {r['mb_s']:.2f} | {r['chunk_tokens']} | {r['bpe']:.3f} | {r['transfer_s']:.2f} | "
                          f"{r['pipelined']:.2f} | {r['sequential']:.2f} | {r['sequential'] / r['pipelined']:.2f}x |")
         lines += ["", "The container streams chunk by chunk (every layer's sections of a chunk, checksums verified before "
-                  "decoding), so decoding trails the link by about one chunk; the simulation above pipelines per video "
-                  "frame.  Smaller chunks pipeline finer and cost more bytes (per-section heads, scales and stream "
+                  "decoding), so decoding trails the link by one chunk; the simulation above pipelines per video frame.  Smaller chunks pipeline finer and cost more bytes (per-section heads, scales and stream "
                   "headers).", ""]
     lines += ["## Against the issue's targets", ""]
     four = [r for r in q if r["codec"].startswith("kvfetcher:bits=4") and "minmax" not in r["codec"]]
