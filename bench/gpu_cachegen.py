@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import kvcodec  # noqa: E402
 from kvcodec.chunking import layer_context, make_header  # noqa: E402
 from kvcodec.codecs.cachegen.device import DecodeLaunch, Target  # noqa: E402
-from kvcodec.layouts.paged import read_paged, slot_mapping  # noqa: E402
+from kvcodec.layouts.paged import slot_mapping  # noqa: E402
 
 
 def real_kv() -> kvcodec.KVCache:
@@ -88,8 +88,9 @@ def llama_chunk(kv: kvcodec.KVCache, tokens: int, layers: int, heads: int, dim: 
     return out
 
 
-def contexts(pairs: list[tuple[torch.Tensor, torch.Tensor]], backend: str, device: torch.device, model: str | None):
-    kv = kvcodec.KVCache([(k.cpu(), v.cpu()) for k, v in pairs[:1]] * len(pairs), model=model)
+def contexts(pairs: list[tuple[torch.Tensor, torch.Tensor]], backend: str, device: torch.device):
+    """Layer contexts for a made-up shape: no model, so no profile (none would fit it)."""
+    kv = kvcodec.KVCache([(k.cpu(), v.cpu()) for k, v in pairs[:1]] * len(pairs))
     header = make_header(kv, [kvcodec.get_codec("cachegen")])
     t = pairs[0][0].shape[1]
     return [layer_context(header, i, (0, t), device, backend) for i in range(len(pairs))]
@@ -142,7 +143,7 @@ def check_correctness(kv: kvcodec.KVCache, device: torch.device, say: Callable[[
             failures.append(f"level {level}: device bytes differ from the CPU path's")
         a = kvcodec.decode(cpu_bytes, backend="cpu")
         b = kvcodec.decode(cpu_bytes, device=device, backend="triton")
-        same = all(torch.equal(x.keys, y.keys.cpu()) and torch.equal(x.values, y.values.cpu()) for x, y in zip(a.layers, b.layers))
+        same = a.equal(b.to("cpu"))
         say(f"- level {level}: device decode {'==' if same else '!='} CPU decode ({small.num_elements} elements)")
         if not same:
             failures.append(f"level {level}: device decode differs from the CPU decode")
@@ -162,9 +163,7 @@ def check_correctness(kv: kvcodec.KVCache, device: torch.device, say: Callable[[
                 lo, hi = r.header.local_range(layer, e.token_start, e.token_count)
                 ctx = layer_context(r.header, layer, (lo, hi), device, "triton")
                 r.codecs[e.variant].decode_layer_paged(data, ctx, paged[layer], slot_mapping(table, lo, hi - lo, block_size))
-    slots = slot_mapping(table.to(device), 0, tokens, block_size)
-    same = all(torch.equal(read_paged(p, slots)[0].cpu(), l.keys) and torch.equal(read_paged(p, slots)[1].cpu(), l.values)
-               for p, l in zip(paged, expected.layers))
+    same = kvcodec.KVCache.from_paged(paged, table.to(device), tokens).to("cpu").equal(expected)
     say(f"- paged restore through a shuffled block table {'==' if same else '!='} contiguous decode")
     if not same:
         failures.append("paged restore differs from the contiguous decode")
@@ -255,12 +254,12 @@ def main() -> int:
             pairs = llama_chunk(kv, tokens, device=device, **shape)
             size = sum(x.numel() * 2 for p in pairs for x in p)
             gbs = lambda s: f"{size / s / 1e9:.1f}"  # noqa: E731
-            ctxs = contexts(pairs, "triton", device, None)  # a made-up shape: no model profile fits it
+            ctxs = contexts(pairs, "triton", device)
             sections = codec.encode_layers(pairs, ctxs)
             bits = 8 * sum(len(s) for s in sections) / (size / 2)
             if tokens == token_list[0]:  # the big shape's bytes against the CPU path too, for every geometry
                 cpu_pairs = [(k.cpu(), v.cpu()) for k, v in pairs[:2]]
-                cpu_ctxs = contexts(cpu_pairs, "cpu", torch.device("cpu"), None)
+                cpu_ctxs = contexts(cpu_pairs, "cpu", torch.device("cpu"))
                 if codec.encode_layers(cpu_pairs, cpu_ctxs) != sections[:2]:
                     failures.append(f"{tokens} tokens, Llama shape: device bytes differ from the CPU path's")
             t_enc = timer(lambda: codec.encode_layers(pairs, ctxs))
@@ -302,7 +301,7 @@ def main() -> int:
                 del flat, dst, symbols
             say(f"| {tokens} | {lane_channels}x{lane_tokens} | {size / 1e6:.1f} | {bits:.3f} | {gbs(t_enc)} | {gbs(t_dec)} | "
                 f"{gbs(t_kernel)} | {staged_bytes / 1e6:.2f} | {peak} | {' | '.join(cells)} |")
-            del pairs, out
+            pairs = out = None  # free device memory before the next size
         except Exception:  # noqa: BLE001 - report and go on to the next size
             failures.append(f"{tokens} tokens, lanes {lane_channels}x{lane_tokens}: {traceback.format_exc(limit=3)}")
             say(f"| {tokens} | {lane_channels}x{lane_tokens} | failed, see below | | | | | | | | | | | | |")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import Counter, defaultdict
 import sys
 import time
 import tracemalloc
@@ -206,8 +207,9 @@ def simulation(costs: dict, layers: int = 30) -> dict:
         rows.append(dict(name=seq.name, restored_s=seq.restored_s, arrived_s=seq.arrived_s, heights=seq.heights,
                          peak_frames_held=seq.peak_frames_held, mb=seq.bytes_sent / 1e6))
         out[tr.name] = rows
-    return dict(rate_mb_s=rate / 1e6, model={h: dict(frame_bytes=model.frame_bytes[h], decode_ms=1e3 * model.decode_s[h])
-                                             for h in heights}, traces=out)
+    return dict(rate_mb_s=rate / 1e6, tokens=tokens, layers=layers, gop=gop,
+                model={h: dict(frame_bytes=model.frame_bytes[h], decode_ms=1e3 * model.decode_s[h]) for h in heights},
+                traces=out)
 
 
 def write(res: dict) -> str:
@@ -255,7 +257,8 @@ def write(res: dict) -> str:
                      f"{r['numpy_peak_bytes']} | {r['output_bytes']} |")
     sim = res["simulation"]
     per_row = {h: (m["frame_bytes"] / int(h), m["decode_ms"] / int(h)) for h, m in sim["model"].items()}
-    lines += ["", "## Fetch simulation (8192 tokens, 30 layers, GOP = 1024 tokens; frame sizes and PyAV decode times "
+    lines += ["", f"## Fetch simulation ({sim['tokens']} tokens, {sim['layers']} layers, GOP = {sim['gop']} tokens; frame "
+              "sizes and PyAV decode times "
               "measured on the default codec's real 4-bit codes)", "",
               "Per frame: " + ", ".join(f"{h} rows: {m['frame_bytes']:.0f} B, {m['decode_ms']:.2f} ms"
                                         for h, m in sim["model"].items()) +
@@ -315,7 +318,7 @@ def write(res: dict) -> str:
                  "sooner by " + ", ".join(gains) + ".  " +
                  (f"{big}-row frames cost the fewest bytes *and* the least decode time per token row, so whatever the "
                   f"trace, a fixed {big}-row stream is never behind a mixed one by more than its pipeline tail (about one "
-                  f"frame's transfer and decode, against {8192 // int(big) * 60} frames here): no policy can beat it by 15%.  "
+                  f"frame's transfer and decode, against {sim['tokens'] // int(big) * 2 * sim['layers']} frames here): no policy can beat it by 15%.  "
                   if dominant else "") +
                  "The ladder's job reduces to finding the best height: it never does worse than the best fixed height "
                  "and beats the worst by far.  Small frames only pay off for the pipeline tail of short streams with "
@@ -345,8 +348,8 @@ def entropy(kv: kvcodec.KVCache) -> dict:
         return len(video.encode_frames(frames, 4))
 
     geo = L.geometry(256, 3, 64, 64, 256)
-    acc: dict[str, list[float]] = {}
-    bytes_: dict[str, int] = {}
+    acc: defaultdict[str, list[float]] = defaultdict(list)
+    bytes_: Counter[str] = Counter()
     n = 0
     for li in range(0, 30, 3):
         k, v = kv.layers[li]
@@ -358,17 +361,17 @@ def entropy(kv: kvcodec.KVCache) -> dict:
                 K, V = (q.transpose(1, 0, 2).reshape(256, -1) for q in (kq, vq))
                 for key, val in ((f"{name}_keys", h_cols(K)), (f"{name}_values", h_cols(V)),
                                  (f"{name}_pooled", (h_pooled(K) + h_pooled(V)) / 2)):
-                    acc.setdefault(key, []).append(val)
+                    acc[key].append(val)
                 plain = hevc([L.to_frame(kq, geo, 4), L.to_frame(vq, geo, 4)])
-                bytes_[f"{name}_hevc"] = bytes_.get(f"{name}_hevc", 0) + plain
+                bytes_[f"{name}_hevc"] += plain
                 if name == "minmax":
-                    acc.setdefault("minmax_delta_keys", []).append(h_cols(np.diff(K, axis=0) & 15))
-                    acc.setdefault("minmax_delta_values", []).append(h_cols(np.diff(V, axis=0) & 15))
+                    acc["minmax_delta_keys"].append(h_cols(np.diff(K, axis=0) & 15))
+                    acc["minmax_delta_values"].append(h_cols(np.diff(V, axis=0) & 15))
                     other = hevc([L.to_frame(kq, geo, 4, True), L.to_frame(vq, geo, 4, True)])
-                    bytes_["minmax_hevc_delta"] = bytes_.get("minmax_hevc_delta", 0) + other
+                    bytes_["minmax_hevc_delta"] += other
                 else:
                     other = hevc([L.to_frame(kq, geo, 4, False, sc.key_columns), L.to_frame(vq, geo, 4)])
-                    bytes_["spread_hevc_ordered"] = bytes_.get("spread_hevc_ordered", 0) + other
+                    bytes_["spread_hevc_ordered"] += other
             n += kq.size + vq.size
     out = {k: statistics.fmean(v) for k, v in acc.items()}
     out.update({k: 8 * b / n for k, b in bytes_.items()})

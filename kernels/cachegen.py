@@ -36,6 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcodec.codecs.cachegen import tables
+
 # encode part table columns
 E_IN = tl.constexpr(0)
 E_SH = tl.constexpr(1)
@@ -65,17 +67,18 @@ L_WIDTH = tl.constexpr(4)
 L_WORDS = tl.constexpr(5)
 L_FIELDS = tl.constexpr(6)
 
-RADIX = tl.constexpr(255)
-HIST_BINS = tl.constexpr(256)  # symbol magnitudes 0..255; the codebook is symmetric
-NUM_TABLES = tl.constexpr(48)
+# The coding tables' sizes, from the tables module that builds them (so the two cannot drift apart).
+RADIX = tl.constexpr(tables.RADIX)
+HIST_BINS = tl.constexpr(tables.RADIX + 1)  # symbol magnitudes 0..RADIX; the codebook is symmetric
+NUM_TABLES = tl.constexpr(tables.NUM_TABLES)
 TABLE_GROUP = tl.constexpr(16)
-TABLE_STRIDE = tl.constexpr(512)  # cumulative table row: 511 symbols + the total
-BUCKET_SHIFT = tl.constexpr(12)  # 2**12 buckets of the 2**24 slots per table (tables.slot_buckets)
-LUT_STRIDE = tl.constexpr(4097)
-PRECISION = tl.constexpr(24)
+TABLE_STRIDE = tl.constexpr(tables.ALPHABET + 1)  # cumulative table row: the symbols + the total
+BUCKET_SHIFT = tl.constexpr(tables.PRECISION - tables.BUCKET_BITS)  # slot -> bucket (tables.slot_buckets)
+LUT_STRIDE = tl.constexpr((1 << tables.BUCKET_BITS) + 1)
+PRECISION = tl.constexpr(tables.PRECISION)
 UNIT_STEP = tl.constexpr(128)  # the step code whose step is exactly 1
-SLOT_MASK = tl.constexpr((1 << 24) - 1)
-RENORM_SHIFT = tl.constexpr(64 - 24)  # a full state keeps its top 24 bits below the symbol's frequency
+SLOT_MASK = tl.constexpr((1 << tables.PRECISION) - 1)
+RENORM_SHIFT = tl.constexpr(64 - tables.PRECISION)  # a full state keeps its top PRECISION bits below the symbol's frequency
 # Adding and subtracting 1.5 * 2**52 rounds a binary64 of magnitude below 2**51 to the nearest integer,
 # ties to even: the hardware's own rounding, with no libm call that might differ between back ends.
 ROUNDER = tl.constexpr(6755399441055744.0)
@@ -131,15 +134,21 @@ def _lanes(lanes_ptr, num_lanes, BLOCK_L: tl.constexpr):
 
 
 @triton.jit
+def _encode_part(parts_ptr, p):
+    """Part ``p``'s row of the encode part table: input offset, strides of h, t and d, first channel, T, D,
+    token-scale offset, H."""
+    row = parts_ptr + p * E_FIELDS
+    return (tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD), tl.load(row + E_CHAN),
+            tl.load(row + E_T), tl.load(row + E_D), tl.load(row + E_A), tl.load(row + E_H))
+
+
+@triton.jit
 def stats_kernel(x_ptr, parts_ptr, sum_ptr, abs_ptr, tok_ptr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per channel the binary64 sum and absolute sum over tokens; per (head, token) the absolute sum over
     the head's channels (parts with token scales).  Grid: (parts, heads)."""
-    p = tl.program_id(0)
     h = tl.program_id(1)
-    row = parts_ptr + p * E_FIELDS
-    base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
-    chan, tokens, dim, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_D), tl.load(row + E_A)
-    if h >= tl.load(row + E_H):
+    base, sh, st, sd, chan, tokens, dim, a_base, heads = _encode_part(parts_ptr, tl.program_id(0))
+    if h >= heads:
         return
     d = tl.arange(0, BLOCK_D)
     dmask = d < dim
@@ -149,10 +158,11 @@ def stats_kernel(x_ptr, parts_ptr, sum_ptr, abs_ptr, tok_ptr, BLOCK_T: tl.conste
         t = t0 + tl.arange(0, BLOCK_T)
         mask = (t[:, None] < tokens) & dmask[None, :]
         x = tl.load(x_ptr + base + h * sh + t[:, None] * st + d[None, :] * sd, mask=mask, other=0.0).to(tl.float64)
+        magnitude = tl.abs(x)
         total += tl.sum(x, 0)
-        total_abs += tl.sum(tl.abs(x), 0)
+        total_abs += tl.sum(magnitude, 0)
         if a_base >= 0:
-            tl.store(tok_ptr + a_base + h * tokens + t, tl.sum(tl.abs(x), 1), mask=t < tokens)
+            tl.store(tok_ptr + a_base + h * tokens + t, tl.sum(magnitude, 1), mask=t < tokens)
     tl.store(sum_ptr + chan + h * dim + d, total, mask=dmask)
     tl.store(abs_ptr + chan + h * dim + d, total_abs, mask=dmask)
 
@@ -165,12 +175,9 @@ def range_kernel(x_ptr, parts_ptr, mu_ptr, b_ptr, a_ptr, steps_ptr, lengths_ptr,
     code lengths in 1/65536 bit, summed exactly in 64-bit integers, first table on a tie (as the CPU
     path's float64 matrix product, exact at these sizes).  No atomics, nothing per bin in memory.
     Grid: (parts, channels)."""
-    p = tl.program_id(0)
     c = tl.program_id(1)
-    row = parts_ptr + p * E_FIELDS
-    base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
-    chan, tokens, dim, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_D), tl.load(row + E_A)
-    if c >= tl.load(row + E_H) * dim:
+    base, sh, st, sd, chan, tokens, dim, a_base, heads = _encode_part(parts_ptr, tl.program_id(0))
+    if c >= heads * dim:
         return
     h = c // dim
     g = chan + c
@@ -209,10 +216,8 @@ def encode_kernel(x_ptr, parts_ptr, lanes_ptr, order_ptr, table_ptr, freq_ptr, c
     Lane ``l`` writes its words, in stream order, to ``scratch[l * capacity:]`` and their count to
     ``nwords[l]`` (``capacity + 1`` flags an overflow).  Grid: lane blocks."""
     lane, live, p, first, channels, t0, width = _lanes(lanes_ptr, num_lanes, BLOCK_L)
-    row = parts_ptr + p * E_FIELDS
-    base, sh, st, sd = tl.load(row + E_IN), tl.load(row + E_SH), tl.load(row + E_ST), tl.load(row + E_SD)
-    chan, tokens, a_base = tl.load(row + E_CHAN), tl.load(row + E_T), tl.load(row + E_A)
-    dim = tl.load(row + E_D).to(tl.int32)
+    base, sh, st, sd, chan, tokens, dim, a_base, _ = _encode_part(parts_ptr, p)
+    dim = dim.to(tl.int32)
     count = tl.where(live, channels * width, 0)
     out = scratch_ptr + lane.to(tl.int64) * capacity
     state = tl.zeros([BLOCK_L], dtype=tl.uint64)

@@ -38,9 +38,10 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     multi-level container that stores every chunk once per codec, so a reader
     can fetch each chunk at the level its bandwidth allows.  Chunks hold
     ``chunk_tokens`` tokens of ``chunk_layers`` layers (default: all layers).
-    ``backend`` (``"auto"``, ``"cpu"`` or ``"triton"``) picks the implementation of
-    codecs that have GPU kernels; ``"auto"`` runs them for CUDA tensors.  The same
-    input and config give the same bytes, whichever backend makes them.
+    ``backend`` (``"auto"``, ``"cpu"``, ``"triton"`` or ``"nvdec"``) picks the
+    implementation of codecs that have a GPU path; ``"auto"`` runs cachegen's Triton
+    kernels for CUDA tensors, ``"nvdec"`` (decoding only) kvfetcher's NVDEC decoder.
+    The same input and config give the same bytes, whichever backend makes them.
     """
     codecs = _codecs(codec, config)
     check_backend(codecs, backend)

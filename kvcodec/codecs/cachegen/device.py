@@ -1,8 +1,8 @@
 """The cachegen codec's Triton engine: host-side tables and launches of ``kernels/cachegen.py``.
 
-The host keeps what is small and branchy (step choice, table choice's argmin,
-the lane plan) and the kernels do every pass over the KV itself.  Each call
-codes the keys and values parts of a layer in one launch per pass.
+The host keeps what is small and branchy (the step choice, the lane plan) and
+the kernels do every pass over the KV itself, the table choice included.  One
+launch per pass covers every part (keys or values) of every layer of a chunk.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ import torch
 
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, with_sinks
-from kvcodec.codecs.cachegen.tables import STEPS, code_lengths_fixed, codebook, cumulative, slot_buckets
+from kvcodec.codecs.cachegen.tables import NUM_TABLES, STEPS, code_lengths_fixed, codebook, cumulative, slot_buckets
 from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.formats.v1 import LayerShape
+from kvcodec.layouts.paged import check_paged_layer
 
 BLOCK_LANES = 32  # lanes per program on a GPU: one warp, one lane per thread
+BLOCK_TOKENS = 64
 
 
 def _lane_block(lanes: int) -> int:
@@ -28,7 +31,6 @@ def _lane_block(lanes: int) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return min(_next_pow2(lanes), 4096)
     return BLOCK_LANES
-BLOCK_TOKENS = 64
 
 
 def _kernels():
@@ -69,7 +71,7 @@ def _lanes(codec: CacheGen, shapes: list[tuple[int, int, int]], sides: list[Side
     g = np.arange(int(channels.sum()))
     part_of = np.repeat(np.arange(len(shapes)), channels)
     block = np.cumsum(np.concatenate([[0], -(-channels // lc)]))[part_of] + (g - chan_base[part_of]) // lc
-    order = np.argsort(block * 64 + np.concatenate([s.table for s in sides]), kind="stable")  # 48 tables < 64
+    order = np.argsort(block * NUM_TABLES + np.concatenate([s.table for s in sides]), kind="stable")
     # lanes: per part, channel blocks (outer) by token blocks (inner)
     cols, rows_per = -(-channels // lc), -(-tokens // lt)
     count = cols * rows_per
@@ -119,16 +121,16 @@ class TritonEngine:
         self.codec, self.xs, self.k = codec, xs, _kernels()
         self.device = xs[0].device
         self.shapes = [tuple(x.shape) for x in xs]
-        self.token_scaled = [i % 2 == 1 for i in range(len(xs))]  # (keys, values) pairs
-        bases = _offsets(xs)
-        chan = a = 0
+        # (keys, values) pairs: the values parts have per-token scales
+        self.token_sizes = [h * t if i % 2 else 0 for i, (h, t, _) in enumerate(self.shapes)]
+        token_bases = np.cumsum([0, *self.token_sizes])
+        chan = 0
         rows = []
-        for x, base, scaled in zip(xs, bases, self.token_scaled):
+        for x, base, a, size in zip(xs, _offsets(xs), token_bases, self.token_sizes):
             h, t, d = x.shape
-            rows.append((base, *x.stride(), chan, t, d, a if scaled else -1, h))
+            rows.append((base, *x.stride(), chan, t, d, int(a) if size else -1, h))
             chan += h * d
-            a += h * t if scaled else 0
-        self.channels, self.token_entries = chan, a
+        self.channels, self.token_entries = chan, int(token_bases[-1])
         self.parts = torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.grid_heads = max(x.shape[0] for x in xs)
         self.block_d = _next_pow2(max(x.shape[2] for x in xs))
@@ -143,12 +145,11 @@ class TritonEngine:
         tokens = torch.zeros(max(self.token_entries, 1), dtype=torch.float64, device=self.device)
         self.k.stats_kernel[(len(self.xs), self.grid_heads)](self.xs[0], self.parts, total, absolute, tokens,
                                                              BLOCK_T=BLOCK_TOKENS, BLOCK_D=self.block_d)
-        sizes = [h * t if scaled else 0 for (h, t, _), scaled in zip(self.shapes, self.token_scaled)]
         out = []
-        for part_total, part_absolute, part_tokens, (h, t, _), scaled in zip(
+        for part_total, part_absolute, part_tokens, (h, t, _), size in zip(
                 self._by_part(total.cpu().numpy()), self._by_part(absolute.cpu().numpy()),
-                np.split(tokens.cpu().numpy(), np.cumsum(sizes)[:-1]), self.shapes, self.token_scaled):
-            out.append((part_total, part_absolute, part_tokens.reshape(h, t) if scaled else None))
+                np.split(tokens.cpu().numpy(), np.cumsum(self.token_sizes)[:-1]), self.shapes, self.token_sizes):
+            out.append((part_total, part_absolute, part_tokens.reshape(h, t) if size else None))
         return out
 
     def symbol_range(self, sides: list[Side]) -> list[tuple[np.ndarray, np.ndarray, None]]:
@@ -183,12 +184,10 @@ class TritonEngine:
         self.k.compact_kernel[(len(lanes),)](scratch, nwords, _put(starts[:-1], self.device), words,
                                             capacity, BLOCK=256)
         data = words[:int(starts[-1])].cpu().numpy().astype("<u4").tobytes()
-        out = []
-        for p in range(len(sides)):
-            mine = np.flatnonzero(lanes[:, 0] == p)
-            lo, hi = starts[mine[0]], starts[mine[-1] + 1]
-            out.append((counts[mine], data[4 * lo:4 * hi]))
-        return out
+        # lanes come part by part: cut the counts and the words at each part's first lane
+        cuts = np.cumsum(np.bincount(lanes[:, 0], minlength=len(sides)))[:-1]
+        return [(part_counts, data[4 * starts[lo]:4 * starts[lo + len(part_counts)]])
+                for lo, part_counts in zip([0, *cuts], np.split(counts, cuts))]
 
     @staticmethod
     def decode_contiguous(codec: CacheGen, parsed: list[tuple[list[Part], list[np.ndarray]]],
@@ -214,12 +213,9 @@ class TritonEngine:
         """Decode a section into one layer of paged memory ``(2, blocks, block_size, H, D)`` at ``slots``."""
         parts, sinks = parsed
         (h, t, dk), (_, _, dv) = (p.shape for p in parts)
-        if (paged.dim() != 5 or paged.shape[0] != 2 or tuple(paged.shape[3:]) != (h, dk) or dk != dv
-                or not paged.is_contiguous()):
-            raise InvalidInputError(f"paged tensor {tuple(paged.shape)} is not a contiguous (2, blocks, block_size, {h}, {dk}) layer")
-        slots = slots.to(device=paged.device, dtype=torch.int64)
-        if len(slots) != t or (t and (int(slots.min()) < 0 or int(slots.max()) >= paged.shape[1] * paged.shape[2])):
-            raise InvalidInputError("slots do not fit the paged tensor")
+        slots = check_paged_layer(paged, LayerShape(h, t, dk, dv), slots)
+        if not paged.is_contiguous():
+            raise InvalidInputError("cachegen's Triton path writes into a contiguous paged tensor")
         rows = slots * paged.stride(2)
         _decode(codec, parts, [Target(paged, kv * paged.stride(0), paged.stride(3), rows) for kv in (0, 1)])
         if sinks[0].shape[1]:

@@ -2,7 +2,7 @@
 
 Section layout (little-endian; SPEC.md's ``kvfetcher`` subsection spells it out):
 
-* a 28-byte head ``<4sBBHHHHIQ2x``: magic ``KVF1``, bits, flags (bit 0: token delta, bit 1: step codes),
+* a 28-byte head ``<4sBBHHHHIQH``: magic ``KVF1``, bits, flags (bit 0: token delta, bit 1: step codes),
   frame rows (tokens per frame), picture rows, picture cols, frame count, stream
   length, xxh3-64 of the quantized codes (keys then values, int32 little-endian), exact tokens ``S``;
 * the scale block (:mod:`.scales`): float16 scales and zeros, or one-byte step codes with float16 zeros/means;
@@ -89,11 +89,15 @@ class SectionHead:
                       tensor_from_bytes(mv[o:self.stream_start], torch.float16, (s.heads, exact, s.value_dim)))
         self.stream = mv[self.stream_start:]
 
-    def with_exact(self, x: torch.Tensor, lo: int, is_value: bool) -> torch.Tensor:
-        """``x``, the dequantized block starting at token ``lo``, with the section's exact tokens put back."""
+    def dequantize(self, q: torch.Tensor, lo: int, hi: int, is_value: bool,
+                   scales: S.FloatScales | S.StepScales | None = None) -> torch.Tensor:
+        """The values of block ``[lo, hi)`` from its codes ``q``, with the section's exact tokens put back;
+        ``scales`` is this section's scale block moved to ``q``'s device (default: as parsed, on the CPU)."""
+        sc = self.scales if scales is None else scales
+        x = sc.values(q, lo, hi) if is_value else sc.keys(q)
         exact = self.exact[is_value]
         if lo < exact.shape[1]:
-            x[:, :exact.shape[1] - lo] = exact[:, lo:lo + x.shape[1]].to(x.device, x.dtype)
+            x[:, :exact.shape[1] - lo] = exact[:, lo:hi].to(x.device, x.dtype)
         return x
 
 
@@ -192,9 +196,10 @@ class KVFetcher(Codec):
         prof = find_profile(ctx.model) if ctx is not None else None
         if prof is None:
             return None
-        if not (0 <= ctx.layer < len(prof.key_weight)) or tuple(prof.key_weight[ctx.layer].shape) != (shape[0], shape[2]):
+        weights = prof.layer_weights(ctx.layer, ctx.shape)
+        if weights is None or tuple(weights[0].shape) != (shape[0], shape[2]):
             raise InvalidInputError(f"profile {prof.model!r} does not match layer {ctx.layer}'s shape")
-        return prof.key_weight[ctx.layer].float()
+        return weights[0]
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
         h, t, dk = keys.shape
@@ -297,10 +302,11 @@ def restore(data: bytes, ctx: LayerContext,
     for lo, hi, is_v, q in iter_frames(head, ctx, pieces):
         q = np.ascontiguousarray(q, "<i4")
         h.update(q.tobytes())
+        x = head.dequantize(torch.from_numpy(q), lo, hi, is_v)
         if is_v:
-            sink(lo, hi, None, head.with_exact(head.scales.values(torch.from_numpy(q), lo, hi), lo, True))
+            sink(lo, hi, None, x)
         else:
-            sink(lo, hi, head.with_exact(head.scales.keys(torch.from_numpy(q)), lo, False), None)
+            sink(lo, hi, x, None)
     if h.intdigest() != head.digest:
         raise CorruptDataError("kvfetcher codes do not match the section's checksum")
 

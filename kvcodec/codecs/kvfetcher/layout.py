@@ -116,5 +116,5 @@ def frame_to_torch(frame: torch.Tensor, t: int, h: int, d: int, bits: int, delta
         body = torch.cumsum(body, 0, dtype=torch.int32) & ((1 << bits) - 1)
     if columns is not None:
         body, frame_order = torch.empty_like(body), body
-        body[:, columns.to(body.device)] = frame_order
+        body[:, columns] = frame_order
     return body.reshape(t, h, d).permute(1, 0, 2)

@@ -107,9 +107,25 @@ class NvdecStream:
         yield from self.feed(None)
 
 
-def _key_columns(head: Any, device: torch.device) -> torch.Tensor | None:
-    cols = head.scales.key_columns
-    return None if cols is None else torch.from_numpy(cols).to(device)
+def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None,
+            gpu: int) -> Iterator[tuple[int, int, bool, torch.Tensor]]:
+    """``(token_lo, token_hi, is_value, int32 codes [H, t, D])`` per picture NVDEC decodes, in stream order (the
+    twin of :func:`kvcodec.codecs.kvfetcher.codec.iter_frames`); the codes stay where NVDEC put them."""
+    s, geo = ctx.shape, head.geo
+    nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu)
+    columns = None
+    i = 0
+    for piece in [*([bytes(head.stream)] if pieces is None else pieces), None]:
+        for y in nv.feed(piece):
+            if columns is None and head.scales.key_columns is not None:
+                columns = torch.from_numpy(head.scales.key_columns).to(y.device)  # once, where the pictures land
+            lo, hi = geo.block(i // 2)
+            is_v = bool(i % 2)
+            yield lo, hi, is_v, L.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits,
+                                                 head.delta, None if is_v else columns)
+            i += 1
+    if i != geo.num_frames:
+        raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
 
 
 def restore_nvdec(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
@@ -123,60 +139,29 @@ def restore_nvdec(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torc
 
     from kvcodec.codecs.kvfetcher.codec import SectionHead
 
-    s = ctx.shape
     head = SectionHead(data, ctx)
-    geo = head.geo
-    dev = ctx.device
-    scales = head.scales.to(dev)
-    columns = _key_columns(head, dev)
-    nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu)
+    scales = head.scales.to(ctx.device)
     h = xxhash.xxh3_64()
-    i = 0
-
-    def frames() -> Iterator[torch.Tensor]:
-        for piece in ([bytes(head.stream)] if pieces is None else pieces):
-            yield from nv.feed(piece)
-        yield from nv.flush()
-
-    for y in frames():
-        lo, hi = geo.block(i // 2)
-        is_v = bool(i % 2)
-        q = L.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta,
-                             None if is_v else columns)
+    for lo, hi, is_v, q in _frames(head, ctx, pieces, gpu):
         if check:
             h.update(q.contiguous().cpu().numpy().astype("<i4").tobytes())
+        x = head.dequantize(q, lo, hi, is_v, scales)
         if is_v:
-            sink(lo, hi, None, head.with_exact(scales.values(q, lo, hi), lo, True))
+            sink(lo, hi, None, x)
         else:
-            sink(lo, hi, head.with_exact(scales.keys(q), lo, False), None)
-        i += 1
-    if i != geo.num_frames:
-        raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
+            sink(lo, hi, x, None)
     if check and h.intdigest() != head.digest:
         raise CorruptDataError("kvfetcher codes decoded by NVDEC do not match the section's checksum")
 
 
 def decode_codes_nvdec(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | None = None,
-                      gpu: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                       gpu: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """int32 codes ``[H, T, Dk]``, ``[H, T, Dv]`` decoded by NVDEC (for bit-exact comparison with PyAV)."""
+    from kvcodec.codecs.kvfetcher.codec import SectionHead
+
     s = ctx.shape
     kq = np.empty((s.heads, s.tokens, s.key_dim), np.int32)
     vq = np.empty((s.heads, s.tokens, s.value_dim), np.int32)
-    from kvcodec.codecs.kvfetcher.codec import SectionHead
-
-    head = SectionHead(data, ctx)
-    geo = head.geo
-    columns = _key_columns(head, torch.device("cpu"))  # moved to each frame's device as it is used
-    nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu)
-    i = 0
-    for piece in [*([bytes(head.stream)] if pieces is None else pieces), None]:
-        for y in nv.feed(piece):
-            lo, hi = geo.block(i // 2)
-            is_v = bool(i % 2)
-            q = L.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta,
-                                 None if is_v else columns)
-            (vq if is_v else kq)[:, lo:hi] = q.cpu().numpy()
-            i += 1
-    if i != geo.num_frames:
-        raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
+    for lo, hi, is_v, q in _frames(SectionHead(data, ctx), ctx, pieces, gpu):
+        (vq if is_v else kq)[:, lo:hi] = q.cpu().numpy()
     return kq, vq

@@ -9,7 +9,7 @@ import torch
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.kvfetcher.codec import restore_on
 from kvcodec.errors import InvalidInputError
-from kvcodec.layouts.paged import slot_mapping
+from kvcodec.layouts.paged import check_paged_layer, slot_mapping
 
 
 def scatter_frames(data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
@@ -17,15 +17,8 @@ def scatter_frames(data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: t
     """Decode one section frame by frame into ``paged`` (one layer, ``(2, num_blocks, block_size, H, D)``):
     token ``i`` of the section goes to flat slot ``slots[i]``.  Each frame is dequantized and scattered as soon as
     it is decoded, then dropped.  Returns the peak bytes of decoded frame data held at once."""
-    s = ctx.shape
-    if paged.dim() != 5 or paged.shape[0] != 2 or tuple(paged.shape[3:]) != (s.heads, s.key_dim) or s.key_dim != s.value_dim:
-        raise InvalidInputError(f"paged tensor {tuple(paged.shape)} does not fit a layer of {s}")
+    slots = check_paged_layer(paged, ctx.shape, slots)
     flat = paged.view(2, -1, *paged.shape[3:])
-    slots = slots.to(paged.device).long()
-    if slots.shape != (s.tokens,):
-        raise InvalidInputError(f"{tuple(slots.shape)} slots for a section of {s.tokens} tokens")
-    if s.tokens and not (0 <= int(slots.min()) and int(slots.max()) < flat.shape[1]):
-        raise InvalidInputError("slots point outside the paged tensor")
     peak = 0
 
     def sink(lo: int, hi: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
