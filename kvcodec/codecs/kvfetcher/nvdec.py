@@ -8,11 +8,14 @@ dequantized and scattered into the destination (paged blocks or a contiguous
 tensor), then dropped, so only the decoder's own surfaces and one frame of
 codes are live at once.
 
-Not exercised without a GPU: ``bench/gpu_kvfetcher.py`` is its check.
+Checked on an H200 by ``bench/gpu_kvfetcher.py`` (codes bit-exact against PyAV's; results in
+bench/results/gpu_kvfetcher.md); on a CPU the tests drive the plumbing through a PyAV stand-in.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -31,41 +34,84 @@ def _nvc() -> Any:
     return nvc
 
 
+@functools.cache
+def available() -> bool:
+    """Whether PyNvVideoCodec imports here (what ``backend="auto"`` asks before choosing NVDEC)."""
+    try:
+        _nvc()
+    except UnsupportedError:
+        return False
+    return True
+
+
+def _chroma_420(nvc: Any) -> Any:
+    """PyNvVideoCodec's 4:2:0 chroma member: its name differs between releases (2.2 has none called YUV420)."""
+    enum = nvc.cudaVideoChromaFormat
+    members = getattr(enum, "__members__", {}) or {k: getattr(enum, k) for k in dir(enum) if not k.startswith("__")}
+    for name, member in members.items():
+        if "420" in name:
+            return member
+    raise UnsupportedError(f"PyNvVideoCodec names no 4:2:0 chroma format (it has {sorted(members)})")
+
+
+def _as_dict(caps: Any) -> dict[str, Any]:
+    if isinstance(caps, dict):
+        return caps
+    return {k: getattr(caps, k) for k in dir(caps) if not k.startswith("_") and not callable(getattr(caps, k))}
+
+
 def decoder_caps(gpu: int = 0, bits: int = 8) -> dict[str, Any]:
     """NVDEC's HEVC 4:2:0 capabilities at ``bits`` bit depth on ``gpu`` (as far as PyNvVideoCodec exposes them)."""
     nvc = _nvc()
+    chroma = _chroma_420(nvc)
     for name in ("GetDecoderCaps", "get_decoder_caps"):
         fn = getattr(nvc, name, None)
         if fn is None:
             continue
-        for kwargs in (dict(gpuid=gpu, codec=nvc.cudaVideoCodec.HEVC, chromaformat=nvc.cudaVideoChromaFormat.YUV420,
-                            bitdepth=bits),
-                       dict(gpu_id=gpu, codec=nvc.cudaVideoCodec.HEVC, chroma_format=nvc.cudaVideoChromaFormat.YUV420,
-                            bit_depth=bits)):
+        for kwargs in (dict(gpuid=gpu, codec=nvc.cudaVideoCodec.HEVC, chromaformat=chroma, bitdepth=bits),
+                       dict(gpu_id=gpu, codec=nvc.cudaVideoCodec.HEVC, chroma_format=chroma, bit_depth=bits)):
             try:
-                caps = fn(**kwargs)
-                return dict(caps) if not isinstance(caps, dict) and hasattr(caps, "keys") else (
-                    caps if isinstance(caps, dict) else {k: getattr(caps, k) for k in dir(caps) if not k.startswith("_")})
+                return _as_dict(fn(**kwargs))
             except TypeError:
                 continue
     dec = nvc.CreateDecoder(gpuid=gpu, codec=nvc.cudaVideoCodec.HEVC, usedevicememory=True)
     fn = getattr(dec, "GetDecoderCaps", None) or getattr(dec, "get_decoder_caps", None)
     if fn is None:
         return {"note": "this PyNvVideoCodec exposes no decoder caps query"}
-    caps = fn()
-    return caps if isinstance(caps, dict) else {k: getattr(caps, k) for k in dir(caps) if not k.startswith("_")}
+    return _as_dict(fn())
+
+
+# Creating an NVDEC session costs far more than decoding one 256-token section, so finished sessions wait here
+# for the next stream of the same picture geometry and bit depth (a cache's sections share one, and a session
+# kept for its own size needs no reconfiguration).  A session is taken out while it decodes, so threads never
+# share one, and one that failed is dropped rather than returned.
+_IDLE: dict[tuple[int, ...], list[Any]] = {}
+_IDLE_LOCK = threading.Lock()
 
 
 class NvdecStream:
     """One HEVC elementary stream through NVDEC, fed in byte pieces; yields ``[rows, cols]`` int32 luma codes
     on the GPU, frame by frame."""
 
-    def __init__(self, rows: int, cols: int, bits: int, max_frames: int, gpu: int = 0, stream: int = 0) -> None:
+    def __init__(self, rows: int, cols: int, bits: int, max_frames: int, gpu: int = 0, stream: int = 0,
+                 reuse: bool = True) -> None:
         self.nvc = _nvc()
         self.rows, self.cols, self.bits, self.max_frames = rows, cols, bits, max_frames
-        self.dec = self.nvc.CreateDecoder(gpuid=gpu, codec=self.nvc.cudaVideoCodec.HEVC, cudacontext=0,
-                                          cudastream=stream, usedevicememory=True)
+        self.key, self.reuse = (gpu, stream, bits, rows, cols), reuse
+        with _IDLE_LOCK:
+            kept = _IDLE.get(self.key)
+            self.dec = kept.pop() if reuse and kept else None
+        if self.dec is None:
+            self.dec = self.nvc.CreateDecoder(gpuid=gpu, codec=self.nvc.cudaVideoCodec.HEVC, cudacontext=0,
+                                              cudastream=stream, usedevicememory=True)
         self.count = 0
+
+    def release(self) -> None:
+        """Hand the session back for the next stream (call only after a clean end of stream)."""
+        if self.reuse and self.dec is not None:
+            with _IDLE_LOCK:
+                _IDLE.setdefault(self.key, []).append(self.dec)
+        self.dec = None
 
     def _luma(self, frame: Any) -> torch.Tensor:
         t = torch.from_dlpack(frame)
@@ -107,12 +153,12 @@ class NvdecStream:
         yield from self.feed(None)
 
 
-def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None,
-            gpu: int) -> Iterator[tuple[int, int, bool, torch.Tensor]]:
+def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None, gpu: int,
+            reuse: bool) -> Iterator[tuple[int, int, bool, torch.Tensor]]:
     """``(token_lo, token_hi, is_value, int32 codes [H, t, D])`` per picture NVDEC decodes, in stream order (the
     twin of :func:`kvcodec.codecs.kvfetcher.codec.iter_frames`); the codes stay where NVDEC put them."""
     s, geo = ctx.shape, head.geo
-    nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu)
+    nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu, reuse=reuse)
     columns = None
     i = 0
     for piece in [*([bytes(head.stream)] if pieces is None else pieces), None]:
@@ -126,15 +172,16 @@ def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None,
             i += 1
     if i != geo.num_frames:
         raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
+    nv.release()
 
 
 def restore_nvdec(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
-                  pieces: Iterable[bytes] | None = None, gpu: int = 0, check: bool = True) -> None:
+                  pieces: Iterable[bytes] | None = None, gpu: int = 0, check: bool = True, reuse: bool = True) -> None:
     """The NVDEC twin of :func:`kvcodec.codecs.kvfetcher.codec.restore`: NVDEC on GPU ``gpu`` decodes, and each frame
     is dequantized where it lands (on that GPU) and handed to ``sink``.
 
     ``check`` verifies the section's code digest (it copies each frame's codes to the host; turn it off to time
-    the GPU path alone)."""
+    the GPU path alone); ``reuse`` decodes through a kept NVDEC session instead of creating one per section."""
     import xxhash
 
     from kvcodec.codecs.kvfetcher.codec import SectionHead
@@ -142,7 +189,7 @@ def restore_nvdec(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torc
     head = SectionHead(data, ctx)
     scales = head.scales.to(ctx.device)
     h = xxhash.xxh3_64()
-    for lo, hi, is_v, q in _frames(head, ctx, pieces, gpu):
+    for lo, hi, is_v, q in _frames(head, ctx, pieces, gpu, reuse):
         if check:
             h.update(q.contiguous().cpu().numpy().astype("<i4").tobytes())
         x = head.dequantize(q, lo, hi, is_v, scales)
@@ -155,13 +202,13 @@ def restore_nvdec(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torc
 
 
 def decode_codes_nvdec(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | None = None,
-                       gpu: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                       gpu: int = 0, reuse: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """int32 codes ``[H, T, Dk]``, ``[H, T, Dv]`` decoded by NVDEC (for bit-exact comparison with PyAV)."""
     from kvcodec.codecs.kvfetcher.codec import SectionHead
 
     s = ctx.shape
     kq = np.empty((s.heads, s.tokens, s.key_dim), np.int32)
     vq = np.empty((s.heads, s.tokens, s.value_dim), np.int32)
-    for lo, hi, is_v, q in _frames(SectionHead(data, ctx), ctx, pieces, gpu):
+    for lo, hi, is_v, q in _frames(SectionHead(data, ctx), ctx, pieces, gpu, reuse):
         (vq if is_v else kq)[:, lo:hi] = q.cpu().numpy()
     return kq, vq
