@@ -47,7 +47,7 @@ def main() -> None:
         if (old["prefix_tokens"], old["continuation_tokens"], old["texts"]) != (args.tokens, args.continuation,
                                                                                 list(DEFAULT_EVAL_TEXTS)):
             p.error("the existing results were measured on other texts or lengths; run without --update")
-        kept = [EvalRow(**r) for r in old["rows"] if r["codec"].split(":")[0] not in args.codec]
+        kept = [EvalRow.from_dict(r) for r in old["rows"] if r["codec"].split(":")[0] not in args.codec]
     model = load_model("smollm2")
     t0 = time.time()
     cases = [prepare(model, text, args.tokens, args.continuation) for text in DEFAULT_EVAL_TEXTS]
