@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import kvcodec
+from cpu_codecs import DEFAULT_DUMP, load_dump  # bench/ is on sys.path when this runs as a script
 from kvcodec.cli import parse_codec
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,16 +60,12 @@ class Competitors:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dump", default=os.path.join(os.path.dirname(__file__), "..", ".cache", "bench-gpl3-1536.safetensors"))
+    p.add_argument("--dump", default=DEFAULT_DUMP)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--competitors", type=int, default=1, help="busy processes in the competing job (default: 1)")
     p.add_argument("--codec", action="append", help=f"codec specs (default: {' '.join(DEFAULT_CODECS)})")
     args = p.parse_args()
-    if not os.path.exists(args.dump):
-        os.makedirs(os.path.dirname(os.path.abspath(args.dump)), exist_ok=True)
-        subprocess.run(["kvcodec", "dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "1536",
-                        "-o", args.dump, "--quiet"], check=True)
-    kv = kvcodec.KVCache.load_safetensors(args.dump)
+    kv = load_dump(args.dump)
     old_default = torch.get_num_threads()  # what torch picks for this machine: what every call used before
     rows = []
     for spec in args.codec or DEFAULT_CODECS:
