@@ -40,6 +40,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         raise UsageError(message)
 
+
 CODEC_HELP = ("codec and options: ID or ID:key=value,key=value (e.g. kivi:bits=4); "
               "'kvcodec codecs' lists the ids")
 
