@@ -6,7 +6,6 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-
 from kvcodec.cache import KVCache, same_bits
 from kvcodec.errors import InvalidInputError
 
