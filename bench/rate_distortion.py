@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -119,7 +120,7 @@ def write(args: argparse.Namespace, model: LoadedModel, rows: list[EvalRow], ref
         lines.append(f"| `{r.codec}` | {r.bits_per_element:.3f} | {16 / r.bits_per_element:.2f} | "
                      f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {r.encode_s_per_cache:.2f} | "
                      f"{r.decode_s_per_cache:.2f} | {r.encode_MBps:.1f} | {r.decode_MBps:.1f} |")
-    lines += ["", made]
+    lines += ["", f"{made} Load average {os.getloadavg()[0]:.1f} at the end (the 2 cores are shared)."]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "rate_distortion.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "rate_distortion.json").write_text(json.dumps(

@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--codec", action="append", help=f"codec specs (default: {' '.join(DEFAULT_CODECS)})")
     args = p.parse_args()
     kv = load_dump(args.dump)
+    load_before = os.getloadavg()[0]
     old_default = torch.get_num_threads()  # what torch picks for this machine: what every call used before
     rows = []
     for spec in args.codec or DEFAULT_CODECS:
@@ -97,7 +98,8 @@ def main() -> None:
                      f"{dl:.2f} | {dl / dq:.2f}x | {do:.2f} | {do / dq:.2f}x |")
     lines += ["", f"Worst loaded/quiet ratio with the default: {worst:.2f}x (target: at most {TARGET}x): "
               + ("met." if worst <= TARGET else "NOT met."),
-              "", "Made by `python bench/threads_under_load.py` on a shared 2-core machine."]
+              "", f"Made by `python bench/threads_under_load.py` on a shared 2-core machine (load average "
+              f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after, other users' jobs included)."]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "threads_under_load.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
