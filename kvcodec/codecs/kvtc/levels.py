@@ -3,10 +3,10 @@
 Set from measurements on SmolLM2 (bench/kvtc_probe.py); 0 is the smallest output."""
 
 LEVELS: dict[int, tuple[float, float]] = {
-    0: (1.0, 0.08),
-    1: (0.7, 0.055),
-    2: (0.5, 0.04),
-    3: (0.35, 0.028),
-    4: (0.25, 0.02),
+    0: (0.4, 1.0),
+    1: (0.3, 0.8),
+    2: (0.2, 0.6),
+    3: (0.14, 0.45),
+    4: (0.1, 0.3),
 }
 DEFAULT_LEVEL = 2
