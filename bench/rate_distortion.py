@@ -49,6 +49,10 @@ def main() -> None:
             p.error("the existing results were measured on other texts or lengths; run without --update")
         kept = [EvalRow(**r) for r in old["rows"] if r["codec"].split(":")[0] not in args.codec]
     model = load_model("smollm2")
+    if not args.codec or "kvtc" in args.codec:  # kvtc's levels need the model's calibration (made once, cached)
+        from kvcodec.codecs.kvtc import ensure_calibration
+
+        ensure_calibration(model, log=lambda line: print(line, file=sys.stderr))
     t0 = time.time()
     cases = [prepare(model, text, args.tokens, args.continuation) for text in DEFAULT_EVAL_TEXTS]
     presets = [(cid, preset) for cid in (args.codec or list_codecs()) for preset in codec_class(cid).presets()]

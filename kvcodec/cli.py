@@ -237,6 +237,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         labels = [preset_label(cid, preset) for cid, preset in presets]
     texts = args.text or list(DEFAULT_EVAL_TEXTS)
     model = load_model(args.model)
+    if any(c.codec_id == "kvtc" and c.calibration == "auto" for c in codecs):
+        from kvcodec.codecs.kvtc import ensure_calibration
+
+        ensure_calibration(model, log=None if args.quiet else lambda line: print(line, file=sys.stderr))
     cases = []
     for text in texts:
         if not args.quiet and not args.json:

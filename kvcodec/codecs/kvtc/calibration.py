@@ -443,3 +443,19 @@ def _basis(x: torch.Tensor, w: torch.Tensor, min_std: float) -> GroupBasis:
     vec = vec * torch.where(sign == 0, 1.0, sign)
     keep = max(1, int((var.sqrt() >= min_std).sum()))
     return GroupBasis(mean.float(), w.float(), vec[:, :keep].half(), var[:keep].float())
+
+
+def ensure_calibration(loaded: Any, log: Any = None, **options: Any) -> Calibration:
+    """The calibration installed for ``loaded``'s model, or a new one computed now (with ``options`` for
+    :func:`calibrate`), installed in the cache folder and announced through ``log`` (a callable taking a line):
+    how tools and engine hooks that have the model get one on first use."""
+    cal = calibration_for_model(loaded.model_id)
+    if cal is not None:
+        return register_calibration(cal)
+    if log:
+        log(f"kvtc: no calibration of {loaded.model_id} installed; calibrating it now (once) into {cache_dir()}")
+    cal = calibrate(loaded, **options)
+    path = install(cal)
+    if log:
+        log(f"kvtc: calibration {cal.digest} of {loaded.model_id} installed as {path}")
+    return register_calibration(cal)
