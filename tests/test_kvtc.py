@@ -164,3 +164,19 @@ def test_reposition_raw_float32_matches_model_at_shifted_positions(smollm2):
         assert torch.allclose(a.values, b.values, atol=2e-4, rtol=1e-4)  # deeper layers: float noise of the run
     far = max(float((a.keys - b.keys).abs().max()) for a, b in zip(base.layers, shifted.layers))
     assert far > 0.1  # the shift really changes the keys
+
+
+def test_store_keeps_the_calibration_beside_the_chunks(toy_cal, tmp_path, monkeypatch):
+    """A store on another machine (no calibration installed) decodes kvtc chunks from a shared tier."""
+    from kvcodec.store import KVStore
+    from kvcodec.store.tiers import DiskTier
+
+    kv = _cache(96, 7)
+    ids = list(range(96))
+    writer = KVStore([DiskTier(tmp_path / "shared")], model="toy", codec=KVTC(calibration=toy_cal), chunk_tokens=32)
+    assert writer.put(ids, kvcodec.KVCache(kv.layers, model="toy", rope="post")) == 3
+    monkeypatch.setattr(calmod, "_registered", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    reader = KVStore([DiskTier(tmp_path / "shared")], model="toy", codec=KVTC(calibration=toy_cal.digest), chunk_tokens=32)
+    got = reader.get(ids)
+    assert got is not None and got.num_tokens == 96 and reader.stats["corrupt"] == 0
