@@ -66,6 +66,13 @@ class GroupBasis:
     def components(self) -> int:
         return self.basis.shape[1]
 
+    @property
+    def basis32(self) -> torch.Tensor:
+        """The basis in float32, as the matrix products use it (converted once)."""
+        if getattr(self, "_basis32", None) is None:
+            self._basis32 = self.basis.float()
+        return self._basis32
+
 
 @dataclass(frozen=True)
 class LayerInfo:
@@ -311,17 +318,30 @@ class _Moments:
         self.count += x.shape[0]
 
 
-@torch.no_grad()
-def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, group_layers: int | None = None,
-              finest_steps: tuple[float, float] | None = None, segment_tokens: int = SEGMENT_TOKENS,
-              max_tokens: int | None = None, undo_rope: bool = True, weight_keys: bool = True,
-              weight_values: bool = True, progress: Any = None) -> Calibration:
-    """Compute a calibration by running ``loaded`` (a :class:`kvcodec.models.LoadedModel`) over ``texts``
-    (specs for :func:`kvcodec.texts.load_text`) in segments of ``segment_tokens``.
+@dataclass
+class Features:
+    """What a model run over calibration text yields, before any grouping: per layer the feature rows of the
+    keys (rotary embedding undone) and values ``[N, H * D]``, and the channel weights ``[H * D]``."""
 
-    ``group_layers`` pools that many consecutive layers per basis (None: all layers of a kind).  ``undo_rope``,
-    ``weight_keys`` and ``weight_values`` switch off the design's parts, for measuring what each is worth.
-    """
+    model: str
+    layers: list[LayerInfo]
+    windowed: list[bool]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    key_weights: list[torch.Tensor]
+    value_weights: list[torch.Tensor]
+    settings: dict[str, Any]
+
+
+@torch.no_grad()
+def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *,
+                     segment_tokens: int = SEGMENT_TOKENS, max_tokens: int | None = None, undo_rope: bool = True,
+                     progress: Any = None) -> Features:
+    """Run ``loaded`` (a :class:`kvcodec.models.LoadedModel`) over ``texts`` (specs for
+    :func:`kvcodec.texts.load_text`) in segments of ``segment_tokens`` and gather the calibration features."""
+    from transformers import DynamicCache
+
+    from kvcodec.cache import KVCache
     from kvcodec.texts import load_text
 
     model = loaded.model
@@ -329,10 +349,8 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
     layers = model_layers(model)
     if not undo_rope:
         layers = [LayerInfo(l.heads, l.key_dim, l.value_dim, None) for l in layers]
-    window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None) or []
     windowed = [t == "sliding_attention" for t in layer_types]
-    groups = default_groups(layers, group_layers, windowed)
     nq = cfg.num_attention_heads
     blocks = model.model.layers
     if not all(hasattr(b, "self_attn") and hasattr(b.self_attn, "q_proj") and hasattr(b.self_attn, "o_proj") for b in blocks):
@@ -357,19 +375,14 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
              for idx, b in enumerate(blocks)]
     try:
         for seg in (progress(segments, len(segments)) if progress else segments):
-            from transformers import DynamicCache
-
             cache = DynamicCache(config=cfg)
             out = model(torch.tensor([seg]), cache=cache, use_cache=True, output_hidden_states=True)
-            from kvcodec.cache import KVCache
-
             kv = KVCache.from_hf(cache)
             n = len(seg)
             for i, l in enumerate(layers):
                 qd = queries[i][SINK_TOKENS:].reshape(-1, nq, l.key_dim).double().pow(2).sum(0)
                 q_energy[i] += qd.reshape(l.heads, nq // l.heads, l.key_dim).sum(1)
-                hs = out.hidden_states[i][0, SINK_TOKENS:].double()
-                resid_sq[i] += hs.pow(2).mean(-1).sum()
+                resid_sq[i] += out.hidden_states[i][0, SINK_TOKENS:].double().pow(2).mean(-1).sum()
                 k, v = kv.layers[i].keys.float(), kv.layers[i].values.float()
                 t = k.shape[1]
                 pos = torch.arange(n - t, n)
@@ -393,14 +406,30 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
         wo = blocks[i].self_attn.o_proj.weight.double()
         col = wo.pow(2).sum(0).reshape(l.heads, nq // l.heads, l.value_dim).sum(1).sqrt()
         value_weights.append((col / math.sqrt(resid_sq[i] / counted)).reshape(-1))
-    settings = {"texts": list(texts), "segment_tokens": segment_tokens, "tokens": counted, "group_layers": group_layers,
-                "undo_rope": undo_rope, "weight_keys": weight_keys, "weight_values": weight_values, "window": window}
-    if not weight_keys:  # one weight per group, at the weighted design's scale
-        key_weights = _flat(key_weights, groups)
-    if not weight_values:
-        value_weights = _flat(value_weights, groups)
-    return fit_calibration(loaded.model_id, layers, groups, [torch.cat(f) for f in keys_pre],
-                           [torch.cat(f) for f in values], key_weights, value_weights, finest_steps, settings)
+    settings = {"texts": list(texts), "segment_tokens": segment_tokens, "tokens": counted, "undo_rope": undo_rope,
+                "window": getattr(cfg, "sliding_window", None)}
+    return Features(loaded.model_id, layers, windowed, [torch.cat(f) for f in keys_pre], [torch.cat(f) for f in values],
+                    key_weights, value_weights, settings)
+
+
+def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, group_layers: int | None = None,
+              finest_steps: tuple[float, float] | None = None, segment_tokens: int = SEGMENT_TOKENS,
+              max_tokens: int | None = None, undo_rope: bool = True, weight_keys: bool = True,
+              weight_values: bool = True, progress: Any = None, features: Features | None = None) -> Calibration:
+    """Compute a calibration of ``loaded`` from ``texts`` (see :func:`collect_features`, or pass ``features``
+    already collected).
+
+    ``group_layers`` pools that many consecutive layers per basis (None: all layers of a kind).  ``undo_rope``,
+    ``weight_keys`` and ``weight_values`` switch off the design's parts, for measuring what each is worth.
+    """
+    f = features or collect_features(loaded, texts, segment_tokens=segment_tokens, max_tokens=max_tokens,
+                                     undo_rope=undo_rope, progress=progress)
+    groups = default_groups(f.layers, group_layers, f.windowed)
+    key_weights = f.key_weights if weight_keys else _flat(f.key_weights, groups)  # one weight per group
+    value_weights = f.value_weights if weight_values else _flat(f.value_weights, groups)
+    settings = f.settings | {"group_layers": group_layers, "weight_keys": weight_keys, "weight_values": weight_values}
+    return fit_calibration(f.model, f.layers, groups, f.keys, f.values, key_weights, value_weights, finest_steps,
+                           settings)
 
 
 def _flat(weights: list[torch.Tensor], groups: list[list[int]]) -> list[torch.Tensor]:

@@ -184,7 +184,7 @@ class KVTC(Codec):
         return b"".join(parts + sinks)
 
     def _encode_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
-        coeff = (((x - gb.mean) * gb.weight) @ gb.basis.float()).T.numpy().astype(np.float64)  # [K, T]
+        coeff = (((x - gb.mean) * gb.weight) @ gb.basis32).T.numpy().astype(np.float64)  # [K, T]
         k, t = coeff.shape
         codes = np.full(k, step_code(step), np.int64)
         worst = np.abs(coeff).max(1, initial=0) / STEPS[codes]
@@ -260,17 +260,18 @@ class KVTC(Codec):
         plan = self._plan(live, t, table)
         lengths = reader.take(len(plan), "<u2").astype(np.int64)
         words = reader.take(int(lengths.sum()), "<u4")
-        q = np.zeros((k, t), np.int64)
+        q = np.zeros((k, t), np.int32)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         for j, runs in enumerate(plan):
             for r, symbols in zip(runs, decode_lane(words[offsets[j]:offsets[j + 1]].astype(np.uint32),
                                                      [(r.size, r.table) for r in runs])):
                 r.scatter(q, symbols)
-        return torch.from_numpy((q.T * STEPS[codes][None, :]).astype(np.float32))
+        # |q| <= 255 and a float32 step: the float32 product is the exact product rounded once
+        return torch.from_numpy(q.T.astype(np.float32) * STEPS[codes][None, :])
 
     @staticmethod
     def _features(coeff: torch.Tensor, gb: GroupBasis, cols: slice, t: int) -> torch.Tensor:
         """Features ``cols`` of the group back from the coefficients: ``coeff @ basis[cols].T / w + mean``."""
         if not t:
             return torch.zeros(0, cols.stop - cols.start)
-        return (coeff @ gb.basis[cols].float().T) / gb.weight[cols] + gb.mean[cols]
+        return (coeff @ gb.basis32[cols].T) / gb.weight[cols] + gb.mean[cols]
