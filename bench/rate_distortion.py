@@ -47,7 +47,7 @@ def main() -> None:
         if (old["prefix_tokens"], old["continuation_tokens"], old["texts"]) != (args.tokens, args.continuation,
                                                                                 list(DEFAULT_EVAL_TEXTS)):
             p.error("the existing results were measured on other texts or lengths; run without --update")
-        kept = [EvalRow(**r) for r in old["rows"] if r["codec"].split(":")[0] not in args.codec]
+        kept = [EvalRow.from_dict(r) for r in old["rows"] if r["codec"].split(":")[0] not in args.codec]
     model = load_model("smollm2")
     if not args.codec or "kvtc" in args.codec:  # kvtc's levels need the model's calibration (made once, cached)
         from kvcodec.codecs.kvtc import ensure_calibration
@@ -67,11 +67,15 @@ def main() -> None:
              f"Texts: {', '.join(DEFAULT_EVAL_TEXTS)}; {args.tokens}-token prefix cached in float16, perplexity of the "
              f"next {args.continuation} tokens, mean over texts. Reference perplexities (from the float16 cache): "
              + ", ".join(f"{c.name} {c.ref_ppl:.3f}" for c in cases) + ".", "",
-             "| codec | bits/element | x vs fp16 | perplexity change | agreement | encode s | decode s |",
-             "|---|---|---|---|---|---|---|"]
+             "Encode and decode: seconds per cache (one whole-cache call on one thread, mean over the texts) and MB/s "
+             "of float16, as `kvcodec eval` and `kvcodec bench` report them.", "",
+             "| codec | bits/element | x vs fp16 | perplexity change | agreement | encode s/cache | decode s/cache | "
+             "encode MB/s | decode MB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| `{r.codec}` | {r.bits_per_element:.3f} | {16 / r.bits_per_element:.2f} | "
-                     f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {r.encode_s:.1f} | {r.decode_s:.1f} |")
+                     f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {r.encode_s_per_cache:.2f} | "
+                     f"{r.decode_s_per_cache:.2f} | {r.encode_MBps:.1f} | {r.decode_MBps:.1f} |")
     made = f"Made by `python bench/rate_distortion.py` in {time.time() - t0:.0f} s on a 2-core CPU."
     if args.update:
         made = (f"Rows of {', '.join(args.codec)} re-measured by `python bench/rate_distortion.py --update "
