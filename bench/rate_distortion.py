@@ -58,6 +58,10 @@ def main() -> None:
             p.error("the existing results were measured on other texts or lengths; run without --update/--times-only")
         kept = [EvalRow.from_dict(r) for r in old["rows"] if r["codec"].split(":")[0] not in (args.codec or [])]
     model = load_model("smollm2")
+    if not args.codec or "kvtc" in args.codec:  # kvtc's levels need the model's calibration (made once, cached)
+        from kvcodec.codecs.kvtc import ensure_calibration
+
+        ensure_calibration(model, log=lambda line: print(line, file=sys.stderr))
     t0 = time.time()
     if args.times_only:
         rows = retime(model, kept, args.tokens)

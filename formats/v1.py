@@ -20,7 +20,8 @@ from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedVersi
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 0  # written when no variant has joint sections
+VERSION_MINOR_JOINT = 1  # 1.1: variants may have joint sections (SPEC.md §6.7)
 
 # magic(8) | major u16 | minor u16 | header_len u32
 PREAMBLE = struct.Struct("<8sHHI")
@@ -79,6 +80,10 @@ class Variant:
 
     codec: str
     config: dict[str, Any]
+    joint: bool = False  # one section per frame, holding all its layers (format 1.1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec, "config": self.config} | ({"joint": True} if self.joint else {})
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ class Header:
         obj = {
             "dtype": self.dtype,
             "layers": [[s.heads, s.tokens, s.key_dim, s.value_dim] for s in self.layers],
-            "variants": [{"codec": v.codec, "config": v.config} for v in self.variants],
+            "variants": [v.to_dict() for v in self.variants],
             "chunk_tokens": self.chunk_tokens,
             "chunk_layers": self.chunk_layers,
             "meta": self.meta,
@@ -163,7 +168,8 @@ class Header:
         for v in variants:
             _require(isinstance(v, dict) and isinstance(v.get("codec"), str) and isinstance(v.get("config"), dict),
                      "variant must be {codec: str, config: object}")
-            vs.append(Variant(v["codec"], v["config"]))
+            _require(isinstance(v.get("joint", False), bool), "variant key joint must be true or false")
+            vs.append(Variant(v["codec"], v["config"], v.get("joint", False)))
         ct, cl = obj["chunk_tokens"], obj["chunk_layers"]
         _require(_is_int(ct) and 1 <= ct <= MAX_CHUNK_TOKENS, f"chunk_tokens {ct!r} out of bounds")
         _require(_is_int(cl) and 1 <= cl <= MAX_LAYERS, f"chunk_layers {cl!r} out of bounds")
@@ -207,8 +213,8 @@ class ChunkEntry:
     checksum: int
 
 
-def pack_preamble(header_json: bytes) -> bytes:
-    return PREAMBLE.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, len(header_json))
+def pack_preamble(header_json: bytes, minor: int = VERSION_MINOR) -> bytes:
+    return PREAMBLE.pack(MAGIC, VERSION_MAJOR, minor, len(header_json))
 
 
 def parse_preamble(buf: bytes) -> tuple[int, int]:

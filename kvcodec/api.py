@@ -52,7 +52,7 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
         raise InvalidInputError(f"encode takes a kvcodec.KVCache, not {type(kv).__name__}; build one with "
                                 "KVCache(layers), KVCache.from_hf(cache) or KVCache.load_safetensors(path)")
     check_threads(threads)
-    codecs = _codecs(codec, config)
+    codecs = [c.for_cache(kv) for c in _codecs(codec, config)]
     check_backend(codecs, backend)
     header = make_header(kv, codecs, chunk_tokens, chunk_layers)
     frames: Iterable[Any] = encode_frames(kv, header, codecs, backend)
@@ -88,7 +88,7 @@ def open(source: bytes | bytearray | memoryview | str | os.PathLike[str] | Binar
 
 def decode(data: Any, *, device: torch.device | str | None = None, layers: Sequence[int] | None = None,
            chunks: Sequence[int] | None = None, progress: ProgressFn | None = None, backend: str = "auto",
-           threads: int = DEFAULT_THREADS) -> KVCache:
+           threads: int = DEFAULT_THREADS, positions: Sequence[int] | None = None) -> KVCache:
     """Decode a container to a :class:`KVCache`.
 
     ``data`` is bytes, a path, a seekable binary file, or an iterable of byte
@@ -96,7 +96,22 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
     and ``chunks`` select part of the cache (``chunks`` needs random access).
     ``backend`` and ``threads`` as for :func:`iter_encode`, for the output ``device``.  A ``device`` this
     machine lacks raises :class:`~kvcodec.errors.DeviceUnavailableError` before anything is read.
+    ``positions`` (one per token of the decoded range) moves the keys' rotary embedding to those positions
+    (:func:`kvcodec.codecs.kvtc.reposition`): the cache must have ``rope="post"`` keys and a known rotary
+    setting (a kvtc container's calibration, or one installed for its model).
     """
+    if positions is not None:
+        from kvcodec.codecs.kvtc import reposition
+
+        calibration = None
+        if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
+            with Reader(data) as reader:  # a kvtc container's own calibration knows the rotary setting
+                calibration = next((c.calibration_data() for c in reader.codecs if c.codec_id == "kvtc"), None)
+                kv = reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend,
+                                   threads=threads)
+        else:
+            kv = decode(data, device=device, layers=layers, progress=progress, backend=backend, threads=threads)
+        return reposition(kv, positions, layers=layers, calibration=calibration)
     if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
         with Reader(data) as reader:
             return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ def make_header(kv: KVCache, codecs: Sequence[Codec], chunk_tokens: int = DEFAUL
     header = Header(
         dtype=SUPPORTED_DTYPES[kv.dtype],
         layers=tuple(kv.shapes),
-        variants=tuple(Variant(c.codec_id, c.get_config()) for c in codecs),
+        variants=tuple(Variant(c.codec_id, c.get_config(), c.joint_sections) for c in codecs),
         chunk_tokens=chunk_tokens,
         chunk_layers=kv.num_layers if chunk_layers is None else chunk_layers,
         meta=kv.meta,
@@ -38,8 +38,28 @@ def layer_context(header: Header, layer: int, token_range: tuple[int, int], devi
     s = header.layers[layer]
     lo, hi = token_range
     shape = type(s)(s.heads, hi - lo, s.key_dim, s.value_dim)
+    shift = header.max_tokens - s.tokens
+    positions = header.meta.get("positions") or range(header.max_tokens)
     return LayerContext(layer, len(header.layers), shape, getattr(torch, header.dtype), device,
-                        header.meta.get("model"), lo, backend)
+                        header.meta.get("model"), lo, backend, header.meta.get("rope"),
+                        tuple(positions[lo + shift:hi + shift]))
+
+
+def filled_layers(header: Header, token_start: int, token_count: int, layer_start: int) -> list[int]:
+    """The layers of the frame at ``(token_start, layer_start)`` that hold tokens in it."""
+    layer_end = min(layer_start + header.chunk_layers, len(header.layers))
+    return [l for l in range(layer_start, layer_end) if header.local_range(l, token_start, token_count)[1] >
+            header.local_range(l, token_start, token_count)[0]]
+
+
+def sections_to_read(codec: Codec, header: Header, token_start: int, token_count: int, layer_start: int,
+                     layers: Sequence[int]) -> list[int]:
+    """The sections of a frame that decoding ``layers`` of it needs: those layers' own, or for a codec with
+    joint sections the one section that holds them all (SPEC.md §6.7)."""
+    if not codec.joint_sections:
+        return list(layers)
+    filled = filled_layers(header, token_start, token_count, layer_start)
+    return filled[:1] if filled and any(l in filled for l in layers) else []
 
 
 def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend: str = "auto") -> Iterator[Frame]:
@@ -51,14 +71,21 @@ def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend:
             pairs = [(kv.layers[l].keys[:, ranges[l][0]:ranges[l][1]], kv.layers[l].values[:, ranges[l][0]:ranges[l][1]])
                      for l in filled]
             ctxs = [layer_context(header, l, ranges[l], kv.device, backend) for l in filled]
-            coded = dict(zip(filled, codec.encode_layers(pairs, ctxs) if filled else []))
+            if codec.joint_sections:
+                coded = {filled[0]: codec.encode_frame(pairs, ctxs)} if filled else {}
+            else:
+                coded = dict(zip(filled, codec.encode_layers(pairs, ctxs) if filled else []))
             yield Frame(variant, t0, tn, l0, [coded.get(layer, b"") for layer in range(l0, l0 + lc)])
 
 
 def decode_sections(codec: Codec, header: Header, token_start: int, token_count: int, sections: dict[int, bytes],
-                    device: torch.device, backend: str = "auto") -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+                    device: torch.device, backend: str = "auto", *, layer_start: int | None = None,
+                    wanted: Sequence[int] | None = None) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
     """Decode a chunk's sections (by layer) together; returns (first local token, keys, values) by layer,
-    leaving out layers that hold no tokens in the chunk."""
+    leaving out layers that hold no tokens in the chunk.  A codec with joint sections needs the frame's
+    ``layer_start`` and decodes the ``wanted`` layers (default: all) from the one section it reads."""
+    if codec.joint_sections:
+        return _decode_joint(codec, header, token_start, token_count, sections, device, backend, layer_start, wanted)
     ctxs = {}
     for layer, data in sections.items():
         lo, hi = header.local_range(layer, token_start, token_count)
@@ -69,14 +96,45 @@ def decode_sections(codec: Codec, header: Header, token_start: int, token_count:
         ctxs[layer] = layer_context(header, layer, (lo, hi), device, backend)
     if not ctxs:
         return {}
+    decoded = _guarded(codec, token_start, lambda: codec.decode_layers([sections[l] for l in ctxs], list(ctxs.values())))
+    return _checked(codec, ctxs, dict(zip(ctxs, decoded)))
+
+
+def _guarded(codec: Codec, token_start: int, fn: Any) -> Any:
     try:
-        decoded = codec.decode_layers([sections[l] for l in ctxs], list(ctxs.values()))
+        return fn()
     except KVCodecError:
         raise
     except Exception as e:  # a codec's own parsing failing on bad bytes is still bad bytes
         raise CorruptDataError(f"{codec.codec_id} could not decode the chunk at token {token_start}: {e}") from e
+
+
+def _decode_joint(codec: Codec, header: Header, token_start: int, token_count: int, sections: dict[int, bytes],
+                  device: torch.device, backend: str, layer_start: int | None,
+                  wanted: Sequence[int] | None) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+    if layer_start is None:
+        layer_start = min(sections, default=0)
+    filled = filled_layers(header, token_start, token_count, layer_start)
+    if any(data for layer, data in sections.items() if not filled or layer != filled[0]):
+        raise CorruptDataError(f"chunk at token {token_start}: a joint frame has data outside its first section")
+    want = set(filled if wanted is None else wanted) & set(filled)
+    if not want:
+        return {}
+    if filled[0] not in sections:
+        raise InvalidInputError(f"decoding the chunk at token {token_start} needs the section of layer {filled[0]}")
+    ctxs = {l: layer_context(header, l, header.local_range(l, token_start, token_count), device, backend) for l in filled}
+    decoded = _guarded(codec, token_start, lambda: codec.decode_frame(sections[filled[0]], list(ctxs.values()), want))
+    if set(decoded) != want:
+        raise CorruptDataError(f"{codec.codec_id} did not decode the layers asked for")
+    return _checked(codec, {l: ctxs[l] for l in sorted(want)}, decoded)
+
+
+def _checked(codec: Codec, ctxs: dict[int, LayerContext], decoded: dict[int, tuple[torch.Tensor, torch.Tensor]]
+             ) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+    """Decoded sections with their shapes checked, as (first local token, keys, values) by layer."""
     out = {}
-    for (layer, ctx), (keys, values) in zip(ctxs.items(), decoded):
+    for layer, ctx in ctxs.items():
+        keys, values = decoded[layer]
         s = ctx.shape
         if keys.shape != (s.heads, s.tokens, s.key_dim) or values.shape != (s.heads, s.tokens, s.value_dim):
             raise CorruptDataError(f"{codec.codec_id} decoded layer {layer} to the wrong shape")
@@ -147,9 +205,11 @@ def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[i
     check_layers(header, layers)
     wanted = list(range(len(header.layers))) if layers is None else list(layers)
     asm = Assembler(header, wanted, *token_range)
-    for variant, t0, tn, _, sections in frames:
-        own = {layer: data for layer, data in sections.items() if layer in asm.parts}
-        for layer, decoded in decode_sections(codecs[variant], header, t0, tn, own, device, backend).items():
+    for variant, t0, tn, l0, sections in frames:
+        codec = codecs[variant]
+        own = sections if codec.joint_sections else {layer: data for layer, data in sections.items() if layer in asm.parts}
+        for layer, decoded in decode_sections(codec, header, t0, tn, own, device, backend, layer_start=l0,
+                                              wanted=list(asm.parts)).items():
             asm.add(layer, decoded)
     try:
         return asm.build(device)

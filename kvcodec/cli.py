@@ -352,6 +352,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for text in texts:
         _text(text)
     model = load_model(args.model, progress=not args.quiet)
+    if any(c.codec_id == "kvtc" and c.calibration == "auto" for c in codecs):
+        from kvcodec.codecs.kvtc import ensure_calibration
+
+        ensure_calibration(model, log=None if args.quiet else lambda line: print(line, file=sys.stderr))
     cases = []
     for text in texts:
         if not args.quiet and not args.json:
@@ -418,6 +422,27 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _emit(args, {"output": args.output, "model": prof.model, "layers": len(prof.key_weight), "tokens": len(ids)},
           [f"wrote {args.output}: profile of {prof.model} ({len(prof.key_weight)} layers) from {len(ids)} tokens of "
            f"{args.text}; use it with --codec cachegen:profile={args.output}"])
+    return EXIT_OK
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvcodec.codecs.kvtc import calibrate, install
+    from kvcodec.codecs.kvtc.calibration import DEFAULT_CALIBRATION_TEXTS
+    from kvcodec.models import load_model
+
+    model = load_model(args.model)
+    texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
+    cal = calibrate(model, texts, group_layers=args.group_layers, max_tokens=args.tokens)
+    digest = cal.save(args.output)
+    installed = install(cal) if args.install else None
+    obj = {"output": args.output, "sha256": digest, "model": cal.model, "groups": len(cal.groups),
+           "key_components": sum(b.components for b in cal.keys), "value_components": sum(b.components for b in cal.values),
+           "bytes": len(cal.to_bytes()), "tokens": cal.settings["tokens"], "installed": installed}
+    _emit(args, obj, [f"wrote {args.output} ({_mb(obj['bytes'])}): kvtc calibration {digest} of {cal.model}, "
+                      f"{obj['groups']} layer group(s), {obj['key_components']} key and {obj['value_components']} value "
+                      f"components, from {obj['tokens']} tokens of {', '.join(texts)}"
+                      + (f"; installed as {installed}" if installed else "")
+                      + f"; use it with --codec kvtc:calibration={args.output}"])
     return EXIT_OK
 
 
@@ -564,6 +589,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help=texts_help + " (default: license:Apache-2.0, which kvcodec eval does not use)")
     sp.add_argument("--tokens", type=positive_int, default=2048, help="calibration tokens (default: 2048)")
     sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
+
+    sp = command("calibrate", cmd_calibrate, "compute a model's kvtc calibration (PCA bases)",
+                 "Run a model over calibration texts and compute what the kvtc codec needs: per group of layers,\n"
+                 "PCA bases of the keys (rotary embedding undone, weighted by the queries that read them) and of\n"
+                 "the values (weighted by the output error they cause), and each layer's rotary setting. The file\n"
+                 "is named in containers by its SHA-256; decoders find it in the cache folder or $KVCODEC_CALIBRATIONS.")
+    sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
+    sp.add_argument("--text", action="append",
+                    help=texts_help + " (repeatable; default: four licenses kvcodec eval does not use)")
+    sp.add_argument("--tokens", type=int, default=None, help="at most this many calibration tokens (default: all)")
+    sp.add_argument("--group-layers", type=int, default=None,
+                    help="layers per PCA basis (default: all layers of one kind in one basis)")
+    sp.add_argument("--install", action="store_true", help="also install it in the cache folder as its model's calibration")
+    sp.add_argument("-o", "--output", required=True, help="output calibration file")
 
     command("codecs", cmd_codecs, "list the registered codecs",
             "List every registered codec (built in, and those other packages add through the\n"

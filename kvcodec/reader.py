@@ -9,7 +9,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.cache import KVCache, KVLayer
-from kvcodec.chunking import check_layers, decode_all, decode_sections
+from kvcodec.chunking import check_layers, decode_all, decode_sections, sections_to_read
 from kvcodec.codecs import Codec, codec_class
 from kvcodec.codecs.base import check_backend
 from kvcodec.container import ContainerReader
@@ -106,6 +106,9 @@ def build_codecs(header: Header) -> list[Codec]:
             raise
         except InvalidInputError as e:
             raise CorruptDataError(f"container's {v.codec} config is invalid: {e}") from None
+        if codec.joint_sections != v.joint:
+            raise CorruptDataError(f"container's {v.codec} variant {'has' if v.joint else 'lacks'} joint sections, "
+                                   f"which the codec {'does not use' if v.joint else 'needs'}")
         if codec.get_config() != v.config:
             raise CorruptDataError(f"container's {v.codec} config {v.config} is not the canonical {codec.get_config()}")
         codecs.append(codec)
@@ -166,11 +169,19 @@ class Reader:
         dev = resolve_device(device)
         check_backend(self.codecs, backend)
         check_threads(threads)
-        frame = self._container.read_frame(i, layers)
-        e = frame.entry
+        e = self._container.entry(i)
+        codec = self.codecs[e.variant]
+        frame_layers = range(e.layer_start, e.layer_start + e.layer_count)
+        if layers is not None:
+            absent = [l for l in layers if l not in frame_layers]
+            if absent:
+                raise InvalidInputError(f"chunk {i} holds layers {e.layer_start}..{frame_layers[-1]}, not {absent[0]}")
+        wanted = list(frame_layers if layers is None else layers)
+        frame = self._container.read_frame(i, None if layers is None else sections_to_read(
+            codec, self.header, e.token_start, e.token_count, e.layer_start, wanted))
         with torch_threads(threads):
-            decoded = decode_sections(self.codecs[e.variant], self.header, e.token_start, e.token_count,
-                                      frame.sections, dev, backend)
+            decoded = decode_sections(codec, self.header, e.token_start, e.token_count, frame.sections, dev, backend,
+                                      layer_start=e.layer_start, wanted=wanted)
         return Chunk(i, e.token_start, e.token_count, {layer: KVLayer(k, v) for layer, (_, k, v) in decoded.items()})
 
     def verify(self, progress: ProgressFn | None = None, threads: int = DEFAULT_THREADS) -> None:
@@ -208,6 +219,7 @@ class Reader:
         def frames() -> Iterator[tuple[int, int, int, int, dict[int, bytes]]]:
             for i, e in (progress(entries, len(entries)) if progress else entries):
                 own = [l for l in range(e.layer_start, e.layer_start + e.layer_count) if l in wanted]
+                own = sections_to_read(self.codecs[e.variant], self.header, e.token_start, e.token_count, e.layer_start, own)
                 if own:
                     data = self._container.read_frame(i, own)
                     yield e.variant, e.token_start, e.token_count, e.layer_start, data.sections

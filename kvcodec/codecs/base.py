@@ -23,6 +23,8 @@ class LayerContext:
     ``backend`` is one of :data:`BACKENDS`: which implementation a codec with a GPU path should run
     (``"auto"``: cachegen's Triton kernels, and kvfetcher's NVDEC decoder where PyNvVideoCodec is installed, for
     CUDA tensors; ``"nvdec"``: kvfetcher's NVDEC decoder or an error).
+    ``rope`` is the cache's ``rope`` metadata and ``positions`` the position id of each of the section's tokens
+    (from the ``positions`` metadata, else the token's index on the longest layer's axis).
     """
 
     layer: int
@@ -33,6 +35,11 @@ class LayerContext:
     model: str | None = None
     token_start: int = 0
     backend: str = "auto"
+    rope: str | None = None
+    positions: tuple[int, ...] = ()
+
+    def positions_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.positions, dtype=torch.int64)
 
 
 class Codec(abc.ABC):
@@ -47,6 +54,9 @@ class Codec(abc.ABC):
     codec_id: ClassVar[str]
     lossless: ClassVar[bool]
     backends: ClassVar[tuple[str, ...]] = ("cpu",)  # implementations a caller may force
+    # A codec that codes a frame's layers together implements encode_frame/decode_frame instead of working
+    # section by section; its frames hold one section (SPEC.md §6.7).
+    joint_sections: ClassVar[bool] = False
 
     @abc.abstractmethod
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
@@ -67,6 +77,19 @@ class Codec(abc.ABC):
     def decode_layers(self, datas: list[bytes], ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Decode several sections at once; codecs with batched kernels override this."""
         return [self.decode_layer(data, ctx) for data, ctx in zip(datas, ctxs)]
+
+    def encode_frame(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> bytes:
+        """Joint codecs: encode the layers of a frame (those holding tokens) to one section."""
+        raise NotImplementedError
+
+    def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Joint codecs: decode the ``wanted`` layers of a frame whose layers holding tokens have ``ctxs``."""
+        raise NotImplementedError
+
+    def for_cache(self, kv: Any) -> Codec:
+        """The codec to encode ``kv`` with: codecs whose config depends on the cache (a calibration chosen by
+        its model) resolve it here, before the header is written."""
+        return self
 
     def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
         """Decode a section into one layer of vLLM-style paged memory ``(2, num_blocks, block_size, H, D)``:

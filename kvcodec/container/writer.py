@@ -7,8 +7,8 @@ from typing import Iterable, Iterator, Sequence
 
 from kvcodec.errors import InvalidInputError
 from kvcodec.formats.v1 import (CHECKSUM, FOOTER, FOOTER_MAGIC, FRAME_HEAD, FRAME_MAGIC, INDEX_ENTRY, INDEX_HEAD,
-                                INDEX_MAGIC, MAX_CHUNKS, MAX_SECTION_BYTES, SECTION_ENTRY, ChunkEntry, Header, SlotCursor,
-                                checksum, pack_preamble)
+                                INDEX_MAGIC, MAX_CHUNKS, MAX_SECTION_BYTES, SECTION_ENTRY, VERSION_MINOR, VERSION_MINOR_JOINT,
+                                ChunkEntry, Header, SlotCursor, checksum, pack_preamble)
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def write_container(header: Header, frames: Iterable[Frame]) -> Iterator[bytes]:
     """
     header.validate()
     header_json = header.to_json()
-    preamble = pack_preamble(header_json)
+    preamble = pack_preamble(header_json, VERSION_MINOR_JOINT if any(v.joint for v in header.variants) else VERSION_MINOR)
     first = preamble + header_json + CHECKSUM.pack(checksum(preamble, header_json))
     yield first
     offset = len(first)

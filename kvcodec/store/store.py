@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -12,7 +13,8 @@ import torch
 from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec, get_codec
-from kvcodec.errors import InvalidInputError
+from kvcodec.codecs.kvtc import MissingCalibrationError
+from kvcodec.errors import InvalidInputError, KVCodecError
 from kvcodec.reader import Reader
 from kvcodec.store.keys import chunk_bounds, chunk_hashes, format_key, namespace
 from kvcodec.store.tiers import StorageTier
@@ -81,6 +83,7 @@ class KVStore:
         self.tiers = list(tiers)
         self.model = model
         self.codec = codec if isinstance(codec, Codec) else get_codec(codec, **(codec_options or {}))
+        self.codec = self.codec.for_cache(SimpleNamespace(model=model))  # e.g. kvtc's calibration for the model
         self.chunk_tokens = chunk_tokens
         self.hash = hash
         self.policy = policy or PlacementPolicy()
@@ -150,8 +153,46 @@ class KVStore:
             blob = encode(part, self.codec, chunk_tokens=e - s)
             if any([self._safe(t, "put", key, blob, default=False) for t in missing]):
                 written += 1
+        if written:
+            self._hold_calibration(targets)
         self._count("puts", written)
         return written
+
+    # A codec that decodes with a calibration file (kvtc) gets it stored once, by hash, beside the chunks, so a
+    # store on another machine that shares the tiers can decode them.
+    def _calibration_key(self) -> str | None:
+        digest = self.codec.get_config().get("calibration") if self.codec.codec_id == "kvtc" else None
+        return None if digest is None else f"kvcodec-calibration@{digest}"
+
+    def _hold_calibration(self, targets: Sequence[StorageTier]) -> None:
+        key = self._calibration_key()
+        if key is None:
+            return
+        for t in targets:
+            if not self._safe(t, "contains", key, default=False):
+                self._safe(t, "put", key, self.codec.calibration_data().to_bytes())
+
+    def _fetch_calibration(self) -> None:
+        """Make the codec's calibration findable, from the tiers if this machine does not have it."""
+        from kvcodec.codecs.kvtc import Calibration, register_calibration
+
+        key = self._calibration_key()
+        if key is None:
+            return
+        try:
+            self.codec.calibration_data()
+            return
+        except MissingCalibrationError:
+            pass
+        digest = key.split("@", 1)[1]
+        for t in self.tiers:
+            data = self._safe(t, "get", key)
+            if data is not None:
+                try:
+                    register_calibration(Calibration.from_bytes(bytes(data), digest))
+                    return
+                except KVCodecError:
+                    log.warning("tier %s holds a damaged calibration %s", t.name, digest)
 
     def _demoter(self, index: int):
         def demote(key: str, value: bytes) -> None:
@@ -229,10 +270,13 @@ class KVStore:
         ends before it (the caller recomputes from there).
         """
         token_ids = [int(t) for t in token_ids]
+        self._fetch_calibration()
         parts = []
         for chunk in self.fetch(token_ids):
             try:
                 parts.append(decode(chunk.data, device=device))
+            except MissingCalibrationError:
+                raise  # the chunk is fine; this machine lacks what decodes it
             except Exception:
                 log.warning("chunk %s from tier %s failed to decode; evicted", chunk.key, chunk.tier, exc_info=True)
                 self._count("corrupt")

@@ -1,0 +1,277 @@
+"""``kvtc``: a transform codec (in the spirit of KVTC, NVIDIA, ICLR 2026) over a per-model calibration.
+
+For each group of layers of the calibration (:mod:`.calibration`) and each chunk of tokens, a token's keys
+(rotated back to position 0) and values become one feature vector each; centring, weighting and projecting on
+the calibration's PCA basis gives coefficients that are quantized with one uniform step per K/V (the level's),
+so that the step means the same attention-logit (keys) or normalized-output (values) error everywhere.  The
+symbols are entropy coded exactly as ``cachegen``'s: one table per component per chunk from the frozen
+codebook, in lanes that are independent ANS streams (constriction's format, which cachegen's Triton decode
+kernel also reads).  The first ``sink_tokens`` tokens are stored exactly.  Decoding is a matrix product with
+the basis, then the rotary embedding at the tokens' positions.
+
+A frame's layers are coded together (``joint_sections``): the frame's data is one section (SPEC.md §6.7).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcodec.codecs.base import Codec, LayerContext
+from kvcodec.codecs.cachegen.codec import _Bytes, _table_runs, choose_tables
+from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane
+from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, step_code
+from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
+                                             register_calibration)
+from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, LEVELS
+from kvcodec.codecs.registry import register_codec
+from kvcodec.errors import CorruptDataError, InvalidInputError
+
+DEAD = 255  # table byte of a component whose symbols are all zero in the chunk: nothing else is stored for it
+MAX_LANE_SYMBOLS = 1 << 16
+DIGEST = re.compile(r"[0-9a-f]{64}")
+OVERRIDE = struct.Struct("<IB")  # component, step code
+
+
+@register_codec
+class KVTC(Codec):
+    """Cross-layer PCA of pre-RoPE, query-weighted keys and of weighted values; cachegen's entropy coding."""
+
+    codec_id = "kvtc"
+    lossless = False
+    joint_sections = True
+
+    def __init__(self, level: int = DEFAULT_LEVEL, calibration: Any = "auto", sink_tokens: int = 1,
+                 lane_components: int = 64, lane_tokens: int = 256) -> None:
+        if not isinstance(level, int) or isinstance(level, bool) or level not in LEVELS:
+            raise InvalidInputError(f"kvtc level must be one of {sorted(LEVELS)}, not {level!r}")
+        for name, v, hi in (("sink_tokens", sink_tokens, 1024), ("lane_components", lane_components, 4096),
+                            ("lane_tokens", lane_tokens, MAX_LANE_SYMBOLS)):
+            if not isinstance(v, int) or isinstance(v, bool) or not (0 if name == "sink_tokens" else 1) <= v <= hi:
+                raise InvalidInputError(f"kvtc {name} must be an integer up to {hi}, not {v!r}")
+        if lane_components * lane_tokens > MAX_LANE_SYMBOLS:
+            raise InvalidInputError(f"kvtc lane_components * lane_tokens must be at most {MAX_LANE_SYMBOLS}")
+        self.level, self.sink_tokens = level, sink_tokens
+        self.lane_components, self.lane_tokens = lane_components, lane_tokens
+        self._cal: Calibration | None = None
+        if isinstance(calibration, Calibration):
+            self._cal = register_calibration(calibration)
+            calibration = self._cal.digest
+        elif isinstance(calibration, os.PathLike) or (isinstance(calibration, str) and os.path.isfile(calibration)):
+            self._cal = register_calibration(calibration)
+            calibration = self._cal.digest
+        elif not (isinstance(calibration, str) and (calibration == "auto" or DIGEST.fullmatch(calibration))):
+            raise InvalidInputError("kvtc calibration must be 'auto', a calibration's SHA-256, a calibration file "
+                                    f"or a Calibration, not {calibration!r}")
+        self.calibration = calibration
+
+    @classmethod
+    def presets(cls) -> list[dict[str, Any]]:
+        return [{"level": level} for level in sorted(LEVELS)]
+
+    def get_config(self) -> dict[str, Any]:
+        return {"level": self.level, "calibration": self.calibration, "sink_tokens": self.sink_tokens,
+                "lane_components": self.lane_components, "lane_tokens": self.lane_tokens}
+
+    @classmethod
+    def from_file_config(cls, config: dict[str, Any]) -> Codec:
+        if not (isinstance(config.get("calibration"), str) and DIGEST.fullmatch(config["calibration"])):
+            raise InvalidInputError("a kvtc container must name its calibration by SHA-256")
+        return cls.from_config(config)
+
+    def for_cache(self, kv: Any) -> KVTC:
+        """This codec with its calibration resolved for ``kv`` (``"auto"``: the one installed for its model)."""
+        if self.calibration != "auto":
+            return self
+        cal = calibration_for_model(kv.model)
+        if cal is None:
+            raise InvalidInputError(
+                f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
+                "kvcodec.codecs.kvtc.calibrate) and pass calibration=FILE")
+        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens)
+
+    def calibration_data(self) -> Calibration:
+        if self._cal is None:
+            if self.calibration == "auto":
+                raise InvalidInputError("kvtc's calibration is not resolved (encode through kvcodec.encode)")
+            self._cal = find_calibration(self.calibration)
+        return self._cal
+
+    # --- the per-section interface does not apply: kvtc codes whole frames ----------------
+
+    def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
+        return self.encode_frame([(keys, values)], [ctx])
+
+    def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode_frame(data, [ctx], {ctx.layer})[ctx.layer]
+
+    # --- frames ------------------------------------------------------------------------------
+
+    def _groups(self, ctxs: list[LayerContext]) -> list[tuple[int, list[LayerContext]]]:
+        """The calibration groups the frame's layers (those holding tokens) make up, in order."""
+        cal = self.calibration_data()
+        by_layer = {c.layer: c for c in ctxs}
+        if ctxs and ctxs[0].num_layers != len(cal.layers):
+            raise InvalidInputError(f"kvtc calibration {self.calibration[:12]} is for {len(cal.layers)} layers, "
+                                    f"the cache has {ctxs[0].num_layers}")
+        out = []
+        for g, members in enumerate(cal.groups):
+            present = [by_layer[l] for l in members if l in by_layer]
+            if not present:
+                continue
+            if len(present) != len(members) or len({(c.token_start, c.shape.tokens) for c in present}) != 1:
+                raise InvalidInputError(f"kvtc codes layers {members} together: a chunk must hold all of them over "
+                                        "the same tokens (use chunk_layers that keeps the calibration's groups whole)")
+            for c in present:
+                info = cal.layers[c.layer]
+                if (c.shape.heads, c.shape.key_dim, c.shape.value_dim) != (info.heads, info.key_dim, info.value_dim):
+                    raise InvalidInputError(f"layer {c.layer}'s shape does not match kvtc calibration {self.calibration[:12]}")
+            out.append((g, present))
+        if sum(len(p) for _, p in out) != len(ctxs):
+            raise InvalidInputError("kvtc: a layer of the chunk is in no calibration group")
+        return out
+
+    def encode_frame(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> bytes:
+        tensors = {c.layer: pair for pair, c in zip(layers, ctxs)}
+        blocks = [self._encode_group(g, [(tensors[c.layer], c) for c in present]) for g, present in self._groups(ctxs)]
+        return b"".join([struct.pack(f"<{len(blocks)}I", *map(len, blocks))] + blocks)
+
+    def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        groups = self._groups(ctxs)
+        reader = _Bytes(memoryview(data))
+        lengths = reader.take(len(groups), "<u4").astype(np.int64)
+        if reader.pos + int(lengths.sum()) != len(data):
+            raise CorruptDataError("kvtc section's group lengths do not add up to its length")
+        out = {}
+        pos = reader.pos
+        for (g, present), n in zip(groups, lengths):
+            if any(c.layer in wanted for c in present):
+                out |= self._decode_group(g, present, memoryview(data)[pos:pos + int(n)], wanted)
+            pos += int(n)
+        return out
+
+    # --- one group --------------------------------------------------------------------------
+
+    def _sinks(self, ctx: LayerContext) -> int:
+        return max(0, min(self.sink_tokens - ctx.token_start, ctx.shape.tokens))
+
+    def _rotated(self, ctx: LayerContext) -> bool:
+        """Whether this layer's keys carry the rotary embedding (to be undone before the transform)."""
+        return ctx.rope != "pre" and self.calibration_data().layers[ctx.layer].rotary is not None
+
+    def _encode_group(self, g: int, items: list[tuple[tuple[torch.Tensor, torch.Tensor], LayerContext]]) -> bytes:
+        cal = self.calibration_data()
+        ctx0 = items[0][1]
+        s = self._sinks(ctx0)
+        kfeat, vfeat, sinks = [], [], []
+        for (k, v), ctx in items:
+            k32, v32 = k.detach().cpu().float(), v.detach().cpu().float()
+            if not (torch.isfinite(k32).all() and torch.isfinite(v32).all()):
+                raise InvalidInputError("kvtc cannot encode non-finite values (NaN or inf)")
+            sinks += [k32[:, :s].numpy().astype("<f2").tobytes(), v32[:, :s].numpy().astype("<f2").tobytes()]
+            if self._rotated(ctx):
+                k32 = cal.layers[ctx.layer].rotary.rotate(k32, ctx.positions_tensor(), inverse=True)
+            kfeat.append(k32[:, s:].permute(1, 0, 2).reshape(k32.shape[1] - s, -1))
+            vfeat.append(v32[:, s:].permute(1, 0, 2).reshape(v32.shape[1] - s, -1))
+        key_step, value_step = LEVELS[self.level]
+        parts = [self._encode_part(torch.cat(f, 1), basis, step)
+                 for f, basis, step in ((kfeat, cal.keys[g], key_step), (vfeat, cal.values[g], value_step))]
+        return b"".join(parts + sinks)
+
+    def _encode_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
+        coeff = (((x - gb.mean) * gb.weight) @ gb.basis32).T.numpy().astype(np.float64)  # [K, T]
+        k, t = coeff.shape
+        codes = np.full(k, step_code(step), np.int64)
+        worst = np.abs(coeff).max(1, initial=0) / STEPS[codes]
+        over = worst > RADIX
+        # a component whose symbols leave the codebook's range gets a step just coarse enough
+        codes[over] = np.minimum(255, codes[over] + 1 + np.ceil(8 * np.log2(worst[over] / RADIX)).astype(np.int64))
+        q = np.rint(coeff / STEPS[codes][:, None].astype(np.float64)).astype(np.int64)
+        if np.abs(q).max(initial=0) > RADIX:
+            raise InvalidInputError("kvtc could not fit a component into its symbol range")
+        live = np.flatnonzero(np.any(q != 0, axis=1))
+        table = np.full(k, DEAD, np.uint8)
+        table[live] = choose_tables(q[live])
+        lanes, lengths = [], []
+        for runs in self._plan(live, t, table):
+            words = encode_lane([(r.gather(q), r.table) for r in runs])
+            lanes.append(words.astype("<u4").tobytes())
+            lengths.append(len(words))
+        overrides = [OVERRIDE.pack(int(c), int(codes[c])) for c in np.flatnonzero(codes != codes[0]) if table[c] != DEAD]
+        head = table.tobytes() + struct.pack("<BI", int(codes[0]) if k else 0, len(overrides)) + b"".join(overrides)
+        return head + np.array(lengths, "<u2").tobytes() + b"".join(lanes)
+
+    def _plan(self, live: np.ndarray, tokens: int, table: np.ndarray) -> list[list[Any]]:
+        """Lanes of ``lane_components`` live components by ``lane_tokens`` tokens, one run per table (as cachegen's)."""
+        return [_table_runs("q", live[c0:c0 + self.lane_components], slice(t0, min(t0 + self.lane_tokens, tokens)),
+                            min(t0 + self.lane_tokens, tokens) - t0, table)
+                for c0 in range(0, len(live), self.lane_components) for t0 in range(0, tokens, self.lane_tokens)]
+
+    def _decode_group(self, g: int, present: list[LayerContext], data: memoryview,
+                      wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        cal = self.calibration_data()
+        ctx0 = present[0]
+        t, s = ctx0.shape.tokens, self._sinks(ctx0)
+        reader = _Bytes(data)
+        coeffs = [self._decode_part(reader, gb, t - s) for gb in (cal.keys[g], cal.values[g])]
+        sinks = []
+        for c in present:
+            h = c.shape.heads
+            sinks.append([reader.take(h * s * d, "<f2").reshape(h, s, d) for d in (c.shape.key_dim, c.shape.value_dim)])
+        if reader.pos != len(data):
+            raise CorruptDataError(f"kvtc group has {len(data) - reader.pos} bytes too many")
+        out = {}
+        k_off = v_off = 0
+        for c, sink in zip(present, sinks):
+            h, dk, dv = c.shape.heads, c.shape.key_dim, c.shape.value_dim
+            if c.layer in wanted:
+                k = self._features(coeffs[0], cal.keys[g], slice(k_off, k_off + h * dk), t - s).reshape(t - s, h, dk)
+                v = self._features(coeffs[1], cal.values[g], slice(v_off, v_off + h * dv), t - s).reshape(t - s, h, dv)
+                k = torch.cat([torch.zeros(h, s, dk), k.permute(1, 0, 2)], 1)
+                v = torch.cat([torch.from_numpy(sink[1].astype(np.float32)), v.permute(1, 0, 2)], 1)
+                if self._rotated(c):
+                    k = cal.layers[c.layer].rotary.rotate(k, c.positions_tensor())
+                k[:, :s] = torch.from_numpy(sink[0].astype(np.float32))
+                out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
+            k_off += h * dk
+            v_off += h * dv
+        return out
+
+    def _decode_part(self, reader: _Bytes, gb: GroupBasis, t: int) -> torch.Tensor:
+        """The dequantized coefficients ``[T, K]`` float32 of one part."""
+        k = gb.components
+        table = reader.take(k, "u1")
+        base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
+        live = np.flatnonzero(table != DEAD)
+        if n_over > len(live):
+            raise CorruptDataError("kvtc part has more step overrides than live components")
+        codes = np.full(k, base, np.int64)
+        for comp, code in OVERRIDE.iter_unpack(reader.take(n_over * OVERRIDE.size, "u1").tobytes()):
+            if comp >= k or table[comp] == DEAD:
+                raise CorruptDataError("kvtc step override names a component that is not coded")
+            codes[comp] = code
+        if int(table[live].max(initial=0)) >= NUM_TABLES:
+            raise CorruptDataError("kvtc part names a table outside the codebook")
+        plan = self._plan(live, t, table)
+        lengths = reader.take(len(plan), "<u2").astype(np.int64)
+        words = reader.take(int(lengths.sum()), "<u4")
+        q = np.zeros((k, t), np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for j, runs in enumerate(plan):
+            for r, symbols in zip(runs, decode_lane(words[offsets[j]:offsets[j + 1]].astype(np.uint32),
+                                                     [(r.size, r.table) for r in runs])):
+                r.scatter(q, symbols)
+        # |q| <= 255 and a float32 step: the float32 product is the exact product rounded once
+        return torch.from_numpy(q.T.astype(np.float32) * STEPS[codes][None, :])
+
+    @staticmethod
+    def _features(coeff: torch.Tensor, gb: GroupBasis, cols: slice, t: int) -> torch.Tensor:
+        """Features ``cols`` of the group back from the coefficients: ``coeff @ basis[cols].T / w + mean``."""
+        if not t:
+            return torch.zeros(0, cols.stop - cols.start)
+        return (coeff @ gb.basis32[cols].T) / gb.weight[cols] + gb.mean[cols]

@@ -1,0 +1,182 @@
+"""kvtc: calibration files, joint sections (format 1.1), round trips, selection, errors, positions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.codecs.kvtc import KVTC, Calibration, MissingCalibrationError, reposition
+from kvcodec.codecs.kvtc import calibration as calmod
+from kvcodec.codecs.kvtc.calibration import LayerInfo, default_groups, fit_calibration
+from kvcodec.codecs.kvtc.rope import Rotary
+from kvcodec.container import Frame, write_container
+from kvcodec.errors import CorruptDataError, InvalidInputError
+
+L, H, D, RANK = 4, 2, 8, 5
+ROT = Rotary(10000.0 ** (-np.arange(0, D, 2, dtype=np.float64) / D))
+
+
+def _pre_rope(tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Low-rank pre-RoPE keys and values shared across layers (synthetic: for round-trip properties only)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(RANK, L * H * D * 2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(tokens, RANK, generator=g) @ mix + 0.01 * torch.randn(tokens, L * H * D * 2, generator=g)
+    x = x.reshape(tokens, 2, L, H, D)
+    return [(x[:, 0, l].permute(1, 0, 2).contiguous(), x[:, 1, l].permute(1, 0, 2).contiguous()) for l in range(L)]
+
+
+def _cache(tokens: int, seed: int, dtype: torch.dtype = torch.float32) -> kvcodec.KVCache:
+    pos = torch.arange(tokens)
+    layers = [(ROT.rotate(k, pos), v) for k, v in _pre_rope(tokens, seed)]
+    return kvcodec.KVCache(layers, model="toy", rope="post").to(dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def toy_cal() -> Calibration:
+    layers = [LayerInfo(H, D, D, ROT) for _ in range(L)]
+    groups = default_groups(layers, 2)
+    data = _pre_rope(2000, 1)
+    flat = [(k.permute(1, 0, 2).reshape(2000, -1), v.permute(1, 0, 2).reshape(2000, -1)) for k, v in data]
+    ones = [torch.ones(H * D) for _ in range(L)]
+    cal = fit_calibration("toy", layers, groups, [k for k, _ in flat], [v for _, v in flat], ones, ones, (0.01, 0.01))
+    kvcodec.codecs.kvtc.register_calibration(cal)
+    return cal
+
+
+def test_calibration_file_round_trip_and_hash(tmp_path, toy_cal):
+    path = tmp_path / "c.kvtc"
+    digest = toy_cal.save(path)
+    assert digest == toy_cal.digest
+    back = Calibration.load(path, digest)
+    assert back.digest == digest and back.groups == [[0, 1], [2, 3]]
+    assert torch.equal(back.keys[1].basis, toy_cal.keys[1].basis)
+    assert np.array_equal(back.layers[0].rotary.inv_freq, ROT.inv_freq)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    with pytest.raises(CorruptDataError, match="does not match its hash"):
+        Calibration.from_bytes(bytes(data), digest)
+    with pytest.raises(CorruptDataError):
+        Calibration.from_bytes(b"not a calibration at all")
+
+
+def test_round_trip_error_sinks_and_determinism(toy_cal):
+    kv = _cache(300, 2)
+    codec = KVTC(level=4, calibration=toy_cal)
+    blob = kvcodec.encode(kv, codec, chunk_tokens=128)
+    assert blob == kvcodec.encode(kv, codec, chunk_tokens=128)
+    with kvcodec.open(blob) as r:
+        assert r.info.version == "1.1"
+        assert r.header.variants[0].joint and r.info.config["calibration"] == toy_cal.digest
+    out = kvcodec.decode(blob)
+    assert out.shapes == kv.shapes
+    key_step, value_step = kvcodec.codecs.kvtc.levels.LEVELS[4]
+    for a, b in zip(kv.layers, out.layers):
+        assert torch.equal(b.keys[:, :1], a.keys[:, :1].half().float())  # the sink token is exact (float16)
+        # orthonormal basis and unit weights: an element's error is at most half a step per live component
+        assert float((a.keys - b.keys).abs().max()) < 0.5 * key_step * math.sqrt(RANK) + 0.1
+        assert float((a.values - b.values).abs().max()) < 0.5 * value_step * math.sqrt(RANK) + 0.1
+    assert 8 * len(blob) / kv.num_elements < 4  # a rank-5 cache codes to far less than float16
+
+
+def test_layers_selection_and_read_chunk(toy_cal):
+    kv = _cache(200, 3, torch.float16)
+    blob = kvcodec.encode(kv, KVTC(calibration=toy_cal), chunk_tokens=64)
+    full = kvcodec.decode(blob)
+    part = kvcodec.decode(blob, layers=[2])
+    assert torch.equal(part.layers[0].keys, full.layers[2].keys)
+    with kvcodec.open(blob) as r:
+        chunk = r.read_chunk(1, layers=[3, 0])
+        assert sorted(chunk.layers) == [0, 3]
+        assert torch.equal(chunk.layers[3].values, full.layers[3].values[:, 64:128])
+        with pytest.raises(InvalidInputError):
+            r.read_chunk(0, layers=[7])
+    # streamed decode gives the same cache
+    assert kvcodec.decode(iter([blob[:1000], blob[1000:]])).equal(full)
+
+
+def test_missing_calibration_names_its_hash(toy_cal, tmp_path, monkeypatch):
+    blob = kvcodec.encode(_cache(40, 4), KVTC(calibration=toy_cal))
+    monkeypatch.setattr(calmod, "_registered", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(calmod.ENV_PATH, raising=False)
+    with pytest.raises(MissingCalibrationError, match=toy_cal.digest):
+        kvcodec.decode(blob)
+    folder = tmp_path / "cals"
+    calmod.install(toy_cal, str(folder))
+    monkeypatch.setenv(calmod.ENV_PATH, str(folder))
+    assert kvcodec.decode(blob).num_layers == L
+    assert calmod.calibration_for_model("toy").digest == toy_cal.digest
+
+
+def test_joint_frames_are_checked(toy_cal):
+    kv = _cache(10, 5)
+    blob = kvcodec.encode(kv, KVTC(calibration=toy_cal))
+    with kvcodec.open(blob) as r:
+        header, section = r.header, r._container.read_frame(0).sections[0]
+    # data in a section other than the first is corrupt
+    bad = b"".join(write_container(header, [Frame(0, 0, 10, 0, [section, b"x", b"", b""])]))
+    with pytest.raises(CorruptDataError, match="joint"):
+        kvcodec.decode(iter([bad]))
+    with kvcodec.open(bad) as r, pytest.raises(CorruptDataError, match="joint"):
+        r.verify()
+    # a truncated group is corrupt
+    bad = b"".join(write_container(header, [Frame(0, 0, 10, 0, [section[:-3], b"", b"", b""])]))
+    with pytest.raises(CorruptDataError):
+        kvcodec.decode(bad)
+    # the variant's joint flag must match the codec
+    raw = kvcodec.encode(kv, "raw").replace(b'"codec":"raw"', b'"codec":"raw","joint":true')
+    with pytest.raises(CorruptDataError):
+        kvcodec.decode(raw)
+
+
+def test_codec_needs_whole_groups_and_a_calibration(toy_cal):
+    with pytest.raises(InvalidInputError, match="calibration"):
+        kvcodec.encode(kvcodec.KVCache(_cache(10, 6).layers, model="unknown-model"), "kvtc")
+    with pytest.raises(InvalidInputError, match="together"):
+        kvcodec.encode(_cache(10, 6), KVTC(calibration=toy_cal), chunk_layers=3)
+
+
+def test_reposition_raw_float32_matches_model_at_shifted_positions(smollm2):
+    """The KV of a text at positions 0..T moved to P..P+T equals the model's own KV computed at P..P+T."""
+    from transformers import DynamicCache
+
+    from kvcodec.codecs.kvtc.calibration import model_layers
+
+    model = smollm2.model
+    ids = smollm2.tokenize("The quick brown fox jumps over the lazy dog. " * 6)[:48]
+    rot = [l.rotary for l in model_layers(model)]
+
+    def kv_at(start: int) -> kvcodec.KVCache:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(torch.tensor([ids]), cache=cache, position_ids=torch.arange(start, start + len(ids))[None])
+        return kvcodec.KVCache.from_hf(cache, rope="post")
+
+    base, shifted = kv_at(0), kv_at(700)
+    moved = reposition(kvcodec.decode(kvcodec.encode(base, "raw")), range(700, 700 + len(ids)), rotary=rot)
+    assert moved.positions == list(range(700, 748))
+    for a, b in zip(moved.layers, shifted.layers):
+        assert torch.allclose(a.keys, b.keys, atol=2e-4, rtol=1e-4)
+        assert torch.allclose(a.values, b.values, atol=2e-4, rtol=1e-4)  # deeper layers: float noise of the run
+    far = max(float((a.keys - b.keys).abs().max()) for a, b in zip(base.layers, shifted.layers))
+    assert far > 0.1  # the shift really changes the keys
+
+
+def test_store_keeps_the_calibration_beside_the_chunks(toy_cal, tmp_path, monkeypatch):
+    """A store on another machine (no calibration installed) decodes kvtc chunks from a shared tier."""
+    from kvcodec.store import KVStore
+    from kvcodec.store.tiers import DiskTier
+
+    kv = _cache(96, 7)
+    ids = list(range(96))
+    writer = KVStore([DiskTier(tmp_path / "shared")], model="toy", codec=KVTC(calibration=toy_cal), chunk_tokens=32)
+    assert writer.put(ids, kvcodec.KVCache(kv.layers, model="toy", rope="post")) == 3
+    monkeypatch.setattr(calmod, "_registered", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    reader = KVStore([DiskTier(tmp_path / "shared")], model="toy", codec=KVTC(calibration=toy_cal.digest), chunk_tokens=32)
+    got = reader.get(ids)
+    assert got is not None and got.num_tokens == 96 and reader.stats["corrupt"] == 0
