@@ -302,6 +302,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from kvcodec.models import export_hf_folder
+
+    import torch
+
+    folder = export_hf_folder(args.model, args.output, dtype=getattr(torch, args.dtype))
+    _emit(args, {"output": folder}, [f"wrote {folder}: a HuggingFace folder of {args.model} ({args.dtype}); "
+                                     f"serve it with: vllm serve {folder}"])
+    return EXIT_OK
+
+
 def cmd_codecs(args: argparse.Namespace) -> int:
     from kvcodec.codecs import codec_class, list_codecs
 
@@ -431,6 +442,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help=texts_help + " (default: license:Apache-2.0, which kvcodec eval does not use)")
     sp.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
     sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
+
+    sp = command("export-hf", cmd_export_hf, "write a model as a HuggingFace folder that vLLM can serve",
+                 "Write a model (e.g. SmolLM2's GGUF) as a plain HuggingFace folder: config.json, safetensors\n"
+                 "weights and the tokenizer, which serving engines such as vLLM load. An existing folder with a\n"
+                 "config.json is left as it is.")
+    sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
+    sp.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="dtype of the saved weights (default: bfloat16)")
+    sp.add_argument("-o", "--output", required=True, help="output folder")
 
     command("codecs", cmd_codecs, "list the registered codecs",
             "List every registered codec (built in, and those other packages add through the\n"

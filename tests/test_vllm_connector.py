@@ -17,6 +17,7 @@ from kvcodec.engines.vllm_connector import (
     KVConnectorRole,
     build_store,
 )
+from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
 from kvcodec.reader import Reader
 from kvcodec.store import KVStore, MemoryTier
@@ -304,7 +305,7 @@ def test_connector_is_vllm_base_subclass_when_available():
             KVCodecConnector(SimpleNamespace(kv_transfer_config=None), KVConnectorRole.WORKER)
 
 
-def test_loadable_by_module_path():
+def test_loadable_by_module_path(caplog):
     """What vLLM's KVConnectorFactory does with kv_connector_module_path and kv_connector."""
     import importlib
     import json
@@ -314,5 +315,7 @@ def test_loadable_by_module_path():
     cls = getattr(importlib.import_module(cfg["kv_connector_module_path"]), cfg["kv_connector"])
     conn = cls(vllm_config=_config(cfg["kv_connector_extra_config"]), role=KVConnectorRole.WORKER, kv_cache_config=None)
     assert conn.role == KVConnectorRole.WORKER and conn.store.codec.codec_id == "raw"
-    with pytest.raises(ValueError):  # only the (2, num_blocks, block_size, H, D) layout
+    # a process-private tier alone says at start-up that the scheduler will never find what the worker saves
+    assert any("private to each process" in r.getMessage() for r in caplog.records)
+    with pytest.raises(UnsupportedError, match="KV cache of attention backend"):  # a layout it does not know
         conn.register_kv_caches({"l0": torch.zeros(NB, 2, BS, H, D)})
