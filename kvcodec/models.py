@@ -34,7 +34,7 @@ class LoadedModel:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        self.model(torch.tensor([token_ids]), cache=cache, use_cache=True)
+        self.model(torch.tensor([token_ids]), use_cache=True, **self._cache_arg(cache))
         kv = KVCache.from_hf(cache, model=self.model_id, token_ids=token_ids, rope="post")
         return kv if dtype is None else kv.to(dtype=dtype)
 
@@ -42,8 +42,16 @@ class LoadedModel:
     def continue_from(self, kv: KVCache, token_ids: list[int]) -> torch.Tensor:
         """Logits ``[len(token_ids), vocab]`` of the model reading ``token_ids`` after the cached prefix."""
         cache = kv.to(dtype=self.model.dtype).to_hf(self.model.config)
-        out = self.model(torch.tensor([token_ids]), cache=cache, use_cache=True)
+        out = self.model(torch.tensor([token_ids]), use_cache=True, **self._cache_arg(cache))
         return out.logits[0].float()
+
+    def _cache_arg(self, cache: Any) -> dict[str, Any]:
+        """The cache as the model takes it: ``cache=`` from transformers 5.2x, ``past_key_values=`` before (the
+        engine environment's vLLM pins transformers below 5.20)."""
+        import inspect
+
+        takes_cache = "cache" in inspect.signature(self.model.forward).parameters
+        return {"cache" if takes_cache else "past_key_values": cache}
 
 
 def resolve(spec: str) -> tuple[str, str | None]:

@@ -54,7 +54,6 @@ the same protocol are used.  ``tests/engines/test_vllm.py`` runs it inside vLLM'
 from __future__ import annotations
 
 import enum
-import logging
 import re
 import threading
 from collections.abc import Sequence
@@ -64,12 +63,18 @@ from typing import Any
 import torch
 
 from kvcodec.cache import KVCache
-from kvcodec.engines.vllm_setup import build_store, detect_layout, make_tier, use_profile_of_config  # noqa: F401
+from kvcodec.engines.vllm_setup import (  # noqa: F401 (make_tier: part of this module's interface)
+    build_store,
+    detect_layout,
+    engine_logger,
+    make_tier,
+    use_profile_of_config,
+)
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping, write_paged
 from kvcodec.reader import Reader
 from kvcodec.store import FetchedChunk, KVStore
 
-log = logging.getLogger(__name__)
+log = engine_logger(__name__)
 
 try:  # pragma: no cover - vLLM is not installed in the CPU test environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -262,6 +267,10 @@ class KVCodecConnector(_ConnectorBase):
         elif self.store.codec.codec_id in ("cachegen", "kvfetcher"):
             log.warning("kvcodec connector: no channel profile matches model %s (see `kvcodec profile`); %s falls back "
                         "to steps from the data, at lower quality", self.store.model, self.store.codec.codec_id)
+        if role == KVConnectorRole.SCHEDULER and getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+            log.warning("kvcodec connector: kv_load_failure_policy is 'fail', so a stored chunk that turns out missing or "
+                        "damaged fails its request; set \"kv_load_failure_policy\": \"recompute\" in "
+                        "--kv-transfer-config and vLLM recomputes those blocks instead")
         self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16)
         self.layout = FLASH
         self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0, "load_error_blocks": 0, "saved_chunks": 0}
@@ -418,6 +427,9 @@ class KVCodecConnector(_ConnectorBase):
             load.thread.join()
             bad = load.failed_blocks(self.block_size)
             if bad:
+                log.warning("kvcodec connector: request %s: tokens %d-%d did not load (%s); their %d blocks are "
+                            "reported as load errors and vLLM recomputes them", load.spec.req_id, load.good_end,
+                            load.spec.end, "chunk " + load.failed_key if load.failed_key else "missing", len(bad))
                 self._load_errors |= bad
                 self._failed_reqs.add(load.spec.req_id)
                 self.stats["load_error_blocks"] += len(bad)

@@ -7,6 +7,7 @@ Kept apart from :mod:`kvcodec.engines.vllm_connector` (the per-step protocol) an
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import re
@@ -20,7 +21,14 @@ from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
 from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
 from kvcodec.store import DiskTier, GPUTier, KVStore, MemoryTier, PlacementPolicy, RedisTier, StorageTier
 
-log = logging.getLogger(__name__)
+
+
+def engine_logger(name: str) -> logging.Logger:
+    """A logger whose lines appear in vLLM's own output, with its format, when vLLM is installed."""
+    return logging.getLogger(("vllm." if importlib.util.find_spec("vllm") else "") + name)
+
+
+log = engine_logger(__name__)
 
 # vLLM's CPU attention kernels whose cache layout is PagedLayout CPU (keys transposed per block and head); the
 # others ("amx" tile-packs the keys, "neon", "vsx", "vxe", "rvv" were never checked) are refused at start-up.

@@ -25,21 +25,26 @@ from typing import Any
 PREFIX = "KVCODEC-REPLY "
 # vLLM CPU reserves one more core when a kv_transfer_config is set, which changes the worker's thread count and so
 # its bfloat16 numerics: every engine here pins the reservation, so runs with and without the connector compare.
+# float32: on CPUs without native bfloat16 (AVX2 only, as here) vLLM runs a 2048-token prefill 3x sooner in float32.
+DTYPE = os.environ.get("KVCODEC_ENGINE_DTYPE", "float32")
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def connector_config(**extra: Any) -> dict[str, Any]:
-    """The README's ``kv_transfer_config`` for kvcodec's connector, with ``extra`` as its extra config."""
+    """The README's ``kv_transfer_config`` for kvcodec's connector, with ``extra`` as its extra config (and
+    ``kv_load_failure_policy: recompute``: vLLM's default fails a request whose stored KV does not load)."""
     return {"kv_connector": "KVCodecConnector", "kv_connector_module_path": "kvcodec.engines.vllm_connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 class Engine:
     """A running ``vllm_engine.py`` process: :meth:`generate` sends a prompt and waits for its reply."""
 
     def __init__(self, model: str | os.PathLike[str], kv_transfer_config: dict[str, Any] | None = None, *,
-                 max_model_len: int = 4096, python: str = sys.executable, start_timeout_s: float = 600) -> None:
-        cfg = {"model": os.fspath(model), "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len}
+                 max_model_len: int = 4096, dtype: str = DTYPE, python: str = sys.executable,
+                 start_timeout_s: float = 600) -> None:
+        cfg = {"model": os.fspath(model), "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len,
+               "dtype": dtype}
         self.proc = subprocess.Popen([python, __file__, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENGINE_ENV})
         self.log: deque[str] = deque(maxlen=400)  # the engine's own output, for failure messages
@@ -117,7 +122,7 @@ def _serve(cfg: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
 
     # vLLM's own prefix cache is off, so every hit a test sees comes through the connector.
-    llm = LLM(model=cfg["model"], max_model_len=cfg["max_model_len"], enforce_eager=True, dtype="bfloat16",
+    llm = LLM(model=cfg["model"], max_model_len=cfg["max_model_len"], enforce_eager=True, dtype=cfg["dtype"],
               enable_prefix_caching=False, kv_transfer_config=cfg["kv_transfer_config"], seed=0)
     _reply({"ready": True})
     for line in sys.stdin:
