@@ -136,7 +136,8 @@ except Exception:  # ImportError, or a vLLM that fails to import without a GPU
 
 @dataclass
 class LoadSpec:
-    """Load tokens ``start .. end-1`` of ``token_ids`` (the stored prefix) into the blocks ``block_ids``."""
+    """Load tokens ``start .. end-1`` of ``token_ids`` (the prompt up to the end of the chunk holding token
+    ``end-1``) into the blocks ``block_ids``."""
 
     req_id: str
     token_ids: list[int]
@@ -294,7 +295,8 @@ class KVCodecConnector(_ConnectorBase):
         if len(ids) < 2:
             return 0, False
         try:
-            hit = self.store.lookup(ids[:-1]).num_tokens  # leave at least one token for vLLM to compute
+            # the whole prompt's chunks (a stored last chunk counts), less one token that vLLM must compute
+            hit = min(self.store.lookup(ids).num_tokens, len(ids) - 1)
         except Exception:
             log.warning("store lookup failed; treating it as a miss", exc_info=True)
             hit = 0
@@ -320,7 +322,9 @@ class KVCodecConnector(_ConnectorBase):
             blocks = _first_block_ids(req.block_ids)
             if rid in self._need_load:
                 start, end = self._need_load.pop(rid)
-                meta.loads.append(LoadSpec(rid, ids[:end], blocks, start, end))
+                # the chunks that hold tokens start..end-1, as they were stored (a chunk's key covers its tokens)
+                chunk_end = min(len(ids), -(-end // self.store.chunk_tokens) * self.store.chunk_tokens)
+                meta.loads.append(LoadSpec(rid, ids[:chunk_end], blocks, start, end))
             done = int(getattr(req, "num_computed_tokens", 0)) + int(scheduled.get(rid, len(ids)))
             self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done}
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
@@ -378,7 +382,7 @@ class KVCodecConnector(_ConnectorBase):
             return
         for spec in meta.loads:
             try:
-                chunks = self.store.fetch(spec.token_ids[: spec.end])
+                chunks = self.store.fetch(spec.token_ids)
             except Exception:
                 log.warning("store fetch failed; request %s recomputes", spec.req_id, exc_info=True)
                 chunks = []

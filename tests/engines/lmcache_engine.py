@@ -58,6 +58,11 @@ def local_disk_config(folder: str, **more: Any) -> dict[str, Any]:
             "max_local_disk_size": 4, **more}
 
 
+def _writes_in_flight(backend: Any) -> bool:
+    tasks = getattr(backend, "put_tasks", None) or getattr(getattr(backend, "disk_worker", None), "put_tasks", None)
+    return bool(tasks)
+
+
 class CPUEngine:
     """An ``LMCacheEngine`` built by ``LMCacheEngineBuilder`` on the CPU for a model of ``kv_shape``
     ``(L, 2, chunk_size, H, D)``; :meth:`close` destroys it (a new one shares nothing but the storage)."""
@@ -93,11 +98,11 @@ class CPUEngine:
         return remote.connection.getWrappedConnector()
 
     def settle(self, timeout_s: float = 120) -> None:
-        """Wait until LMCache's remote backends have no puts in flight."""
-        backends = self.engine.storage_manager.storage_backends.values()
+        """Wait until LMCache's remote and local disk backends have no writes in flight."""
+        backends = list(self.engine.storage_manager.storage_backends.values())
         deadline = time.monotonic() + timeout_s
-        while any(getattr(b, "put_tasks", None) for b in backends) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        while any(_writes_in_flight(b) for b in backends) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def close(self) -> None:
         # LMCache 0.5.6 frees its CPU memory pool before it closes its remote backends, so a put still in flight

@@ -141,7 +141,10 @@ def test_damaged_chunk_is_a_load_error_and_recomputed(new_process, reference, pr
         assert tier.put(key, bytes(data))
     assert store.lookup(prompts["D"]).num_tokens == PROMPT  # still looks stored: only the load finds the damage
     got = new_process.generate(prompts["D"], MAX_TOKENS)
-    _same(got, reference["D"])
+    # vLLM recomputes from the first failed block in a pass of its own: other matrix shapes, so the log-probabilities
+    # move in the last float32 bits; the greedy output is the reference's
+    assert got["token_ids"] == reference["D"]["token_ids"]
+    assert got["logprobs"] == pytest.approx(reference["D"]["logprobs"], abs=1e-4)
     errors = new_process.grep("reported as load errors")
     assert errors and "tokens 256-" in errors[-1], new_process.tail()
     assert store.lookup(prompts["D"]).num_tokens == 256  # the damaged chunk was evicted
