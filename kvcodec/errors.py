@@ -12,8 +12,8 @@ class CorruptDataError(KVCodecError):
 
 
 class UnsupportedError(KVCodecError):
-    """The input is well formed but asks for something this build cannot do:
-    a newer container version, or a codec that is not registered."""
+    """The input is well formed but asks for something this build or machine cannot do:
+    a newer container version, a codec that is not registered, a device that is not there."""
 
 
 class UnsupportedVersionError(UnsupportedError):
@@ -26,3 +26,8 @@ class UnknownCodecError(UnsupportedError):
 
 class InvalidInputError(KVCodecError, ValueError):
     """A caller passed arguments that cannot be encoded (bad shapes, dtypes, configs)."""
+
+
+class DeviceUnavailableError(UnsupportedError):
+    """The device or implementation asked for is not available here (a CUDA device on a CPU-only torch, the meta
+    device, which holds no data): a problem of the environment, not of the data."""
