@@ -124,8 +124,8 @@ def export_hf_folder(spec: str, folder: str | os.PathLike[str], *, dtype: torch.
     """Write model ``spec`` (``smollm2``, a GGUF file or a folder) as a plain HuggingFace folder (``config.json``,
     safetensors weights in ``dtype``, tokenizer) that serving engines such as vLLM load.  Written into a temporary
     folder next to ``folder`` and renamed, so a folder that exists is complete.  Returns ``folder``."""
+    import secrets
     import shutil
-    import tempfile
 
     folder = os.fspath(folder)
     if os.path.isfile(os.path.join(folder, "config.json")):
@@ -143,7 +143,8 @@ def export_hf_folder(spec: str, folder: str | os.PathLike[str], *, dtype: torch.
         del model.config.quantization_config
     parent = os.path.dirname(os.path.abspath(folder))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    tmp = os.path.join(parent, f".export-{secrets.token_hex(8)}")
+    os.mkdir(tmp)  # the umask's mode, as kvcodec.files gives files (mkdtemp would make it 0700)
     try:
         model.to(dtype).save_pretrained(tmp)
         loaded.tokenizer.save_pretrained(tmp)

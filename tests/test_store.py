@@ -443,3 +443,16 @@ def test_redis_cluster(redis_cluster, real_kv):
     slots = {client.keyslot(tier._k(k)[0]) for k in tier.keys()}
     assert len(slots) == 8 and all(client.keyslot(tier._k(k)[1]) == client.keyslot(tier._k(k)[0]) for k in tier.keys())
     assert len({client.get_node_from_key(tier._k(k)[0]).port for k in tier.keys()}) > 1  # more than one node holds chunks
+
+
+def test_put_without_replication_leaves_stored_chunks(tmp_path):
+    """A chunk any tier holds is not encoded again (what an engine that just loaded it wants)."""
+    kv, ids = _small_kv(60), list(range(60))
+    disk, mem = DiskTier(tmp_path / "kv"), MemoryTier(None)
+    store = KVStore([mem, disk], model=MODEL, codec="raw", chunk_tokens=20, policy=PlacementPolicy(shared=["disk"]))
+    head = kvcodec.KVCache([(l.keys[:, :40], l.values[:, :40]) for l in kv.layers], model=MODEL)
+    assert store.put(ids[:40], head, replicate=False) == 2
+    store.evict(ids[:40], tiers=["cpu"])
+    assert store.put(ids, kv, replicate=False) == 1  # only the third chunk: the first two are on disk
+    assert store.lookup(ids).where == ["disk", "disk", "cpu"]
+    assert store.put(ids, kv) == 2  # replicating: the first two go to the memory tier too

@@ -477,7 +477,8 @@ class KVCodecConnector(_ConnectorBase):
                         got[name] = tuple(x.cpu() for x in read_paged(paged, slots, self.layout))  # type: ignore[assignment]
                     layers.append(got[name])
                 kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
-                self.stats["saved_chunks"] += self.store.put(spec.token_ids, kv)
+                # chunks the store holds anywhere (the ones just loaded, too) are not encoded again in this pass
+                self.stats["saved_chunks"] += self.store.put(spec.token_ids, kv, replicate=False)
             except Exception:
                 log.warning("saving request %s failed", spec.req_id, exc_info=True)
 
