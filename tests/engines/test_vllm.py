@@ -150,7 +150,9 @@ def test_damaged_chunk_is_a_load_error_and_recomputed(new_process, reference, pr
     assert store.lookup(prompts["D"]).num_tokens == 256  # the damaged chunk was evicted
 
 
-def test_redis_killed_mid_run_engine_keeps_serving(new_process, reference, prompts, redis):
+def test_redis_killed_mid_run_engine_keeps_serving(new_process, reference, prompts, redis, raw_extra, smollm2_hf):
+    # loading A from Redis copied it to the worker's first tier (disk): leave it in Redis alone again
+    assert _store(raw_extra, smollm2_hf).evict(prompts["A"], tiers=["disk"]) == 3
     redis.kill()
     start = time.monotonic()
     unseen = new_process.generate(prompts["E"], MAX_TOKENS)  # lookups and saves to Redis fail fast
