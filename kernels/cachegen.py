@@ -57,7 +57,8 @@ D_CHAN = tl.constexpr(3)
 D_T = tl.constexpr(4)
 D_D = tl.constexpr(5)
 D_A = tl.constexpr(6)
-D_FIELDS = tl.constexpr(7)
+D_SD = tl.constexpr(7)  # channel stride: 1, or block_size for vLLM CPU's transposed keys
+D_FIELDS = tl.constexpr(8)
 # lane table columns
 L_PART = tl.constexpr(0)
 L_ORDER = tl.constexpr(1)
@@ -274,6 +275,7 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
     out_base, sh, rows = tl.load(row + D_OUT), tl.load(row + D_SH), tl.load(row + D_ROWS)
     chan, tokens, a_base = tl.load(row + D_CHAN), tl.load(row + D_T), tl.load(row + D_A)
     dim = tl.load(row + D_D).to(tl.int32)
+    sd = tl.load(row + D_SD)
     count = tl.where(live, channels * width, 0)
     pos = start + tl.load(lane_words_ptr + lane, mask=live, other=0).to(tl.int64)
     # seed the state from the last one or two words (constriction's AnsCoder(words))
@@ -315,6 +317,6 @@ def decode_kernel(words_ptr, lanes_ptr, lane_words_ptr, parts_ptr, order_ptr, ta
         step = step.to(tl.float64)
         x = tl.load(mu_ptr + g, mask=active, other=0.0).to(tl.float64) + (s - RADIX).to(tl.float64) * step
         x = tl.where(active, x, 0.0)  # idle lanes compute garbage; keep it finite
-        dst = out_base + h * sh + (c - h * dim) + tl.load(rows_ptr + rows + t, mask=active, other=0)
+        dst = out_base + h * sh + (c - h * dim) * sd + tl.load(rows_ptr + rows + t, mask=active, other=0)
         tl.store(out_ptr + dst, _to_output(x.to(tl.float32), out_ptr.dtype.element_ty), mask=active)
     tl.store(status_ptr + lane, (bad | (state != 0) | (pos != start)).to(tl.int32), mask=live)

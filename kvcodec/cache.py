@@ -176,16 +176,19 @@ class KVCache:
         from kvcodec.layouts.dump import load_safetensors
         return load_safetensors(path)
 
-    def to_paged(self, block_size: int = 16, num_blocks: int | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """To vLLM's paged layout: per layer ``(2, num_blocks, block_size, H, D)`` plus a block table."""
+    def to_paged(self, block_size: int = 16, num_blocks: int | None = None,
+                 layout: Any = "flash") -> tuple[list[torch.Tensor], torch.Tensor]:
+        """To vLLM's paged layout (``"flash"``: per layer ``(2, num_blocks, block_size, H, D)``; ``"cpu"``: its CPU
+        backend's, see :class:`kvcodec.layouts.paged.PagedLayout`) plus a block table."""
         from kvcodec.layouts.paged import to_paged
-        return to_paged(self, block_size=block_size, num_blocks=num_blocks)
+        return to_paged(self, block_size=block_size, num_blocks=num_blocks, layout=layout)
 
     @classmethod
-    def from_paged(cls, kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num_tokens: int, **meta: Any) -> KVCache:
-        """From vLLM's paged layout and the block table of one sequence."""
+    def from_paged(cls, kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num_tokens: int,
+                   layout: Any = "flash", **meta: Any) -> KVCache:
+        """From vLLM's paged layout (``"flash"`` or ``"cpu"``) and the block table of one sequence."""
         from kvcodec.layouts.paged import from_paged
-        return from_paged(kv_caches, block_table, num_tokens, **meta)
+        return from_paged(kv_caches, block_table, num_tokens, layout, **meta)
 
     def to_lmcache(self) -> torch.Tensor:
         """To LMCache's chunk layout ``[2, L, T, H*D]``."""

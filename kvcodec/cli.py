@@ -446,6 +446,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from kvcodec.models import export_hf_folder
+
+    import torch
+
+    folder = export_hf_folder(args.model, args.output, dtype=getattr(torch, args.dtype))
+    _emit(args, {"output": folder}, [f"wrote {folder}: a HuggingFace folder of {args.model} ({args.dtype}); "
+                                     f"serve it with: python -m vllm.entrypoints.openai.api_server --model {folder}"])
+    return EXIT_OK
+
+
 def cmd_codecs(args: argparse.Namespace) -> int:
     from kvcodec.codecs import codec_class, list_codecs
 
@@ -603,6 +614,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="layers per PCA basis (default: all layers of one kind in one basis)")
     sp.add_argument("--install", action="store_true", help="also install it in the cache folder as its model's calibration")
     sp.add_argument("-o", "--output", required=True, help="output calibration file")
+
+    sp = command("export-hf", cmd_export_hf, "write a model as a HuggingFace folder that vLLM can serve",
+                 "Write a model (e.g. SmolLM2's GGUF) as a plain HuggingFace folder: config.json, safetensors\n"
+                 "weights and the tokenizer, which serving engines such as vLLM load. An existing folder with a\n"
+                 "config.json is left as it is.")
+    sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
+    sp.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="dtype of the saved weights (default: bfloat16)")
+    sp.add_argument("-o", "--output", required=True, help="output folder")
 
     command("codecs", cmd_codecs, "list the registered codecs",
             "List every registered codec (built in, and those other packages add through the\n"

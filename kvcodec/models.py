@@ -35,7 +35,7 @@ class LoadedModel:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        self.model(torch.tensor([token_ids]), cache=cache, use_cache=True)
+        self.model(torch.tensor([token_ids]), use_cache=True, **self._cache_arg(cache))
         kv = KVCache.from_hf(cache, model=self.model_id, token_ids=token_ids, rope="post")
         return kv if dtype is None else kv.to(dtype=dtype)
 
@@ -43,8 +43,16 @@ class LoadedModel:
     def continue_from(self, kv: KVCache, token_ids: list[int]) -> torch.Tensor:
         """Logits ``[len(token_ids), vocab]`` of the model reading ``token_ids`` after the cached prefix."""
         cache = kv.to(dtype=self.model.dtype).to_hf(self.model.config)
-        out = self.model(torch.tensor([token_ids]), cache=cache, use_cache=True)
+        out = self.model(torch.tensor([token_ids]), use_cache=True, **self._cache_arg(cache))
         return out.logits[0].float()
+
+    def _cache_arg(self, cache: Any) -> dict[str, Any]:
+        """The cache as the model takes it: ``cache=`` from transformers 5.2x, ``past_key_values=`` before (the
+        engine environment's vLLM pins transformers below 5.20)."""
+        import inspect
+
+        takes_cache = "cache" in inspect.signature(self.model.forward).parameters
+        return {"cache" if takes_cache else "past_key_values": cache}
 
 
 def resolve(spec: str) -> tuple[str, str | None]:
@@ -110,3 +118,42 @@ def _load_model(spec: str) -> LoadedModel:
     model.eval()
     model_id = "SmolLM2-135M-Instruct" if spec == SMOLLM2 else os.path.basename(os.path.normpath(spec))
     return LoadedModel(model, tokenizer, model_id)
+
+
+def export_hf_folder(spec: str, folder: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Write model ``spec`` (``smollm2``, a GGUF file or a folder) as a plain HuggingFace folder (``config.json``,
+    safetensors weights in ``dtype``, tokenizer) that serving engines such as vLLM load.  Written into a temporary
+    folder next to ``folder`` and renamed, so a folder that exists is complete.  Returns ``folder``."""
+    import secrets
+    import shutil
+
+    folder = os.fspath(folder)
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    loaded = load_model.__wrapped__(spec)  # a copy of its own: it is changed below
+    model = loaded.model
+    # A GGUF-loaded model remembers its quantization, and save_pretrained refuses to write it; its weights are
+    # already dequantized, so it is saved as the plain model it now is.
+    for attr in ("hf_quantizer", "quantization_config"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if hasattr(model, "is_quantized"):
+        model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".export-{secrets.token_hex(8)}")
+    os.mkdir(tmp)  # the umask's mode, as kvcodec.files gives files (mkdtemp would make it 0700)
+    try:
+        model.to(dtype).save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(folder, "config.json")):  # not another process that got there first
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
-# Set up .venv and run the whole test suite (real SmolLM2 KV is dumped once and cached in .cache/).
+# Set up .venv and run the whole test suite (real SmolLM2 KV is dumped once and cached in .cache/), then set up
+# .venv-engines and run the engine tests (tests/engines/) against the real vLLM (CPU build) and LMCache.
+# With arguments (e.g. tests/test_store.py -k redis), only the main suite runs, with those arguments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-. .venv/bin/activate
-python -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then
+    . .venv/bin/activate
+    exec python -m pytest -q "$@"
+fi
+bash scripts/setup_engines.sh
+status=0
+(. .venv/bin/activate && python -m pytest -q) || status=$?
+echo "test.sh: engine tests (tests/engines/) in .venv-engines: vLLM's CPU build and LMCache, about 13 minutes"
+(. .venv-engines/bin/activate && python -m pytest -q tests/engines) || status=$?
+exit "$status"

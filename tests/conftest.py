@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -16,6 +17,9 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 CACHE_DIR = Path(os.environ.get("KVCODEC_TEST_CACHE", REPO / ".cache" / "test-kv"))
+# tests/engines/ runs against the real vLLM (CPU build) and LMCache, which live in their own virtual environment
+# (.venv-engines, made by scripts/setup_engines.sh): scripts/test.sh runs them there with that environment's python.
+collect_ignore = [] if importlib.util.find_spec("vllm") and importlib.util.find_spec("lmcache") else ["engines"]
 
 
 def _dump_version() -> str:
@@ -51,6 +55,16 @@ def real_kv(real_dump):
     """A real 512-token float16 SmolLM2 cache over the GPL-3 text."""
     import kvcodec
     return kvcodec.KVCache.load_safetensors(real_dump("license:GPL-3", 512))
+
+
+@pytest.fixture()
+def redis_server(tmp_path):
+    """A real redis-server on a loopback port (:class:`redis_process.RedisServer`), stopped after the test."""
+    from redis_process import started_redis
+
+    server = started_redis(tmp_path)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 import kvcodec  # noqa: E402
 from kvcodec.chunking import layer_context  # noqa: E402
-from kvcodec.layouts.paged import read_paged, slot_mapping  # noqa: E402
+from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping  # noqa: E402
 
 SMALL_LANES = dict(lane_channels=8, lane_tokens=8)
 
@@ -79,15 +79,17 @@ def test_streams_cross_decode(tiny):
         assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
 
 
-def test_paged_restore_equals_contiguous(tiny):
-    """Decoding straight into scattered paged blocks gives what a contiguous decode gives."""
+@pytest.mark.parametrize("layout", ["flash", "gpu", "cpu"])
+def test_paged_restore_equals_contiguous(tiny, layout):
+    """Decoding straight into scattered paged blocks of each layout (vLLM CPU's keys are transposed per block, so
+    the kernel steps channels by block_size there) gives what a contiguous decode gives."""
     blob = _encode(tiny, "cpu")
     expected = kvcodec.decode(blob, backend="cpu")
     block_size, num_blocks = 16, 9
     block_table = torch.tensor([7, 2, 5], dtype=torch.int32)  # not in order, not from 0
     with kvcodec.open(blob) as r:
         for backend in ("triton", "cpu"):
-            paged = [torch.full((2, num_blocks, block_size, 3, 64), float("nan"), dtype=torch.float16)
+            paged = [torch.full(empty_shape(layout, num_blocks, block_size, 3, 64), float("nan"), dtype=torch.float16)
                      for _ in tiny.layers]
             for i in range(r.num_chunks):
                 frame = r._container.read_frame(i)
@@ -96,10 +98,10 @@ def test_paged_restore_equals_contiguous(tiny):
                     lo, hi = r.header.local_range(layer, e.token_start, e.token_count)
                     ctx = layer_context(r.header, layer, (lo, hi), torch.device("cpu"), backend)
                     slots = slot_mapping(block_table, lo, hi - lo, block_size)
-                    r.codecs[e.variant].decode_layer_paged(data, ctx, paged[layer], slots)
+                    r.codecs[e.variant].decode_layer_paged(data, ctx, paged[layer], slots, layout)
             slots = slot_mapping(block_table, 0, 40, block_size)
             for layer, want in zip(paged, expected.layers):
-                keys, values = read_paged(layer, slots)
+                keys, values = read_paged(layer, slots, layout)
                 assert torch.equal(keys, want.keys) and torch.equal(values, want.values), backend
 
 

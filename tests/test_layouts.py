@@ -380,6 +380,42 @@ def test_paged_errors():
         KVCache([(torch.zeros(2, 10, 4), torch.zeros(2, 10, 3))]).to_paged()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_paged_layout_is_vllm_cpu_attention(dtype):
+    """vLLM's CPU attention: per (block, head) the keys transposed as [D, block_size], then the values as
+    [block_size, D], written here element by element from that description."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_blocks, tokens, heads, dim = 4, 9, 14, 3, 6
+    kv = KVCache([(bits_tensor(gen, (heads, tokens, dim), dtype), bits_tensor(gen, (heads, tokens, dim), dtype))])
+    table = torch.tensor([7, 0, 4, 2], dtype=torch.int32)
+    paged = bits_tensor(gen, (num_blocks, heads, block_size, 2 * dim), dtype)
+    expected = paged.clone()
+    for t in range(tokens):
+        b, o = int(table[t // block_size]), t % block_size
+        for h in range(heads):
+            region = expected[b, h].view(-1)  # 2 * D * block_size elements
+            for d in range(dim):
+                region[d * block_size + o] = kv.layers[0].keys[h, t, d]
+                region[block_size * dim + o * dim + d] = kv.layers[0].values[h, t, d]
+    slots = slot_mapping(table, 0, tokens, block_size)
+    write_paged(paged, kv.layers[0].keys, kv.layers[0].values, slots, "cpu")
+    assert same_bits(paged, expected)
+    k, v = read_paged(paged, slots, "cpu")
+    assert same_bits(k, kv.layers[0].keys) and same_bits(v, kv.layers[0].values)
+    pages, table2 = kv.to_paged(block_size=block_size, layout="cpu")
+    assert pages[0].shape == (4, heads, block_size, 2 * dim)
+    assert KVCache.from_paged(pages, table2, tokens, layout="cpu").equal(kv)
+
+
+def test_paged_layouts_refuse_what_they_are_not():
+    with pytest.raises(InvalidInputError, match="cpu"):
+        read_paged(torch.zeros(2, 3, 4, 2, 8), torch.arange(4), "cpu")  # a flash layer read as cpu
+    with pytest.raises(InvalidInputError, match="flash"):
+        read_paged(torch.zeros(3, 2, 4, 16), torch.arange(4))  # a cpu layer read as flash
+    with pytest.raises(InvalidInputError, match="unknown paged layout"):
+        read_paged(torch.zeros(3, 2, 4, 16), torch.arange(4), "amx")
+
+
 # ---------------------------------------------------------------------------------------------- lmcache
 
 

@@ -90,12 +90,13 @@ def test_remote_connector_put_get_exists():
     key = Key("m@1@0@abc@bfloat16")
     assert not _run(conn.exists(key))
     _run(conn.put(key, obj))
-    assert obj.refs == 0  # the connector releases the MemoryObj once sent, as LMCache expects
+    assert obj.refs == 1  # not released here: LMCache's wrapper around every remote connector does that
     assert _run(conn.exists(key)) and conn.exists_sync(key)
     got = _run(conn.get(key))
     assert isinstance(got, FakeMemoryObj) and torch.equal(got.tensor, chunk)
     assert _run(conn.list()) == [key.s]
-    assert conn.batched_contains([key, Key("nope"), key]) == [True, False, False]
+    assert conn.batched_contains([key, Key("nope"), key]) == 1  # leading hits, as LMCache's lookup adds them up
+    assert conn.batched_contains([key, key]) == 2 and conn.batched_contains([]) == 0
     assert _run(conn.get(Key("nope"))) is None
     assert conn.remove_sync(key) and not conn.exists_sync(key)
     _run(conn.close())
@@ -138,7 +139,29 @@ def test_serializer_round_trip():
     buf = FakeMemoryObj(torch.zeros(ser.estimate_serialized_size(layout), dtype=torch.uint8))
     n = ser.serialize(FakeMemoryObj(chunk), buf, None)
     assert 0 < n <= buf.tensor.numel()
+    # LMCache loads the stored bytes into a buffer of the estimated size: slack of no meaning follows them
+    loaded = torch.randint(0, 256, (buf.tensor.numel(),), dtype=torch.uint8)
+    loaded[:n] = buf.tensor[:n]
     out = FakeMemoryObj(torch.empty_like(chunk))
-    de.deserialize(FakeMemoryObj(buf.tensor[:n]), out, None)
+    de.deserialize(FakeMemoryObj(loaded), out, None)
     assert torch.equal(out.tensor, chunk)
+    with pytest.raises(kvcodec.CorruptDataError):  # a length beyond the buffer
+        de.deserialize(FakeMemoryObj(loaded[: n - 1]), out, None)
     assert lp.register() is lp.HAVE_LMCACHE_SERDE
+
+
+def test_adapter_takes_the_plugin_url_of_remote_storage_plugins():
+    """remote_storage_plugins: ["kvcodec"] makes LMCache build a backend with URL plugin://kvcodec; the kvcodec:// URL
+    comes from extra_config remote_storage_plugin.kvcodec.url."""
+    adapter = lp.KVCodecConnectorAdapter()
+    assert adapter.can_parse("plugin://kvcodec") and adapter.can_parse("plugin://kvcodec.second")
+    assert adapter.can_parse("kvcodec://local/") and not adapter.can_parse("plugin://fs")
+    extra = {"remote_storage_plugin.kvcodec.url": f"kvcodec://local/?backend=memory&codec=raw&num_heads={H}"}
+    conn = adapter.create_connector(SimpleNamespace(url="plugin://kvcodec", plugin_name="kvcodec", loop=None,
+                                                    local_cpu_backend=None, metadata=None,
+                                                    config=SimpleNamespace(extra_config=extra)))
+    assert conn.codec.codec.codec_id == "raw" and conn.tier.name == "cpu"
+    with pytest.raises(InvalidInputError, match="remote_storage_plugin.kvcodec.url"):
+        adapter.create_connector(SimpleNamespace(url="plugin://kvcodec", plugin_name="kvcodec", loop=None,
+                                                 local_cpu_backend=None, metadata=None,
+                                                 config=SimpleNamespace(extra_config={})))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,73 +17,10 @@ import torch
 import kvcodec
 from kvcodec.store import DiskTier, GPUTier, KVStore, MemoryTier, PlacementPolicy, RedisTier, chunk_hashes, namespace
 
+from redis_process import free_port as _free_port
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
-
-
-# --- a real redis-server --------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server on a loopback port, in its own folder, without persistence; can be killed and restarted."""
-
-    def __init__(self, exe: str, folder: Path) -> None:
-        self.exe, self.folder, self.port = exe, folder, _free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.folder), "--daemonize", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)
-        self.kill()
-        pytest.fail(f"redis-server did not answer on port {self.port} within 10 s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-
-@pytest.fixture()
-def redis_server(tmp_path):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not on PATH: the store tests need a real Redis. Install it "
-                    "(Debian: apt-get install -y redis-server; scripts/setup.sh does it when run as root)")
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        pytest.fail("the redis Python package is missing: pip install -e '.[redis]' (scripts/setup.sh does it)")
-    server = RedisServer(exe, tmp_path)
-    server.start()
-    yield server
-    if server.proc is not None:
-        server.resume()
-    server.kill()
 
 
 def _small_kv(tokens: int, layers: int = 2, seed: int = 0) -> kvcodec.KVCache:
@@ -507,3 +443,16 @@ def test_redis_cluster(redis_cluster, real_kv):
     slots = {client.keyslot(tier._k(k)[0]) for k in tier.keys()}
     assert len(slots) == 8 and all(client.keyslot(tier._k(k)[1]) == client.keyslot(tier._k(k)[0]) for k in tier.keys())
     assert len({client.get_node_from_key(tier._k(k)[0]).port for k in tier.keys()}) > 1  # more than one node holds chunks
+
+
+def test_put_without_replication_leaves_stored_chunks(tmp_path):
+    """A chunk any tier holds is not encoded again (what an engine that just loaded it wants)."""
+    kv, ids = _small_kv(60), list(range(60))
+    disk, mem = DiskTier(tmp_path / "kv"), MemoryTier(None)
+    store = KVStore([mem, disk], model=MODEL, codec="raw", chunk_tokens=20, policy=PlacementPolicy(shared=["disk"]))
+    head = kvcodec.KVCache([(l.keys[:, :40], l.values[:, :40]) for l in kv.layers], model=MODEL)
+    assert store.put(ids[:40], head, replicate=False) == 2
+    store.evict(ids[:40], tiers=["cpu"])
+    assert store.put(ids, kv, replicate=False) == 1  # only the third chunk: the first two are on disk
+    assert store.lookup(ids).where == ["disk", "disk", "cpu"]
+    assert store.put(ids, kv) == 2  # replicating: the first two go to the memory tier too

@@ -91,13 +91,17 @@ class Codec(abc.ABC):
         its model) resolve it here, before the header is written."""
         return self
 
-    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
-        """Decode a section into one layer of vLLM-style paged memory ``(2, num_blocks, block_size, H, D)``:
-        token ``t`` of the section goes to flat slot ``slots[t]``.  Codecs with a fused path override this."""
-        from kvcodec.layouts.paged import write_paged
+    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
+                           layout: Any = "flash") -> None:
+        """Decode a section into one layer of vLLM-style paged memory: token ``t`` of the section goes to flat slot
+        ``slots[t]``.  ``layout`` (a :class:`kvcodec.layouts.paged.PagedLayout` or its name) says how the layer
+        holds them: ``"flash"`` is ``(2, num_blocks, block_size, H, D)``, ``"cpu"`` vLLM's CPU backend's
+        ``(num_blocks, H, block_size, 2*D)`` with keys transposed.  Codecs with a fused path override this."""
+        from kvcodec.layouts.paged import check_paged_layer, write_paged
 
+        slots = check_paged_layer(paged, ctx.shape, slots, layout)
         keys, values = self.decode_layer(data, ctx)
-        write_paged(paged, keys, values, slots.to(paged.device))
+        write_paged(paged, keys, values, slots, layout)
 
     @abc.abstractmethod
     def get_config(self) -> dict[str, Any]:

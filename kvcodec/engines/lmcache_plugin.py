@@ -50,6 +50,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
@@ -58,7 +60,7 @@ import torch
 from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec, get_codec
-from kvcodec.errors import InvalidInputError
+from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.reader import Reader
 from kvcodec.store import DiskTier, MemoryTier, RedisTier, StorageTier
 
@@ -176,21 +178,29 @@ class KVCodecRemoteConnector(RemoteConnector):
     """LMCache ``RemoteConnector`` storing each chunk compressed by a kvcodec codec in a kvcodec tier.
 
     ``local_cpu_backend`` is LMCache's allocator (``allocate(shape, dtype, fmt)`` returning a
-    ``MemoryObj`` with a ``.tensor``); ``meta`` (LMCache's engine metadata) gives the chunk shape
-    ``kv_shape = (L, 2, chunk_size, H, D)`` and dtype.
+    ``MemoryObj`` with a ``.tensor``); ``metadata`` (LMCache's engine metadata) gives the chunk shape
+    ``kv_shape = (L, 2, chunk_size, H, D)`` and dtype.  The async methods LMCache awaits on its event loop run
+    the tier and codec work (Redis round trips, file I/O, encoding, decoding) in a small thread pool of their
+    own, so that loop never blocks on them.
     """
 
     def __init__(self, tier: StorageTier, codec: LMCacheChunkCodec, *, local_cpu_backend: Any = None,
-                 loop: asyncio.AbstractEventLoop | None = None, metadata: Any = None) -> None:
-        super().__init__()
+                 loop: asyncio.AbstractEventLoop | None = None, metadata: Any = None, config: Any = None,
+                 max_workers: int = 2) -> None:
+        if HAVE_LMCACHE and config is not None and metadata is not None:
+            super().__init__(config, metadata)  # LMCache's RemoteConnector(config, metadata): chunk sizes, formats
         self.tier, self.codec, self.local_cpu_backend, self.loop, self.metadata = tier, codec, local_cpu_backend, loop, metadata
         if self.codec.num_heads is None and metadata is not None and getattr(metadata, "kv_shape", None):
             self.codec.num_heads = int(metadata.kv_shape[3])
         self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "bytes_in": 0, "bytes_out": 0}
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvcodec-lmcache")
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # LMCache calls these -------------------------------------------------------------------------
     async def exists(self, key: Any) -> bool:
-        return self.exists_sync(key)
+        return await self._off_loop(self.exists_sync, key)
 
     def exists_sync(self, key: Any) -> bool:
         try:
@@ -198,11 +208,18 @@ class KVCodecRemoteConnector(RemoteConnector):
         except Exception:
             return False
 
+    # LMCache's memory objects are only touched on its event loop (a copy in, a copy out): LMCache frees its memory
+    # pool when it shuts down, also while a thread of ours might still be reading a chunk.
     async def get(self, key: Any) -> Any:
-        return self.get_sync(key)
+        chunk = await self._off_loop(self._fetch, key)
+        return self._deliver(chunk)
 
     def get_sync(self, key: Any) -> Any:
         """The chunk as a freshly allocated LMCache ``MemoryObj``, or None (miss, damaged, undecodable)."""
+        return self._deliver(self._fetch(key))
+
+    def _fetch(self, key: Any) -> torch.Tensor | None:
+        """The decoded ``[2, L, T, H*D]`` chunk, or None (miss; damaged or undecodable: deleted)."""
         k = _key_str(key)
         try:
             data = self.tier.get(k)
@@ -219,21 +236,19 @@ class KVCodecRemoteConnector(RemoteConnector):
             self.stats["corrupt"] += 1
             self._delete(k)
             return None
-        obj = self._allocate(chunk)
-        if obj is None:
-            return None
-        self.stats["hits"] += 1
         self.stats["bytes_in"] += len(data)
-        return obj
+        return chunk
 
     async def put(self, key: Any, memory_obj: Any) -> None:
-        self.put_sync(key, memory_obj)
+        await self._off_loop(self._store, key, _chunk_of(memory_obj).clone())
 
     def put_sync(self, key: Any, memory_obj: Any) -> bool:
+        """Encode and store the chunk.  The memory object stays the caller's: LMCache's wrapper around every
+        remote connector releases it after ``put`` returns."""
+        return self._store(key, _chunk_of(memory_obj))
+
+    def _store(self, key: Any, chunk: torch.Tensor) -> bool:
         try:
-            chunk = memory_obj.tensor if hasattr(memory_obj, "tensor") else memory_obj
-            if hasattr(memory_obj, "get_shape"):  # a partial chunk keeps its token count in the shape
-                chunk = chunk[..., : memory_obj.get_shape()[2], :] if chunk.dim() == 4 else chunk
             data = self.codec.encode(chunk)
             ok = bool(self.tier.put(_key_str(key), data))
             if ok:
@@ -243,14 +258,14 @@ class KVCodecRemoteConnector(RemoteConnector):
         except Exception:
             log.warning("encoding or storing chunk %s failed; not stored", _key_str(key), exc_info=True)
             return False
-        finally:
-            if hasattr(memory_obj, "ref_count_down"):
-                memory_obj.ref_count_down()
 
     async def list(self) -> list[str]:
-        return list(self.tier.keys())
+        return await self._off_loop(self.tier.keys)
 
     async def close(self) -> None:
+        """Finish the puts and gets in flight first: they read and write LMCache's memory objects, which LMCache
+        frees once its backends are closed."""
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
         self.tier.close()
 
     def remove_sync(self, key: Any) -> bool:
@@ -259,13 +274,14 @@ class KVCodecRemoteConnector(RemoteConnector):
     def support_batched_contains(self) -> bool:
         return True
 
-    def batched_contains(self, keys: list[Any], stop_after_first_not_exits: bool = True) -> list[bool]:
-        out, missing = [], False
+    def batched_contains(self, keys: list[Any]) -> int:
+        """How many of ``keys``, from the first, are stored (LMCache's prefix hit, in chunks)."""
+        n = 0
         for key in keys:
-            hit = False if missing else self.exists_sync(key)
-            missing = missing or (not hit and stop_after_first_not_exits)
-            out.append(hit)
-        return out
+            if not self.exists_sync(key):
+                break
+            n += 1
+        return n
 
     def support_ping(self) -> bool:
         return False
@@ -279,6 +295,12 @@ class KVCodecRemoteConnector(RemoteConnector):
             return bool(self.tier.delete(key))
         except Exception:
             return False
+
+    def _deliver(self, chunk: torch.Tensor | None) -> Any:
+        obj = None if chunk is None else self._allocate(chunk)
+        if obj is not None:
+            self.stats["hits"] += 1
+        return obj
 
     def _allocate(self, chunk: torch.Tensor) -> Any:
         backend = self.local_cpu_backend
@@ -301,6 +323,15 @@ class KVCodecRemoteConnector(RemoteConnector):
         return obj
 
 
+def _chunk_of(memory_obj: Any) -> torch.Tensor:
+    """The ``[2, L, T, H*D]`` tensor of an LMCache memory object (a partial chunk keeps its token count in the
+    object's shape) or of a bare tensor."""
+    chunk = memory_obj.tensor if hasattr(memory_obj, "tensor") else memory_obj
+    if hasattr(memory_obj, "get_shape") and chunk.dim() == 4:
+        chunk = chunk[..., : memory_obj.get_shape()[2], :]
+    return chunk
+
+
 class _TensorObj:
     """A minimal MemoryObj-like holder used when no LMCache allocator is given."""
 
@@ -312,10 +343,12 @@ class _TensorObj:
 
 
 def connector_from_url(url: str, *, local_cpu_backend: Any = None, loop: Any = None, metadata: Any = None,
-                       extra: dict[str, Any] | None = None) -> KVCodecRemoteConnector:
+                       extra: dict[str, Any] | None = None, config: Any = None,
+                       plugin: str = "kvcodec") -> KVCodecRemoteConnector:
     """``kvcodec://host:port/?backend=redis&codec=cachegen&level=2``, ``kvcodec:///folder?backend=disk`` or
     ``kvcodec://local/?backend=memory``; codec settings from the query and from ``extra``
-    (``remote_storage_plugin.kvcodec.codec_options``)."""
+    (``remote_storage_plugin.<plugin>.codec_options``); ``workers`` (default 2) threads do the storage and codec
+    work off LMCache's event loop."""
     parsed = urlparse(url)
     if parsed.scheme != "kvcodec":
         raise InvalidInputError(f"not a kvcodec:// url: {url!r}")
@@ -324,7 +357,8 @@ def connector_from_url(url: str, *, local_cpu_backend: Any = None, loop: Any = N
     codec = str(q.pop("codec", "cachegen"))
     num_heads = q.pop("num_heads", None)
     timeout = float(q.pop("timeout", 0.5))
-    options = dict((extra or {}).get("remote_storage_plugin.kvcodec.codec_options", {}) or {})
+    workers = int(q.pop("workers", 2))
+    options = dict((extra or {}).get(f"remote_storage_plugin.{plugin}.codec_options", {}) or {})
     options.update(q)
     if backend == "redis":
         tier: StorageTier = RedisTier(parsed.hostname or "127.0.0.1", parsed.port or 6379, timeout_s=timeout)
@@ -338,21 +372,37 @@ def connector_from_url(url: str, *, local_cpu_backend: Any = None, loop: Any = N
         raise InvalidInputError(f"backend must be redis, disk or memory, not {backend!r}")
     model = getattr(metadata, "model_name", None)
     codec_obj = LMCacheChunkCodec(codec, num_heads=int(num_heads) if num_heads else None, model=model, **options)
-    return KVCodecRemoteConnector(tier, codec_obj, local_cpu_backend=local_cpu_backend, loop=loop, metadata=metadata)
+    return KVCodecRemoteConnector(tier, codec_obj, local_cpu_backend=local_cpu_backend, loop=loop, metadata=metadata,
+                                  config=config, max_workers=workers)
 
 
 class KVCodecConnectorAdapter(ConnectorAdapter):
-    """The class LMCache instantiates from ``remote_storage_plugin.kvcodec.class_name``; handles ``kvcodec://``."""
+    """The class LMCache instantiates from ``remote_storage_plugin.<name>.class_name``.
+
+    It takes the backend ``remote_storage_plugins: ["kvcodec"]`` makes (URL ``plugin://kvcodec``, or
+    ``plugin://kvcodec.<instance>``), whose settings are the URL in ``remote_storage_plugin.<name>.url``, and a
+    legacy ``remote_url: "kvcodec://..."``."""
 
     def __init__(self) -> None:
         super().__init__("kvcodec://")
 
+    def can_parse(self, url: str) -> bool:
+        return url.startswith("kvcodec://") or (url.startswith("plugin://") and
+                                                url[len("plugin://"):].split(".", 1)[0] == "kvcodec")
+
     def create_connector(self, context: Any) -> KVCodecRemoteConnector:
         config = getattr(context, "config", None)
         extra = getattr(config, "extra_config", None) or {}
-        return connector_from_url(context.url, local_cpu_backend=getattr(context, "local_cpu_backend", None),
+        url, plugin = context.url, "kvcodec"
+        if url.startswith("plugin://"):
+            plugin = getattr(context, "plugin_name", None) or url[len("plugin://"):]
+            url = extra.get(f"remote_storage_plugin.{plugin}.url")
+            if not url:
+                raise InvalidInputError(f"remote_storage_plugins names {plugin!r}: set extra_config "
+                                        f"remote_storage_plugin.{plugin}.url to a kvcodec:// URL")
+        return connector_from_url(url, local_cpu_backend=getattr(context, "local_cpu_backend", None),
                                   loop=getattr(context, "loop", None), metadata=getattr(context, "metadata", None),
-                                  extra=extra)
+                                  extra=extra, config=config, plugin=plugin)
 
 
 # --- 2. serializer (register_serde_factory) ---------------------------------------------------
@@ -361,14 +411,21 @@ def _tensor(obj: Any) -> torch.Tensor:
     return obj.tensor if hasattr(obj, "tensor") else obj
 
 
+# A serialized chunk is its container's length (8 bytes, little-endian) and then the container: LMCache loads it
+# into a buffer sized by estimate_serialized_size, so bytes of no meaning follow it there.
+SERIALIZED_LENGTH = struct.Struct("<Q")
+
+
 class KVCodecSerializer(Serializer):
-    """LMCache serde ``Serializer``: ``[2, L, T, H*D]`` in ``src``, container bytes written into ``dst``."""
+    """LMCache serde ``Serializer``: ``[2, L, T, H*D]`` in ``src``, its length-prefixed container written into
+    ``dst``."""
 
     def __init__(self, codec: LMCacheChunkCodec) -> None:
         self.codec = codec
 
     def serialize(self, src: Any, dst: Any, key: Any = None) -> int:
-        data = self.codec.encode(_tensor(src))
+        container = self.codec.encode(_tensor(src))
+        data = SERIALIZED_LENGTH.pack(len(container)) + container
         out = _tensor(dst).view(torch.uint8).reshape(-1)
         if len(data) > out.numel():
             raise InvalidInputError(f"the encoded chunk ({len(data)} bytes) does not fit the {out.numel()}-byte buffer")
@@ -378,15 +435,21 @@ class KVCodecSerializer(Serializer):
     def estimate_serialized_size(self, layout_desc: Any) -> int:
         shapes = getattr(layout_desc, "shapes", None) or [layout_desc]
         dtypes = getattr(layout_desc, "dtypes", None) or [torch.float16]
-        return sum(LMCacheChunkCodec.estimate_size(s, d) for s, d in zip(shapes, dtypes))
+        return SERIALIZED_LENGTH.size + sum(LMCacheChunkCodec.estimate_size(s, d) for s, d in zip(shapes, dtypes))
 
 
 class KVCodecDeserializer(Deserializer):
-    """LMCache serde ``Deserializer``: container bytes in ``src``, ``[2, L, T, H*D]`` restored into ``dst``."""
+    """LMCache serde ``Deserializer``: a length-prefixed container at the start of ``src`` (whatever follows it),
+    ``[2, L, T, H*D]`` restored into ``dst``."""
 
     def deserialize(self, src: Any, dst: Any, key: Any = None) -> None:
-        raw = _tensor(src).reshape(-1).view(torch.uint8)
-        chunk = LMCacheChunkCodec.decode(raw.cpu().numpy().tobytes())
+        raw = _tensor(src).reshape(-1).view(torch.uint8).cpu().numpy()
+        if raw.size < SERIALIZED_LENGTH.size:
+            raise CorruptDataError(f"a {raw.size}-byte buffer is too short for a serialized kvcodec chunk")
+        (n,) = SERIALIZED_LENGTH.unpack(raw[: SERIALIZED_LENGTH.size].tobytes())
+        if n > raw.size - SERIALIZED_LENGTH.size:
+            raise CorruptDataError(f"the serialized chunk claims {n} bytes; its {raw.size}-byte buffer holds fewer")
+        chunk = LMCacheChunkCodec.decode(raw[SERIALIZED_LENGTH.size: SERIALIZED_LENGTH.size + n].tobytes())
         out = _tensor(dst)
         if out.numel() != chunk.numel():
             raise InvalidInputError(f"the chunk holds {tuple(chunk.shape)}, the buffer {tuple(out.shape)}")
@@ -394,16 +457,17 @@ class KVCodecDeserializer(Deserializer):
 
 
 def make_serde(config: dict[str, Any] | None = None) -> Any:
-    """The serde factory: ``{"codec": ..., "num_heads": ..., <codec settings>}``."""
+    """The serde factory: ``{"codec": ..., "num_heads": ..., "max_workers": ..., <codec settings>}``
+    (``max_workers``: threads of LMCache's ``AsyncSerdeProcessor``, default 1)."""
     cfg = dict(config or {})
     cfg.pop("type", None)
     codec = cfg.pop("codec", "cachegen")
     num_heads = cfg.pop("num_heads", None)
-    cfg.pop("max_workers", None)
+    max_workers = int(cfg.pop("max_workers", 1))
     chunk_codec = LMCacheChunkCodec(codec, num_heads=num_heads, **cfg)
     ser, de = KVCodecSerializer(chunk_codec), KVCodecDeserializer()
     if AsyncSerdeProcessor is not None:  # pragma: no cover - needs LMCache
-        return AsyncSerdeProcessor(ser, de)
+        return AsyncSerdeProcessor(ser, de, max_workers=max_workers)
     return ser, de
 
 

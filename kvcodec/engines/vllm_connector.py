@@ -14,12 +14,19 @@ Load it with::
 - ``tiers``: fastest first, each ``cpu[:bytes]``, ``gpu[:bytes]``, ``disk:<folder>`` or
   ``redis://host:port[/db]`` (default ``["cpu", "disk:<tmp>/kvcodec-vllm"]``); ``redis_url`` adds a Redis tier;
   ``redis_timeout_s`` (default 0.5);
-- ``model``: the model id in the keys (default ``model_config.model``).
+- ``model``: the model id in the keys (default ``model_config.model``, the path or name vLLM was given).
 
 vLLM runs the scheduler-side and worker-side connector in different processes, each with its own
 store object.  A ``cpu`` / ``gpu`` tier is private to its process, so every chunk is also written to
 every disk and Redis tier (the store's placement policy treats them as shared) and the scheduler's
-``lookup`` finds it there.
+``lookup`` finds it there; tiers with no shared one among them log a warning at start-up.
+
+At start-up (:mod:`kvcodec.engines.vllm_setup`) the connector finds the channel profile that ``cachegen`` and
+``kvfetcher`` use from the model's HuggingFace config (its architecture and shape, not its path), and the paged
+layout of the KV memory from vLLM's attention backend: its CPU backend's ``(num_blocks, H, block_size, 2*D)`` with
+keys transposed per block (isa ``vec``/``vec16``), its GPU backends' ``(num_blocks, H, block_size, 2*D)`` split
+into keys and values, or ``(2, num_blocks, block_size, H, D)``.  Any other layout (the CPU backend's AMX kernels
+pack keys into tiles) stops vLLM's start-up with an error naming it.
 
 What it does:
 
@@ -30,7 +37,7 @@ What it does:
   saves into :class:`KVCodecConnectorMetadata` with the request's block table.
 - worker side: ``start_load_kv`` fetches the chunks' container bytes (checksums verified) and starts a
   thread that decodes them layer by layer; ``wait_for_layer_load(layer)`` waits for that layer and
-  scatters it into vLLM's paged tensor ``(2, num_blocks, block_size, H, D)`` through the block table
+  scatters it into vLLM's paged tensor through the block table
   (:func:`kvcodec.layouts.paged.slot_mapping` / ``write_paged``).  A chunk that is missing or does not
   decode is never raised into vLLM: the blocks from its first token on are reported by
   ``get_block_ids_with_load_errors()`` so vLLM recomputes them, and the chunk is evicted.
@@ -40,17 +47,14 @@ What it does:
   reports nothing asynchronous and ``request_finished`` never holds blocks.
 
 When vLLM is importable the class subclasses its ``KVConnectorBase_V1``; otherwise small stand-ins of
-the same protocol are used, so that everything except vLLM itself is tested on the CPU
-(``tests/test_vllm_connector.py``).  This connector has not been run inside a vLLM server here.
+the same protocol are used.  ``tests/engines/test_vllm.py`` runs it inside vLLM's CPU build (0.32.0);
+``tests/test_vllm_connector.py`` drives it with stand-ins on GPU-style layouts no CPU engine produces.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-import os
 import re
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,20 +63,18 @@ from typing import Any
 import torch
 
 from kvcodec.cache import KVCache
-from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
-from kvcodec.reader import Reader
-from kvcodec.store import (
-    DiskTier,
-    FetchedChunk,
-    GPUTier,
-    KVStore,
-    MemoryTier,
-    PlacementPolicy,
-    RedisTier,
-    StorageTier,
+from kvcodec.engines.vllm_setup import (  # noqa: F401 (make_tier: part of this module's interface)
+    build_store,
+    detect_layout,
+    engine_logger,
+    make_tier,
+    use_profile_of_config,
 )
+from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping, write_paged
+from kvcodec.reader import Reader
+from kvcodec.store import FetchedChunk, KVStore
 
-log = logging.getLogger(__name__)
+log = engine_logger(__name__)
 
 try:  # pragma: no cover - vLLM is not installed in the CPU test environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -130,45 +132,12 @@ except Exception:  # ImportError, or a vLLM that fails to import without a GPU
             return None
 
 
-# --- configuration -------------------------------------------------------------------------------
-
-def make_tier(spec: str, *, redis_timeout_s: float = 0.5) -> StorageTier:
-    """One tier from ``cpu[:bytes]``, ``gpu[:bytes]``, ``disk:<folder>`` or ``redis://host:port[/db]``."""
-    if spec.startswith("redis://"):
-        m = re.fullmatch(r"redis://([^:/]+)(?::(\d+))?(?:/(\d+))?/?", spec)
-        if not m:
-            raise ValueError(f"bad redis url {spec!r}")
-        return RedisTier(m.group(1), int(m.group(2) or 6379), db=int(m.group(3) or 0), timeout_s=redis_timeout_s)
-    kind, _, arg = spec.partition(":")
-    if kind == "cpu":
-        return MemoryTier(int(arg) if arg else 1 << 30)
-    if kind == "gpu":
-        return GPUTier(int(arg) if arg else 1 << 30)
-    if kind == "disk":
-        return DiskTier(arg or os.path.join(tempfile.gettempdir(), "kvcodec-vllm"))
-    raise ValueError(f"unknown tier {spec!r}: use cpu[:bytes], gpu[:bytes], disk:<folder> or redis://host:port[/db]")
-
-
-def build_store(extra: dict[str, Any] | None, model: str) -> KVStore:
-    """The store a connector uses, from ``kv_connector_extra_config``."""
-    extra = dict(extra or {})
-    timeout = float(extra.get("redis_timeout_s", 0.5))
-    specs = list(extra.get("tiers") or ["cpu", "disk:" + os.path.join(tempfile.gettempdir(), "kvcodec-vllm")])
-    if extra.get("redis_url") and not any(s.startswith("redis://") for s in specs):
-        specs.append(extra["redis_url"])
-    tiers = [make_tier(s, redis_timeout_s=timeout) for s in specs]
-    # private (in-process) tiers are caches; every other tier is shared between the scheduler and workers
-    shared = [t.name for t in tiers if not isinstance(t, MemoryTier)]
-    return KVStore(tiers, model=str(extra.get("model", model)), codec=extra.get("codec", "cachegen"),
-                   codec_options=extra.get("codec_options"), chunk_tokens=int(extra.get("chunk_tokens", 256)),
-                   hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared))
-
-
 # --- metadata --------------------------------------------------------------------------------------
 
 @dataclass
 class LoadSpec:
-    """Load tokens ``start .. end-1`` of ``token_ids`` (the stored prefix) into the blocks ``block_ids``."""
+    """Load tokens ``start .. end-1`` of ``token_ids`` (the prompt up to the end of the chunk holding token
+    ``end-1``) into the blocks ``block_ids``."""
 
     req_id: str
     token_ids: list[int]
@@ -290,9 +259,21 @@ class KVCodecConnector(_ConnectorBase):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *, store: KVStore | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
-        model = getattr(getattr(vllm_config, "model_config", None), "model", None) or "unknown-model"
+        model_config = getattr(vllm_config, "model_config", None)
+        model = getattr(model_config, "model", None) or "unknown-model"
         self.store = store if store is not None else build_store(extra, str(model))
+        self.profile = use_profile_of_config(self.store.model, getattr(model_config, "hf_config", None))
+        if self.profile is not None:
+            log.info("kvcodec connector: model %s uses the channel profile of %s", self.store.model, self.profile)
+        elif self.store.codec.codec_id in ("cachegen", "kvfetcher"):
+            log.warning("kvcodec connector: no channel profile matches model %s (see `kvcodec profile`); %s falls back "
+                        "to steps from the data, at lower quality", self.store.model, self.store.codec.codec_id)
+        if role == KVConnectorRole.SCHEDULER and getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+            log.warning("kvcodec connector: kv_load_failure_policy is 'fail', so a stored chunk that turns out missing or "
+                        "damaged fails its request; set \"kv_load_failure_policy\": \"recompute\" in "
+                        "--kv-transfer-config and vLLM recomputes those blocks instead")
         self.block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16)
+        self.layout = FLASH
         self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0, "load_error_blocks": 0, "saved_chunks": 0}
         # scheduler side
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (num_computed_tokens, external tokens)
@@ -314,7 +295,8 @@ class KVCodecConnector(_ConnectorBase):
         if len(ids) < 2:
             return 0, False
         try:
-            hit = self.store.lookup(ids[:-1]).num_tokens  # leave at least one token for vLLM to compute
+            # the whole prompt's chunks (a stored last chunk counts), less one token that vLLM must compute
+            hit = min(self.store.lookup(ids).num_tokens, len(ids) - 1)
         except Exception:
             log.warning("store lookup failed; treating it as a miss", exc_info=True)
             hit = 0
@@ -340,7 +322,9 @@ class KVCodecConnector(_ConnectorBase):
             blocks = _first_block_ids(req.block_ids)
             if rid in self._need_load:
                 start, end = self._need_load.pop(rid)
-                meta.loads.append(LoadSpec(rid, ids[:end], blocks, start, end))
+                # the chunks that hold tokens start..end-1, as they were stored (a chunk's key covers its tokens)
+                chunk_end = min(len(ids), -(-end // self.store.chunk_tokens) * self.store.chunk_tokens)
+                meta.loads.append(LoadSpec(rid, ids[:chunk_end], blocks, start, end))
             done = int(getattr(req, "num_computed_tokens", 0)) + int(scheduled.get(rid, len(ids)))
             self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done}
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
@@ -379,13 +363,13 @@ class KVCodecConnector(_ConnectorBase):
 
     # ============================== worker side ==============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for name, t in kv_caches.items():
-            if t.dim() != 5 or t.shape[0] != 2:
-                raise ValueError(f"layer {name}: expected a (2, num_blocks, block_size, H, D) paged tensor, "
-                                 f"got {tuple(t.shape)} (only the FlashAttention layout is supported)")
+        """Learn the layers and their paged layout; an unknown layout stops vLLM's start-up here (UnsupportedError)."""
+        self.layout = detect_layout(self._vllm_config, kv_caches)
         self.kv_caches = dict(kv_caches)
         self.layer_names = _layer_order(list(kv_caches))
-        self.block_size = int(next(iter(kv_caches.values())).shape[2]) if kv_caches else self.block_size
+        self.block_size = self.layout.geometry(next(iter(kv_caches.values())))[1]
+        log.info("kvcodec connector: %d layers, paged layout %r, block size %d", len(kv_caches), self.layout.name,
+                 self.block_size)
 
     def _metadata(self) -> KVCodecConnectorMetadata | None:
         meta = self._connector_metadata
@@ -398,7 +382,7 @@ class KVCodecConnector(_ConnectorBase):
             return
         for spec in meta.loads:
             try:
-                chunks = self.store.fetch(spec.token_ids[: spec.end])
+                chunks = self.store.fetch(spec.token_ids)
             except Exception:
                 log.warning("store fetch failed; request %s recomputes", spec.req_id, exc_info=True)
                 chunks = []
@@ -423,7 +407,7 @@ class KVCodecConnector(_ConnectorBase):
         slots = slot_mapping(torch.tensor(spec.block_ids, dtype=torch.long, device=paged.device), spec.start,
                              end - spec.start, self.block_size)
         lo, hi = spec.start - base, end - base
-        write_paged(paged, k[:, lo:hi].to(paged.device), v[:, lo:hi].to(paged.device), slots)
+        write_paged(paged, k[:, lo:hi].to(paged.device), v[:, lo:hi].to(paged.device), slots, self.layout)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads or layer_name not in self.kv_caches:
@@ -447,6 +431,9 @@ class KVCodecConnector(_ConnectorBase):
             load.thread.join()
             bad = load.failed_blocks(self.block_size)
             if bad:
+                log.warning("kvcodec connector: request %s: tokens %d-%d did not load (%s); their %d blocks are "
+                            "reported as load errors and vLLM recomputes them", load.spec.req_id, load.good_end,
+                            load.spec.end, "chunk " + load.failed_key if load.failed_key else "missing", len(bad))
                 self._load_errors |= bad
                 self._failed_reqs.add(load.spec.req_id)
                 self.stats["load_error_blocks"] += len(bad)
@@ -463,8 +450,8 @@ class KVCodecConnector(_ConnectorBase):
         for spec in meta.saves:
             try:
                 slots = slot_mapping(torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device), 0,
-                                     len(spec.token_ids), kv_layer.shape[2])
-                k, v = read_paged(kv_layer, slots)
+                                     len(spec.token_ids), self.block_size)
+                k, v = read_paged(kv_layer, slots, self.layout)
                 self._save_parts.setdefault(spec.req_id, {})[layer_name] = (k.cpu(), v.cpu())
             except Exception:
                 log.warning("gathering layer %s of request %s failed; not saved", layer_name, spec.req_id, exc_info=True)
@@ -487,10 +474,11 @@ class KVCodecConnector(_ConnectorBase):
                         paged = self.kv_caches[name]
                         slots = slot_mapping(torch.tensor(spec.block_ids, dtype=torch.long, device=paged.device), 0,
                                              len(spec.token_ids), self.block_size)
-                        got[name] = tuple(x.cpu() for x in read_paged(paged, slots))  # type: ignore[assignment]
+                        got[name] = tuple(x.cpu() for x in read_paged(paged, slots, self.layout))  # type: ignore[assignment]
                     layers.append(got[name])
                 kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
-                self.stats["saved_chunks"] += self.store.put(spec.token_ids, kv)
+                # chunks the store holds anywhere (the ones just loaded, too) are not encoded again in this pass
+                self.stats["saved_chunks"] += self.store.put(spec.token_ids, kv, replicate=False)
             except Exception:
                 log.warning("saving request %s failed", spec.req_id, exc_info=True)
 

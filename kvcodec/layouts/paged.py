@@ -1,4 +1,4 @@
-"""vLLM's paged KV layout: per layer ``(2, num_blocks, block_size, H, D)`` and a block table.
+"""vLLM's paged KV layouts (:class:`PagedLayout`: its GPU backends' and its CPU backend's) and a block table.
 
 Token ``t`` of a sequence lives in slot ``block_table[t // block_size] * block_size
 + t % block_size``.  The slot helpers here are shared by the container decoders
@@ -8,6 +8,7 @@ that restore straight into paged memory and by the vLLM connector.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -25,36 +26,111 @@ def slot_mapping(block_table: torch.Tensor, start: int, count: int, block_size: 
     return block_table.long()[t // block_size] * block_size + t % block_size
 
 
-def check_paged_layer(paged: torch.Tensor, shape: LayerShape, slots: torch.Tensor) -> torch.Tensor:
-    """``slots`` as int64 on ``paged``'s device, once ``paged`` is checked to be one layer
-    ``(2, num_blocks, block_size, H, D)`` for a section of ``shape`` (keys and values of one width) and
-    ``slots`` to hold one slot inside it per token of the section."""
-    if (paged.dim() != 5 or paged.shape[0] != 2 or tuple(paged.shape[3:]) != (shape.heads, shape.key_dim)
-            or shape.key_dim != shape.value_dim):
+@dataclass(frozen=True)
+class PagedLayout:
+    """How an engine's paged KV memory holds one layer: which tensor shape, and where token ``t``'s key and value
+    of head ``h``, channel ``d`` sit in it.  :meth:`views` turns a layer into keys and values viewed as
+    ``(num_blocks, block_size, H, D)`` (sharing its memory), which is all the readers and writers here need.
+
+    - :data:`FLASH` (``"flash"``): ``(2, num_blocks, block_size, H, D)``, keys then values (vLLM's GPU backends
+      before its KV layouts became ``[L, B, H, N, C]`` stride orders).
+    - :data:`GPU` (``"gpu"``): ``(num_blocks, H, block_size, 2 * D)`` in any stride order, the keys in
+      ``[..., :D]`` and the values in ``[..., D:]`` (vLLM 0.2x/0.3x FlashAttention, FlashInfer, Triton and Flex
+      attention: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``).
+    - :data:`CPU` (``"cpu"``): ``(num_blocks, H, block_size, 2 * D)``, contiguous: per block and head, the keys
+      transposed as ``[D, block_size]``, then the values as ``[block_size, D]`` (vLLM's CPU attention with its
+      ``vec`` and ``vec16`` kernels, written by ``cpu_attn_reshape_and_cache``).
+    """
+
+    name: str
+
+    def geometry(self, paged: torch.Tensor) -> tuple[int, int, int, int]:
+        """``(num_blocks, block_size, H, D)`` of one layer; a tensor that cannot be this layout is an error."""
+        if self.name == "flash" and paged.dim() == 5 and paged.shape[0] == 2:
+            return tuple(paged.shape[1:])  # type: ignore[return-value]
+        if self.name in ("cpu", "gpu") and paged.dim() == 4 and paged.shape[3] % 2 == 0:
+            num_blocks, heads, block_size, two_d = paged.shape
+            return num_blocks, block_size, heads, two_d // 2
+        raise InvalidInputError(f"a {tuple(paged.shape)} tensor is not a layer of the {self.name!r} paged layout "
+                                f"({self.shape_doc})")
+
+    @property
+    def shape_doc(self) -> str:
+        return "(2, num_blocks, block_size, H, D)" if self.name == "flash" else "(num_blocks, H, block_size, 2*D)"
+
+    def views(self, paged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer as ``(num_blocks, block_size, H, D)`` views of ``paged``."""
+        num_blocks, block_size, heads, dim = self.geometry(paged)
+        if self.name == "flash":
+            return paged[0], paged[1]
+        if self.name == "gpu":
+            return paged.transpose(1, 2).split(dim, dim=-1)  # type: ignore[return-value]
+        if not paged.is_contiguous():
+            raise InvalidInputError("a layer of the 'cpu' paged layout must be contiguous")
+        per_head = paged.view(num_blocks, heads, 2 * block_size * dim)
+        keys = per_head[..., : block_size * dim].view(num_blocks, heads, dim, block_size).permute(0, 3, 1, 2)
+        values = per_head[..., block_size * dim:].view(num_blocks, heads, block_size, dim).permute(0, 2, 1, 3)
+        return keys, values
+
+
+FLASH = PagedLayout("flash")
+GPU = PagedLayout("gpu")
+CPU = PagedLayout("cpu")
+LAYOUTS = {layout.name: layout for layout in (FLASH, GPU, CPU)}
+
+
+def paged_layout(layout: PagedLayout | str) -> PagedLayout:
+    """``layout`` itself, or the known layout of that name."""
+    if isinstance(layout, PagedLayout):
+        return layout
+    if layout not in LAYOUTS:
+        raise InvalidInputError(f"unknown paged layout {layout!r}; known: {sorted(LAYOUTS)}")
+    return LAYOUTS[layout]
+
+
+def check_paged_layer(paged: torch.Tensor, shape: LayerShape, slots: torch.Tensor,
+                      layout: PagedLayout | str = FLASH) -> torch.Tensor:
+    """``slots`` as int64 on ``paged``'s device, once ``paged`` is checked to be one layer of ``layout`` for a
+    section of ``shape`` (keys and values of one width) and ``slots`` to hold one slot inside it per token of the
+    section."""
+    num_blocks, block_size, heads, dim = paged_layout(layout).geometry(paged)
+    if (heads, dim) != (shape.heads, shape.key_dim) or shape.key_dim != shape.value_dim:
         raise InvalidInputError(f"paged tensor {tuple(paged.shape)} does not fit a layer of {shape}")
     slots = slots.to(device=paged.device, dtype=torch.int64)
     if slots.shape != (shape.tokens,):
         raise InvalidInputError(f"{tuple(slots.shape)} slots for a section of {shape.tokens} tokens")
-    if shape.tokens and not (0 <= int(slots.min()) and int(slots.max()) < paged.shape[1] * paged.shape[2]):
+    if shape.tokens and not (0 <= int(slots.min()) and int(slots.max()) < num_blocks * block_size):
         raise InvalidInputError("slots point outside the paged tensor")
     return slots
 
 
-def write_paged(paged: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+def scatter_rows(view: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write ``rows`` (``[T, H, D]``) into a ``(num_blocks, block_size, H, D)`` view at flat ``slots``."""
+    block_size = view.shape[1]
+    view[slots // block_size, slots % block_size] = rows.to(view.dtype)
+
+
+def write_paged(paged: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                layout: PagedLayout | str = FLASH) -> None:
     """Scatter ``[H, T, D]`` keys and values into one layer's paged tensor at ``slots``."""
-    flat = paged.view(2, -1, *paged.shape[3:])
-    flat[0, slots] = keys.transpose(0, 1).to(paged.dtype)
-    flat[1, slots] = values.transpose(0, 1).to(paged.dtype)
+    key_view, value_view = paged_layout(layout).views(paged)
+    scatter_rows(key_view, slots, keys.transpose(0, 1))
+    scatter_rows(value_view, slots, values.transpose(0, 1))
 
 
-def read_paged(paged: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def read_paged(paged: torch.Tensor, slots: torch.Tensor,
+               layout: PagedLayout | str = FLASH) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather ``[H, T, D]`` keys and values of ``slots`` from one layer's paged tensor."""
-    flat = paged.view(2, -1, *paged.shape[3:])
-    return flat[0, slots].transpose(0, 1).contiguous(), flat[1, slots].transpose(0, 1).contiguous()
+    key_view, value_view = paged_layout(layout).views(paged)
+    block_size = key_view.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    return (key_view[blocks, offsets].transpose(0, 1).contiguous(),
+            value_view[blocks, offsets].transpose(0, 1).contiguous())
 
 
-def to_paged(kv: KVCache, *, block_size: int = 16, num_blocks: int | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Lay ``kv`` out in fresh paged tensors, using blocks ``0 .. n-1`` in order.
+def to_paged(kv: KVCache, *, block_size: int = 16, num_blocks: int | None = None,
+             layout: PagedLayout | str = FLASH) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Lay ``kv`` out in fresh paged tensors of ``layout``, using blocks ``0 .. n-1`` in order.
 
     Every layer must have the same shape (paged memory is uniform across layers).
     """
@@ -72,22 +148,31 @@ def to_paged(kv: KVCache, *, block_size: int = 16, num_blocks: int | None = None
     slots = slot_mapping(block_table, 0, shape.tokens, block_size)
     out = []
     for layer in kv.layers:
-        paged = torch.zeros(2, num_blocks, block_size, shape.heads, shape.key_dim, dtype=kv.dtype, device=kv.device)
-        write_paged(paged, layer.keys, layer.values, slots)
+        paged = torch.zeros(empty_shape(layout, num_blocks, block_size, shape.heads, shape.key_dim), dtype=kv.dtype,
+                            device=kv.device)
+        write_paged(paged, layer.keys, layer.values, slots, layout)
         out.append(paged)
     return out, block_table
 
 
-def from_paged(kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num_tokens: int, **meta: Any) -> KVCache:
-    """Gather one sequence of ``num_tokens`` tokens out of per-layer paged tensors."""
+def empty_shape(layout: PagedLayout | str, num_blocks: int, block_size: int, heads: int, dim: int) -> tuple[int, ...]:
+    """The shape of one layer of ``layout``."""
+    if paged_layout(layout) is not FLASH:
+        return num_blocks, heads, block_size, 2 * dim
+    return 2, num_blocks, block_size, heads, dim
+
+
+def from_paged(kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num_tokens: int,
+               layout: PagedLayout | str = FLASH, **meta: Any) -> KVCache:
+    """Gather one sequence of ``num_tokens`` tokens out of per-layer paged tensors of ``layout``."""
     if not kv_caches:
         raise InvalidInputError("no paged layers given")
+    layout = paged_layout(layout)
     layers = []
     for i, paged in enumerate(kv_caches):
-        if paged.dim() != 5 or paged.shape[0] != 2:
-            raise InvalidInputError(f"layer {i}: paged tensor must be (2, num_blocks, block_size, H, D), got {tuple(paged.shape)}")
-        slots = slot_mapping(block_table, 0, num_tokens, paged.shape[2])
-        if num_tokens and int(slots.max()) >= paged.shape[1] * paged.shape[2]:
-            raise InvalidInputError(f"layer {i}: block table points past the {paged.shape[1]} blocks")
-        layers.append(read_paged(paged, slots))
+        num_blocks, block_size, _, _ = layout.geometry(paged)
+        slots = slot_mapping(block_table, 0, num_tokens, block_size)
+        if num_tokens and int(slots.max()) >= num_blocks * block_size:
+            raise InvalidInputError(f"layer {i}: block table points past the {num_blocks} blocks")
+        layers.append(read_paged(paged, slots, layout))
     return KVCache(layers, **meta)

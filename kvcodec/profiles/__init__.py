@@ -10,12 +10,19 @@ energy within a pair) and the norm of the output-projection columns of each
 value channel.  Profiles are computed once per model from a calibration text
 (``kvcodec profile``), shipped for known models, and used only by encoders:
 decoders read the chosen steps from the data.
+
+Encoders find a profile by the cache's ``model`` metadata (:func:`find_profile`).  A serving engine knows its model
+by a path or a served name, which need not match any file name, so a profile also records the *signature* of the
+model it was measured on (:func:`model_signature`: the architecture and shape fields of its HuggingFace config), and
+:func:`find_profile_for_config` finds a profile from an engine's config.  Fine-tunes of one base model share a
+signature, and so a profile; their query statistics are close, and the steps stay what the data needs.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import as_file, files
 from typing import Any
 
@@ -34,6 +41,7 @@ class Profile:
     model: str
     key_weight: list[torch.Tensor]
     value_weight: list[torch.Tensor]
+    signature: dict[str, Any] = field(default_factory=dict)  # model_signature() of the model it was measured on
 
     def layer_weights(self, layer: int, shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer ``layer``'s float32 key and value weights, or None past the profile's last layer; a profile
@@ -50,7 +58,10 @@ class Profile:
 
         tensors = {f"layers.{i}.key_weight": k.float().contiguous() for i, k in enumerate(self.key_weight)}
         tensors |= {f"layers.{i}.value_weight": v.float().contiguous() for i, v in enumerate(self.value_weight)}
-        save_file(tensors, os.fspath(path), metadata={"format": "kvcodec-profile", "model": self.model})
+        meta = {"format": "kvcodec-profile", "model": self.model}
+        if self.signature:
+            meta["signature"] = json.dumps(self.signature, sort_keys=True)
+        save_file(tensors, os.fspath(path), metadata=meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Profile:
@@ -66,7 +77,11 @@ class Profile:
             raise CorruptDataError(f"{path}: not a kvcodec profile: {e}") from None
         if meta.get("format") != "kvcodec-profile" or not n:
             raise CorruptDataError(f"{path}: not a kvcodec profile")
-        return cls(meta.get("model", ""), keys, values)
+        try:
+            signature = json.loads(meta.get("signature", "{}"))
+        except ValueError:
+            raise CorruptDataError(f"{path}: the profile's model signature is not JSON") from None
+        return cls(meta.get("model", ""), keys, values, signature if isinstance(signature, dict) else {})
 
 
 def register_profile(profile: Profile) -> None:
@@ -85,6 +100,33 @@ def find_profile(model: str | None) -> Profile | None:
         with as_file(shipped) as path:
             _registered[model] = Profile.load(path)
     return _registered[model]
+
+
+SIGNATURE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size")
+
+
+def model_signature(config: Any) -> dict[str, Any]:
+    """What identifies a model's architecture and shape: :data:`SIGNATURE_FIELDS` of its HuggingFace config (an
+    object such as vLLM's ``model_config.hf_config``, or a ``config.json`` dict)."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    sig = {k: get(k) for k in SIGNATURE_FIELDS}
+    if sig["head_dim"] is None and sig["hidden_size"] and sig["num_attention_heads"]:
+        sig["head_dim"] = sig["hidden_size"] // sig["num_attention_heads"]
+    if sig["num_key_value_heads"] is None:
+        sig["num_key_value_heads"] = sig["num_attention_heads"]
+    return {k: v for k, v in sig.items() if v is not None}
+
+
+def find_profile_for_config(config: Any) -> Profile | None:
+    """The registered or shipped profile measured on a model of ``config``'s signature (:func:`model_signature`)."""
+    want = model_signature(config)
+    if not want:
+        return None
+    for entry in files("kvcodec.profiles").iterdir():
+        if entry.name.endswith(".safetensors"):
+            find_profile(entry.name[: -len(".safetensors")])
+    return next((p for p in _registered.values() if p.signature == want), None)
 
 
 @torch.no_grad()
@@ -113,4 +155,4 @@ def compute_profile(loaded: Any, token_ids: list[int]) -> Profile:
         key_weight.append(torch.cat([pair, pair], -1).sqrt())
         wo = layer.self_attn.o_proj.weight.float()
         value_weight.append(wo.pow(2).sum(0).reshape(nkv, nq // nkv, d).sum(1).sqrt())
-    return Profile(loaded.model_id, key_weight, value_weight)
+    return Profile(loaded.model_id, key_weight, value_weight, model_signature(cfg))

@@ -130,11 +130,13 @@ class KVStore:
             out += [t for t in self.tiers[min(shared):] if t is not self.tiers[0]]
         return out
 
-    def put(self, token_ids: Sequence[int], kv: KVCache) -> int:
+    def put(self, token_ids: Sequence[int], kv: KVCache, *, replicate: bool = True) -> int:
         """Store the chunks of ``kv`` (computed over ``token_ids``) that are not stored yet.
 
         Returns the number of chunks written.  Every layer must hold all ``len(token_ids)``
-        tokens (sliding-window layers cannot be split into prefix chunks).
+        tokens (sliding-window layers cannot be split into prefix chunks).  With ``replicate``
+        a chunk goes to every put tier that lacks it; without, a chunk that any tier holds is
+        left as it is (no encoding: for callers that just loaded part of ``kv`` from the store).
         """
         token_ids = [int(t) for t in token_ids]
         if any(l.keys.shape[1] != len(token_ids) for l in kv.layers):
@@ -144,6 +146,8 @@ class KVStore:
         targets = self._put_tiers()
         written = 0
         for key, s, e in self.keys_for(token_ids):
+            if not replicate and any(self._safe(t, "contains", key, default=False) for t in self.tiers):
+                continue
             missing = [t for t in targets if not self._safe(t, "contains", key, default=False)]
             if not missing:
                 continue

@@ -252,11 +252,12 @@ class CacheGen(Codec):
             return out
         return engine.decode_contiguous(self, parsed, ctxs)
 
-    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
+    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
+                           layout: Any = "flash") -> None:
         engine = self._engine(ctx, paged.device)
         if engine is CpuEngine:
-            return super().decode_layer_paged(data, ctx, paged, slots)
-        engine.decode_paged(self, self._parse(data, ctx), paged, slots)
+            return super().decode_layer_paged(data, ctx, paged, slots, layout)
+        engine.decode_paged(self, self._parse(data, ctx), paged, slots, layout)
 
     def error_bounds(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
         """The largest error each decoded key and value element can have (half its step), ``[H, T, D]``,

@@ -19,7 +19,7 @@ from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, with_sinks
 from kvcodec.codecs.cachegen.tables import NUM_TABLES, STEPS, code_lengths_fixed, codebook, cumulative, slot_buckets
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.formats.v1 import LayerShape
-from kvcodec.layouts.paged import check_paged_layer
+from kvcodec.layouts.paged import FLASH, PagedLayout, check_paged_layer, paged_layout, write_paged
 
 BLOCK_LANES = 32  # lanes per program on a GPU: one warp, one lane per thread
 BLOCK_TOKENS = 64
@@ -209,30 +209,35 @@ class TritonEngine:
 
     @staticmethod
     def decode_paged(codec: CacheGen, parsed: tuple[list[Part], list[np.ndarray]], paged: torch.Tensor,
-                     slots: torch.Tensor) -> None:
-        """Decode a section into one layer of paged memory ``(2, blocks, block_size, H, D)`` at ``slots``."""
+                     slots: torch.Tensor, layout: PagedLayout | str = FLASH) -> None:
+        """Decode a section into one layer of paged memory of ``layout`` at ``slots``."""
         parts, sinks = parsed
         (h, t, dk), (_, _, dv) = (p.shape for p in parts)
-        slots = check_paged_layer(paged, LayerShape(h, t, dk, dv), slots)
+        slots = check_paged_layer(paged, LayerShape(h, t, dk, dv), slots, layout)
         if not paged.is_contiguous():
             raise InvalidInputError("cachegen's Triton path writes into a contiguous paged tensor")
-        rows = slots * paged.stride(2)
-        _decode(codec, parts, [Target(paged, kv * paged.stride(0), paged.stride(3), rows) for kv in (0, 1)])
+        targets = []
+        for view in paged_layout(layout).views(paged):  # keys, values as (num_blocks, block_size, H, D)
+            rows = slots // view.shape[1] * view.stride(0) + slots % view.shape[1] * view.stride(1)
+            targets.append(Target(paged, view.storage_offset() - paged.storage_offset(), view.stride(2), rows,
+                                  view.stride(3)))
+        _decode(codec, parts, targets)
         if sinks[0].shape[1]:
-            from kvcodec.layouts.paged import write_paged
-
             n = sinks[0].shape[1]
-            write_paged(paged, *(torch.from_numpy(x.astype(np.float32)).to(paged.device) for x in sinks), slots[:n])
+            write_paged(paged, *(torch.from_numpy(x.astype(np.float32)).to(paged.device) for x in sinks), slots[:n],
+                        layout)
 
 
 @dataclass
 class Target:
-    """Where a part's element ``[h, t, d]`` goes: ``tensor``'s element ``offset + h * head_stride + d + rows[t]``."""
+    """Where a part's element ``[h, t, d]`` goes: ``tensor``'s element
+    ``offset + h * head_stride + d * dim_stride + rows[t]``."""
 
     tensor: torch.Tensor
     offset: int
     head_stride: int
     rows: torch.Tensor  # int64 [T]
+    dim_stride: int = 1
 
 
 def _decode(codec: CacheGen, parts: list[Part], targets: list[Target]) -> None:
@@ -255,7 +260,7 @@ class DecodeLaunch:
         bases = _offsets([t.tensor for t in targets])
         part_rows, chan, row = [], 0, 0
         for target, base, (h, t, d), ab in zip(targets, bases, shapes, a_base):
-            part_rows.append((base + target.offset, target.head_stride, row, chan, t, d, ab))
+            part_rows.append((base + target.offset, target.head_stride, row, chan, t, d, ab, target.dim_stride))
             chan += h * d
             row += t
         words = np.concatenate([p.words for p in parts] + [np.zeros(1, "<u4")]).astype(np.uint32)  # never empty

@@ -244,11 +244,12 @@ class KVFetcher(Codec):
         restore_on(data, ctx, sink)
         return keys, values
 
-    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor) -> None:
+    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
+                           layout: Any = "flash") -> None:
         """Frame by frame into the paged blocks: one frame's values are held at a time, whatever the section's length."""
         from kvcodec.codecs.kvfetcher.paged import scatter_frames
 
-        scatter_frames(data, ctx, paged, slots)
+        scatter_frames(data, ctx, paged, slots, layout=layout)
 
     def decode_codes(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
         """The quantized codes ``[H, T, Dk]``, ``[H, T, Dv]`` (int32) of a section, checked against its digest."""

@@ -1,0 +1,154 @@
+"""What the vLLM connector works out once at start-up from vLLM's configuration: its store and tiers, the cachegen
+profile of the served model, and the paged layout of the KV memory vLLM hands it.
+
+Kept apart from :mod:`kvcodec.engines.vllm_connector` (the per-step protocol) and importable without vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import re
+import tempfile
+from typing import Any
+
+import torch
+
+from kvcodec.errors import UnsupportedError
+from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
+from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
+from kvcodec.store import DiskTier, GPUTier, KVStore, MemoryTier, PlacementPolicy, RedisTier, StorageTier
+
+
+
+def engine_logger(name: str) -> logging.Logger:
+    """A logger whose lines appear in vLLM's own output, with its format, when vLLM is installed."""
+    return logging.getLogger(("vllm." if importlib.util.find_spec("vllm") else "") + name)
+
+
+log = engine_logger(__name__)
+
+# vLLM's CPU attention kernels whose cache layout is PagedLayout CPU (keys transposed per block and head); the
+# others ("amx" tile-packs the keys, "neon", "vsx", "vxe", "rvv" were never checked) are refused at start-up.
+CPU_ISAS_KNOWN = ("vec", "vec16")
+# vLLM's GPU backends that split a (num_blocks, H, block_size, 2*D) layer into keys and values with
+# kv_cache.transpose(1, 2).split(head_size, dim=-1): PagedLayout GPU.
+GPU_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+
+
+# --- tiers and the store ---------------------------------------------------------------------------
+
+def make_tier(spec: str, *, redis_timeout_s: float = 0.5) -> StorageTier:
+    """One tier from ``cpu[:bytes]``, ``gpu[:bytes]``, ``disk:<folder>`` or ``redis://host:port[/db]``."""
+    if spec.startswith("redis://"):
+        m = re.fullmatch(r"redis://([^:/]+)(?::(\d+))?(?:/(\d+))?/?", spec)
+        if not m:
+            raise ValueError(f"bad redis url {spec!r}")
+        return RedisTier(m.group(1), int(m.group(2) or 6379), db=int(m.group(3) or 0), timeout_s=redis_timeout_s)
+    kind, _, arg = spec.partition(":")
+    if kind == "cpu":
+        return MemoryTier(int(arg) if arg else 1 << 30)
+    if kind == "gpu":
+        return GPUTier(int(arg) if arg else 1 << 30)
+    if kind == "disk":
+        return DiskTier(arg or os.path.join(tempfile.gettempdir(), "kvcodec-vllm"))
+    raise ValueError(f"unknown tier {spec!r}: use cpu[:bytes], gpu[:bytes], disk:<folder> or redis://host:port[/db]")
+
+
+def build_store(extra: dict[str, Any] | None, model: str) -> KVStore:
+    """The store a connector uses, from ``kv_connector_extra_config``.  Warns when no tier can be shared between
+    vLLM's scheduler and worker processes (only ``cpu`` / ``gpu`` tiers): then nothing saved is ever found."""
+    extra = dict(extra or {})
+    timeout = float(extra.get("redis_timeout_s", 0.5))
+    specs = list(extra.get("tiers") or ["cpu", "disk:" + os.path.join(tempfile.gettempdir(), "kvcodec-vllm")])
+    if extra.get("redis_url") and not any(s.startswith("redis://") for s in specs):
+        specs.append(extra["redis_url"])
+    tiers = [make_tier(s, redis_timeout_s=timeout) for s in specs]
+    # private (in-process) tiers are caches; every other tier is shared between the scheduler and workers
+    shared = [t.name for t in tiers if not isinstance(t, MemoryTier)]
+    if not shared:
+        log.warning("kvcodec connector: tiers %s are private to each process, and vLLM runs its scheduler and its "
+                    "workers in different processes: the scheduler will never find what a worker saved. Add a "
+                    "shared tier (\"disk:<folder>\" or \"redis://host:port\") to \"tiers\".", specs)
+    return KVStore(tiers, model=str(extra.get("model", model)), codec=extra.get("codec", "cachegen"),
+                   codec_options=extra.get("codec_options"), chunk_tokens=int(extra.get("chunk_tokens", 256)),
+                   hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared))
+
+
+# --- the model's profile -------------------------------------------------------------------------------
+
+def use_profile_of_config(model_id: str, hf_config: Any) -> str | None:
+    """Make the profile measured on a model of ``hf_config``'s signature the one for caches of ``model_id`` (what
+    cachegen and kvfetcher look up); returns the profile's own model name, or None when there is none.
+
+    vLLM knows a model by a path or a served name, which rarely matches a shipped profile's file name, but it
+    always has the HuggingFace config (:func:`kvcodec.profiles.model_signature`)."""
+    own = find_profile(model_id)
+    if own is not None:
+        return own.model
+    prof = find_profile_for_config(hf_config) if hf_config is not None else None
+    if prof is None:
+        return None
+    register_profile(dataclasses.replace(prof, model=model_id))
+    return prof.model
+
+
+# --- the paged layout --------------------------------------------------------------------------------
+
+def _attention_layers(vllm_config: Any, names: list[str]) -> dict[str, Any]:
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+    except ImportError:
+        return {}
+    return get_layers_from_vllm_config(vllm_config, Attention, names)
+
+
+def _cpu_isa(vllm_config: Any, layer: Any, paged: torch.Tensor) -> str:
+    """The CPU attention kernel set vLLM uses for this layer (it decides how keys sit in a block)."""
+    isa = getattr(layer, "isa", None)
+    if isa:
+        return str(isa)
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(vllm_config.model_config.dtype, int(paged.shape[2]), int(paged.shape[3]) // 2,
+                             getattr(vllm_config.cache_config, "cache_dtype", None)))
+
+
+def detect_layout(vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> PagedLayout:
+    """The :class:`~kvcodec.layouts.paged.PagedLayout` of the KV memory vLLM registered, from its attention backend;
+    raises :class:`~kvcodec.errors.UnsupportedError` for a layout kvcodec does not know, before anything is read or
+    written."""
+    if not kv_caches:
+        raise UnsupportedError("vLLM registered no KV cache layers")
+    names = list(kv_caches)
+    layers = _attention_layers(vllm_config, names)
+    layouts = set()
+    for name in names:
+        paged, layer = kv_caches[name], layers.get(name)
+        backend = layer.attn_backend.get_name() if layer is not None else None
+        if paged.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise UnsupportedError(f"layer {name}: a {paged.dtype} KV cache (kv_cache_dtype "
+                                   f"{getattr(vllm_config.cache_config, 'cache_dtype', '?')!r}); the kvcodec connector "
+                                   "reads and writes float16, bfloat16 and float32 caches only")
+        if backend == "CPU_ATTN":
+            isa = _cpu_isa(vllm_config, layer, paged)
+            if isa not in CPU_ISAS_KNOWN:
+                raise UnsupportedError(
+                    f"layer {name}: vLLM's CPU attention runs its {isa!r} kernels here, whose KV block layout the "
+                    f"kvcodec connector does not know (it knows {list(CPU_ISAS_KNOWN)}: keys transposed per block and "
+                    "head); refusing rather than reading or writing it blindly")
+            layouts.add(CPU)
+        elif paged.dim() == 5 and paged.shape[0] == 2:
+            layouts.add(FLASH)
+        elif backend in GPU_SPLIT_BACKENDS and paged.dim() == 4:
+            layouts.add(GPU)
+        else:
+            raise UnsupportedError(f"layer {name}: a {tuple(paged.shape)} KV cache of attention backend {backend!r}; "
+                                   "the kvcodec connector knows vLLM's CPU_ATTN (isa vec/vec16), "
+                                   f"{', '.join(GPU_SPLIT_BACKENDS)} and (2, num_blocks, block_size, H, D) layers")
+    if len(layouts) != 1:
+        raise UnsupportedError(f"layers of different KV layouts {sorted(l.name for l in layouts)}")
+    return layouts.pop()

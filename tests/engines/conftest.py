@@ -1,0 +1,48 @@
+"""Fixtures for the tests that run kvcodec inside the real engines: vLLM's CPU build and LMCache.
+
+These tests run in ``.venv-engines`` (``scripts/setup_engines.sh``; ``scripts/test.sh`` runs them).  The model is
+SmolLM2-135M-Instruct as a HuggingFace folder made by kvcodec itself (:func:`kvcodec.models.export_hf_folder`),
+cached in ``.cache/models/`` (``KVCODEC_MODEL_CACHE`` overrides) like the KV dumps in ``.cache/test-kv/``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ENGINES = Path(__file__).resolve().parent
+REPO = ENGINES.parent.parent
+MODEL_CACHE = Path(os.environ.get("KVCODEC_MODEL_CACHE", REPO / ".cache" / "models"))
+sys.path.insert(0, str(ENGINES))  # vllm_engine.py, lmcache_engine.py
+
+for _package in ("vllm", "lmcache"):
+    if importlib.util.find_spec(_package) is None:
+        raise pytest.UsageError(f"tests/engines/ needs {_package}: run them in .venv-engines "
+                                "(bash scripts/setup_engines.sh; scripts/test.sh does both)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf() -> Path:
+    """SmolLM2-135M-Instruct as a bfloat16 HuggingFace folder that vLLM loads (made once, then cached)."""
+    from kvcodec.models import export_hf_folder
+
+    return Path(export_hf_folder("smollm2", MODEL_CACHE / "SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_hf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_hf)
+
+
+@pytest.fixture(scope="session")
+def texts(tokenizer) -> dict[str, list[int]]:
+    """Token ids of real texts (Debian's license files), long enough for any prompt here."""
+    from kvcodec.texts import load_text
+
+    return {name: tokenizer(load_text(f"license:{name}")).input_ids for name in ("GPL-3", "MPL-2.0", "Apache-2.0")}

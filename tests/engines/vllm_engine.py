@@ -1,0 +1,147 @@
+"""One real vLLM engine (its CPU build) in a process of its own, driven by tests and benchmarks over pipes.
+
+``python vllm_engine.py CONFIG_JSON`` starts ``vllm.LLM`` on the config's model (with its ``kv_transfer_config``,
+when given), prints ``KVCODEC-REPLY {"ready": ...}``, then answers each JSON request read from stdin with one
+``KVCODEC-REPLY <json>`` line on stdout (vLLM's own logging shares the streams, hence the prefix).  Requests:
+``{"prompt_token_ids": [...], "max_tokens": 16, "logprobs": true}`` generates greedily and replies with the tokens,
+their log-probabilities, ``num_cached_tokens`` and the seconds it took; ``{"op": "quit"}`` stops.
+
+:class:`Engine` is the parent's side.  A process per engine lets tests start engines with different connector
+settings, and a "new process" really is one (nothing of the connector's memory survives).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+PREFIX = "KVCODEC-REPLY "
+# vLLM CPU reserves one more core when a kv_transfer_config is set, which changes the worker's thread count and so
+# its bfloat16 numerics: every engine here pins the reservation, so runs with and without the connector compare.
+# float32: on CPUs without native bfloat16 (AVX2 only, as here) vLLM runs a 2048-token prefill 3x sooner in float32.
+DTYPE = os.environ.get("KVCODEC_ENGINE_DTYPE", "float32")
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def connector_config(**extra: Any) -> dict[str, Any]:
+    """The README's ``kv_transfer_config`` for kvcodec's connector, with ``extra`` as its extra config (and
+    ``kv_load_failure_policy: recompute``: vLLM's default fails a request whose stored KV does not load)."""
+    return {"kv_connector": "KVCodecConnector", "kv_connector_module_path": "kvcodec.engines.vllm_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+class Engine:
+    """A running ``vllm_engine.py`` process: :meth:`generate` sends a prompt and waits for its reply."""
+
+    def __init__(self, model: str | os.PathLike[str], kv_transfer_config: dict[str, Any] | None = None, *,
+                 max_model_len: int = 4096, dtype: str = DTYPE, python: str = sys.executable,
+                 start_timeout_s: float = 600) -> None:
+        cfg = {"model": os.fspath(model), "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len,
+               "dtype": dtype}
+        self.proc = subprocess.Popen([python, __file__, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENGINE_ENV})
+        self.log: deque[str] = deque(maxlen=400)  # the engine's own output, for failure messages
+        self._replies: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = self._reply(start_timeout_s)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                with self._cond:
+                    self._replies.append(json.loads(line[len(PREFIX):]))
+                    self._cond.notify_all()
+            else:
+                self.log.append(line.rstrip("\n"))
+        with self._cond:
+            self._cond.notify_all()
+
+    def _reply(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._replies:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the vLLM engine exited ({self.proc.returncode}):\n" + self.tail())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the vLLM engine did not answer within {timeout_s} s:\n" + self.tail())
+                self._cond.wait(min(left, 1.0))
+            return self._replies.pop(0)
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(list(self.log)[-lines:])
+
+    def grep(self, text: str) -> list[str]:
+        """The engine's log lines containing ``text``."""
+        return [line for line in self.log if text in line]
+
+    def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, *, timeout_s: float = 600) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompt_token_ids": prompt_token_ids, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply(timeout_s)
+        if "error" in reply:
+            raise RuntimeError(f"the engine failed a request: {reply['error']}\n" + self.tail())
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --- the engine process ------------------------------------------------------------------------------
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _serve(cfg: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+
+    # vLLM's own prefix cache is off, so every hit a test sees comes through the connector.
+    llm = LLM(model=cfg["model"], max_model_len=cfg["max_model_len"], enforce_eager=True, dtype=cfg["dtype"],
+              enable_prefix_caching=False, kv_transfer_config=cfg["kv_transfer_config"], seed=0)
+    _reply({"ready": True})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("op") == "quit":
+            break
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]), logprobs=0)
+            start = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], params, use_tqdm=False)[0]
+            seconds = time.perf_counter() - start
+            gen = out.outputs[0]
+            logprobs = [float(step[t].logprob) for step, t in zip(gen.logprobs or [], gen.token_ids)]
+            _reply({"token_ids": list(gen.token_ids), "logprobs": logprobs, "seconds": seconds,
+                    "num_cached_tokens": out.num_cached_tokens})
+        except Exception as e:  # the test sees it in the reply, with the engine's log
+            _reply({"error": f"{type(e).__name__}: {e}"})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    _serve(json.loads(sys.argv[1]))

@@ -1,0 +1,83 @@
+"""A real redis-server for the tests: on a free loopback port, in its own folder, without persistence; it can be
+killed, frozen and restarted.  Shared by the store tests and the engine tests (tests/engines/)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server on a loopback port, in its own folder, without persistence; can be killed and restarted."""
+
+    def __init__(self, exe: str, folder: Path) -> None:
+        self.exe, self.folder, self.port = exe, folder, free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.folder), "--daemonize", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        self.kill()
+        pytest.fail(f"redis-server did not answer on port {self.port} within 10 s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Kill it, also when it is frozen."""
+        if self.proc is not None:
+            self.resume()
+        self.kill()
+
+
+def started_redis(folder: Path) -> RedisServer:
+    """A started :class:`RedisServer` in ``folder``; fails the test with what to install when Redis is missing."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not on PATH: the store and engine tests need a real Redis. Install it "
+                    "(Debian: apt-get install -y redis-server; scripts/setup.sh does it when run as root)")
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        pytest.fail("the redis Python package is missing: pip install -e '.[redis]' (scripts/setup.sh does it)")
+    server = RedisServer(exe, folder)
+    server.start()
+    return server
