@@ -48,7 +48,7 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     header = make_header(kv, codecs, chunk_tokens, chunk_layers)
     frames: Iterable[Any] = encode_frames(kv, header, codecs, backend)
     if progress:
-        frames = progress(frames, len(header.slots()) * len(codecs))
+        frames = progress(frames, header.num_slots * len(codecs))
     return write_container(header, frames)
 
 
@@ -82,34 +82,40 @@ def save(path: str | os.PathLike[str], kv: KVCache, codec: str | Codec = "raw", 
     return written
 
 
-def open(source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> Reader:  # noqa: A001
-    """Open a container for random access (bytes, a path or a seekable binary file)."""
-    return Reader(source)
+def open(source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO, *,  # noqa: A001
+         max_bytes: int | None = None) -> Reader:
+    """Open a container for random access (bytes, a path or a seekable binary file); ``max_bytes`` as for
+    :func:`decode`, for every read and decode of the returned reader."""
+    return Reader(source, max_bytes)
 
 
 def decode(data: Any, *, device: torch.device | str | None = None, layers: Sequence[int] | None = None,
-           chunks: Sequence[int] | None = None, progress: ProgressFn | None = None, backend: str = "auto") -> KVCache:
+           chunks: Sequence[int] | None = None, progress: ProgressFn | None = None, backend: str = "auto",
+           max_bytes: int | None = None) -> KVCache:
     """Decode a container to a :class:`KVCache`.
 
     ``data`` is bytes, a path, a seekable binary file, or an iterable of byte
     pieces as they arrive (decoded as a stream, chunk by chunk).  ``layers``
     and ``chunks`` select part of the cache (``chunks`` needs random access).
     ``backend`` as for :func:`iter_encode`, for the output ``device``.
+    ``max_bytes`` (for untrusted input) refuses, with :class:`LimitExceededError` and before allocating it,
+    a decode whose output as the header declares it, or any header, index or section it reads, is larger.
     """
     if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
-        with Reader(data) as reader:
+        with Reader(data, max_bytes) as reader:
             return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend)
     if chunks is not None:
         raise InvalidInputError("chunk selection needs random access; pass bytes, a path or a seekable file")
-    header, frames = iter_frames(data)
+    header, frames = iter_frames(data, max_bytes)
     codecs = build_codecs(header)
     check_backend(codecs, backend)
     rows: Iterable[Any] = ((h.variant, h.token_start, h.token_count, h.layer_start,
                             {h.layer_start + j: s for j, s in enumerate(sections)})
                            for h, sections in _best(frames, len(header.variants)))
     if progress:
-        rows = progress(rows, len(header.slots()))
-    return decode_all(header, rows, codecs, layers, (0, header.max_tokens), torch.device(device or "cpu"), backend)
+        rows = progress(rows, header.num_slots)
+    return decode_all(header, rows, codecs, layers, (0, header.max_tokens), torch.device(device or "cpu"), backend,
+                      max_bytes)
 
 
 def _best(frames: Iterable[Any], num_variants: int) -> Iterator[Any]:

@@ -9,6 +9,7 @@ import torch
 from kvcodec.cache import SUPPORTED_DTYPES, KVCache
 from kvcodec.codecs import Codec, LayerContext
 from kvcodec.container import Frame
+from kvcodec.container.frames import check_limit
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError
 from kvcodec.formats.v1 import Header, Variant
 
@@ -55,6 +56,23 @@ def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend:
             yield Frame(variant, t0, tn, l0, [coded.get(layer, b"") for layer in range(l0, l0 + lc)])
 
 
+def output_bytes(header: Header, layers: Iterable[int], token_start: int, token_count: int) -> int:
+    """Bytes of the tensors that decoding ``layers`` over a token range gives, as the header declares them."""
+    item = getattr(torch, header.dtype).itemsize
+    total = 0
+    for layer in layers:
+        lo, hi = header.local_range(layer, token_start, token_count)
+        s = header.layers[layer]
+        total += s.heads * (hi - lo) * (s.key_dim + s.value_dim) * item
+    return total
+
+
+def check_output(header: Header, layers: Iterable[int], token_start: int, token_count: int,
+                 max_bytes: int | None) -> None:
+    """Refuse a decode whose declared output exceeds the caller's ``max_bytes``, before anything is decoded."""
+    check_limit(output_bytes(header, layers, token_start, token_count), max_bytes, "the decoded output")
+
+
 def decode_sections(codec: Codec, header: Header, token_start: int, token_count: int, sections: dict[int, bytes],
                     device: torch.device, backend: str = "auto") -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
     """Decode a chunk's sections (by layer) together; returns (first local token, keys, values) by layer,
@@ -71,7 +89,7 @@ def decode_sections(codec: Codec, header: Header, token_start: int, token_count:
         return {}
     try:
         decoded = codec.decode_layers([sections[l] for l in ctxs], list(ctxs.values()))
-    except KVCodecError:
+    except (KVCodecError, MemoryError):  # running out of memory is the machine's state, not the file's
         raise
     except Exception as e:  # a codec's own parsing failing on bad bytes is still bad bytes
         raise CorruptDataError(f"{codec.codec_id} could not decode the chunk at token {token_start}: {e}") from e
@@ -129,14 +147,16 @@ class Assembler:
 
 def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]],
                codecs: Sequence[Codec], layers: Sequence[int] | None, token_range: tuple[int, int],
-               device: torch.device, backend: str = "auto") -> KVCache:
-    """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache."""
+               device: torch.device, backend: str = "auto", max_bytes: int | None = None) -> KVCache:
+    """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache
+    (refused before the first frame is read when its declared size exceeds ``max_bytes``)."""
     wanted = list(range(len(header.layers))) if layers is None else list(layers)
     if not wanted:
         raise InvalidInputError("no layers selected")
     bad = [l for l in wanted if not (isinstance(l, int) and 0 <= l < len(header.layers))]
     if bad:
         raise InvalidInputError(f"layers {bad} do not exist; the container has {len(header.layers)}")
+    check_output(header, set(wanted), token_range[0], token_range[1] - token_range[0], max_bytes)
     asm = Assembler(header, wanted, *token_range)
     for variant, t0, tn, _, sections in frames:
         own = {layer: data for layer, data in sections.items() if layer in asm.parts}

@@ -26,3 +26,8 @@ class UnknownCodecError(UnsupportedError):
 
 class InvalidInputError(KVCodecError, ValueError):
     """A caller passed arguments that cannot be encoded (bad shapes, dtypes, configs)."""
+
+
+class LimitExceededError(KVCodecError):
+    """A decode would take more memory than the caller allowed (``max_bytes``): the header declares a larger
+    output than the limit, or a section longer than it.  Raised before anything that size is allocated."""

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.cache import KVCache, KVLayer
-from kvcodec.chunking import decode_all, decode_sections
+from kvcodec.chunking import check_output, decode_all, decode_sections
 from kvcodec.codecs import Codec, codec_class
 from kvcodec.codecs.base import check_backend
 from kvcodec.container import ContainerReader
@@ -103,11 +103,15 @@ class Reader:
 
     ``info`` describes it; ``read_chunk(i)`` decodes chunk ``i`` alone (reading
     nothing else), ``read_chunk(i, layers=[j])`` only layer ``j`` of it, and
-    ``decode()`` the whole cache or a selection.
+    ``decode()`` the whole cache or a selection.  ``max_bytes`` bounds every
+    read and decode (SPEC.md §9.1): one that would produce or read more raises
+    :class:`LimitExceededError` before allocating it.
     """
 
-    def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> None:
-        self._container = ContainerReader(source)
+    def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,
+                 max_bytes: int | None = None) -> None:
+        self._container = ContainerReader(source, max_bytes)
+        self.max_bytes = max_bytes
         self.header = self._container.header
         try:
             self.codecs = build_codecs(self.header)
@@ -137,8 +141,11 @@ class Reader:
         """Decode chunk ``i`` (or only ``layers`` of it); ``backend`` as for :func:`kvcodec.decode`."""
         dev = torch.device(device or "cpu")
         check_backend(self.codecs, backend)
+        e = self._container.entry(i)
+        own = range(e.layer_start, e.layer_start + e.layer_count) if layers is None else layers
+        check_output(self.header, [l for l in own if 0 <= l < len(self.header.layers)], e.token_start, e.token_count,
+                     self.max_bytes)
         frame = self._container.read_frame(i, layers)
-        e = frame.entry
         decoded = decode_sections(self.codecs[e.variant], self.header, e.token_start, e.token_count, frame.sections,
                                   dev, backend)
         return Chunk(i, e.token_start, e.token_count, {layer: KVLayer(k, v) for layer, (_, k, v) in decoded.items()})
@@ -180,7 +187,7 @@ class Reader:
                     yield e.variant, e.token_start, e.token_count, e.layer_start, data.sections
 
         return decode_all(self.header, frames(), self.codecs, layers, token_range, torch.device(device or "cpu"),
-                          backend)
+                          backend, self.max_bytes)
 
     def _select(self, chunks: Sequence[int] | None) -> list[tuple[int, ChunkEntry]]:
         entries = self._container.entries
