@@ -266,7 +266,7 @@ def _depth(obj: Any) -> int:
             deepest = max(deepest, d + 1)
             if deepest > MAX_JSON_DEPTH:
                 break
-            todo.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+            todo.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x) if isinstance(y, (list, dict)))
     return deepest
 
 
