@@ -26,11 +26,11 @@ from kvcodec.fuzz.worker import PATHS, receive, send
 OUTCOMES = ("decoded", "KVCodecError", "other", "timeout", "memory", "crash")
 BUGS = OUTCOMES[2:]
 # SPEC.md §9.1: a decode's peak memory above what it holds before it starts
-OUTPUT_FACTOR, INPUT_FACTOR, HEADER_FACTOR, FIXED_BYTES = 8, 4, 64, 64 << 20
+OUTPUT_FACTOR, INPUT_FACTOR, HEADER_FACTOR, FIXED_BYTES = 16, 4, 64, 64 << 20
 
 
 def memory_bound(declared: int, max_bytes: int | None, input_bytes: int, header_bytes: int = 0) -> int:
-    """The most a decode may add to the process's peak memory (SPEC.md §9.1): 8 x the output the header
+    """The most a decode may add to the process's peak memory (SPEC.md §9.1): 16 x the output the header
     declares for what was asked (at most ``max_bytes``), 4 x the bytes read, 64 x the header JSON (its parsed
     Python objects) and 64 MiB (libraries' working memory: FFmpeg's decoder, constriction's coders)."""
     out = declared if max_bytes is None else min(declared, max_bytes)
