@@ -223,6 +223,8 @@ def header_layers(rng: random.Random, c: ContainerParts, seed: Seed, obj: dict[s
 @_json_mutator
 def header_config(rng: random.Random, c: ContainerParts, seed: Seed, obj: dict[str, Any]) -> ContainerParts:
     v = rng.choice(obj["variants"])
+    if not isinstance(v, dict) or not isinstance(v.get("config"), dict):  # an earlier text mutation broke it
+        return c
     kind = rng.randrange(5)
     if kind == 0 and v["config"]:
         key = rng.choice(sorted(v["config"]))
@@ -294,8 +296,8 @@ def frame_table(rng: random.Random, c: ContainerParts, seed: Seed) -> ContainerP
     if kind == 0:
         f.lengths[j] = rng.choice([len(f.sections[j]) + 1, len(f.sections[j]) - 1, 0, _int(rng)])
     elif kind == 1:
-        g = rng.choice(c.frames)
-        f.sections[j] = rng.choice(g.sections)
+        donor = [s for g in c.frames for s in g.sections]
+        f.sections[j] = rng.choice(donor)
     elif kind == 2:
         f.sections[j] = f.sections[j][:rng.randrange(len(f.sections[j]) + 1)]
     else:
