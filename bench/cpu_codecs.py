@@ -29,18 +29,26 @@ DEFAULT_CODECS = ["raw", "fp8", "zstd", "kivi:bits=2", "kivi:bits=4", "lmcache-c
                   "cachegen:level=0", "cachegen:level=2", "cachegen:level=4"]
 
 
+DEFAULT_DUMP = os.path.join(os.path.dirname(__file__), "..", ".cache", "bench-gpl3-1536.safetensors")
+
+
+def load_dump(path: str) -> kvcodec.KVCache:
+    """The benches' real cache (1536 tokens of SmolLM2 over the GPL-3), dumped on first use."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        subprocess.run(["kvcodec", "dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "1536",
+                        "-o", path, "--quiet"], check=True)
+    return kvcodec.KVCache.load_safetensors(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dump", default=os.path.join(os.path.dirname(__file__), "..", ".cache", "bench-gpl3-1536.safetensors"))
+    p.add_argument("--dump", default=DEFAULT_DUMP)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--codec", action="append", help=f"codec specs (default: {' '.join(DEFAULT_CODECS)})")
     args = p.parse_args()
-    if not os.path.exists(args.dump):
-        os.makedirs(os.path.dirname(os.path.abspath(args.dump)), exist_ok=True)
-        subprocess.run(["kvcodec", "dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "1536",
-                        "-o", args.dump, "--quiet"], check=True)
     torch.set_num_threads(1)
-    kv = kvcodec.KVCache.load_safetensors(args.dump)
+    kv = load_dump(args.dump)
     rows = []
     for spec in args.codec or DEFAULT_CODECS:
         m = measure_throughput(kv, parse_codec(spec), args.repeat).to_dict()

@@ -10,17 +10,22 @@ decoded cache, and greedy next-token agreement, averaged over three texts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+import torch
+
+from kvcodec.api import decode, encode
 from kvcodec.cli import parse_codec
 from kvcodec.codecs import codec_class, list_codecs
 from kvcodec.evaluate import EvalRow, evaluate, prepare, preset_label
-from kvcodec.models import load_model
+from kvcodec.models import LoadedModel, load_model
 from kvcodec.plot import rate_distortion_plot
-from kvcodec.texts import DEFAULT_EVAL_TEXTS
+from kvcodec.texts import DEFAULT_EVAL_TEXTS, load_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # What cachegen's design choices do, at the default level: CacheGen's anchor/delta coding (groups of 2 and of
@@ -38,18 +43,29 @@ def main() -> None:
     p.add_argument("--update", action="store_true",
                    help="re-measure only the --codec ids (their presets and ablations) and keep every other row of "
                         "the existing results, measured on the same texts and lengths")
+    p.add_argument("--times-only", action="store_true",
+                   help="re-measure only the encode and decode times of every existing row (on the same caches; "
+                        "each row's bytes must come out the same, so its quality columns still hold)")
     args = p.parse_args()
     kept: list[EvalRow] = []
-    if args.update:
-        if not args.codec:
+    old = None
+    if args.update or args.times_only:
+        if args.update and not args.codec:
             p.error("--update needs --codec")
         old = json.loads((RESULTS / "rate_distortion.json").read_text())
         if (old["prefix_tokens"], old["continuation_tokens"], old["texts"]) != (args.tokens, args.continuation,
                                                                                 list(DEFAULT_EVAL_TEXTS)):
-            p.error("the existing results were measured on other texts or lengths; run without --update")
-        kept = [EvalRow(**r) for r in old["rows"] if r["codec"].split(":")[0] not in args.codec]
+            p.error("the existing results were measured on other texts or lengths; run without --update/--times-only")
+        kept = [EvalRow.from_dict(r) for r in old["rows"] if r["codec"].split(":")[0] not in (args.codec or [])]
     model = load_model("smollm2")
     t0 = time.time()
+    if args.times_only:
+        rows = retime(model, kept, args.tokens)
+        reference_ppl = old["reference_ppl"]
+        write(args, model, rows, reference_ppl, f"Encode and decode times re-measured by `python bench/rate_distortion.py "
+              f"--times-only` in {time.time() - t0:.0f} s (every row's bytes came out the same); bits, perplexity and "
+              "agreement are from the previous full run.")
+        return
     cases = [prepare(model, text, args.tokens, args.continuation) for text in DEFAULT_EVAL_TEXTS]
     presets = [(cid, preset) for cid in (args.codec or list_codecs()) for preset in codec_class(cid).presets()]
     codecs = [codec_class(cid).from_config(preset) for cid, preset in presets]
@@ -59,26 +75,57 @@ def main() -> None:
     labels += ablations
     rows = sorted(kept + evaluate(model, cases, codecs, labels=labels),
                   key=lambda r: (r.codec.split(":")[0], r.bits_per_element))
-    lines = [f"# Rate-distortion on real KV ({model.model_id})", "",
-             f"Texts: {', '.join(DEFAULT_EVAL_TEXTS)}; {args.tokens}-token prefix cached in float16, perplexity of the "
-             f"next {args.continuation} tokens, mean over texts. Reference perplexities (from the float16 cache): "
-             + ", ".join(f"{c.name} {c.ref_ppl:.3f}" for c in cases) + ".", "",
-             "| codec | bits/element | x vs fp16 | perplexity change | agreement | encode s | decode s |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| `{r.codec}` | {r.bits_per_element:.3f} | {16 / r.bits_per_element:.2f} | "
-                     f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {r.encode_s:.1f} | {r.decode_s:.1f} |")
     made = f"Made by `python bench/rate_distortion.py` in {time.time() - t0:.0f} s on a 2-core CPU."
     if args.update:
         made = (f"Rows of {', '.join(args.codec)} re-measured by `python bench/rate_distortion.py --update "
                 f"{' '.join('--codec ' + c for c in args.codec)}` in {time.time() - t0:.0f} s; the others are from the "
                 "previous full run.")
-    lines += ["", made]
+    write(args, model, rows, {c.name: c.ref_ppl for c in cases}, made)
+
+
+def retime(model: LoadedModel, rows: list[EvalRow], tokens: int) -> list[EvalRow]:
+    """``rows`` with encode and decode seconds measured again (one whole-cache call on one thread per cache, as
+    :func:`evaluate` times them) on the same prefixes; a row whose bytes differ now is an error."""
+    caches = [model.prefill(model.tokenize(load_text(text))[:tokens], dtype=torch.float16) for text in DEFAULT_EVAL_TEXTS]
+    out = []
+    for row in rows:
+        codec = parse_codec(row.codec)
+        size = enc = dec = raw = 0
+        for kv in caches:
+            t0 = time.perf_counter()
+            blob = encode(kv, codec, threads=1)
+            t1 = time.perf_counter()
+            decode(blob, threads=1)
+            enc, dec = enc + t1 - t0, dec + time.perf_counter() - t1
+            size, raw = size + len(blob), raw + kv.nbytes
+        if size != row.bytes:
+            raise SystemExit(f"{row.codec} now makes {size} bytes, not {row.bytes}: run without --times-only")
+        out.append(dataclasses.replace(row, encode_s=enc, decode_s=dec, cases=len(caches), raw_bytes=raw))
+        print(f"{row.codec}: encode {enc / len(caches):.2f} s, decode {dec / len(caches):.2f} s per cache", flush=True)
+    return out
+
+
+def write(args: argparse.Namespace, model: LoadedModel, rows: list[EvalRow], reference_ppl: dict[str, float],
+          made: str) -> None:
+    lines = [f"# Rate-distortion on real KV ({model.model_id})", "",
+             f"Texts: {', '.join(DEFAULT_EVAL_TEXTS)}; {args.tokens}-token prefix cached in float16, perplexity of the "
+             f"next {args.continuation} tokens, mean over texts. Reference perplexities (from the float16 cache): "
+             + ", ".join(f"{name} {ppl:.3f}" for name, ppl in reference_ppl.items()) + ".", "",
+             "Encode and decode: seconds per cache (one whole-cache call on one thread, mean over the texts) and MB/s "
+             "of float16, as `kvcodec eval` and `kvcodec bench` report them.", "",
+             "| codec | bits/element | x vs fp16 | perplexity change | agreement | encode s/cache | decode s/cache | "
+             "encode MB/s | decode MB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r.codec}` | {r.bits_per_element:.3f} | {16 / r.bits_per_element:.2f} | "
+                     f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {r.encode_s_per_cache:.2f} | "
+                     f"{r.decode_s_per_cache:.2f} | {r.encode_MBps:.1f} | {r.decode_MBps:.1f} |")
+    lines += ["", f"{made} Load average {os.getloadavg()[0]:.1f} at the end (the 2 cores are shared)."]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "rate_distortion.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "rate_distortion.json").write_text(json.dumps(
         {"texts": list(DEFAULT_EVAL_TEXTS), "prefix_tokens": args.tokens, "continuation_tokens": args.continuation,
-         "reference_ppl": {c.name: c.ref_ppl for c in cases}, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
+         "reference_ppl": reference_ppl, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
     rate_distortion_plot(rows, str(RESULTS / "rate_distortion.png"), title=f"{model.model_id}: {', '.join(DEFAULT_EVAL_TEXTS)}",
                          separate=ABLATIONS)
     print("\n".join(lines))

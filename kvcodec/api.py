@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 
 import torch
@@ -13,8 +12,11 @@ from kvcodec.chunking import DEFAULT_CHUNK_TOKENS, decode_all, encode_frames, ma
 from kvcodec.codecs import Codec, get_codec
 from kvcodec.codecs.base import check_backend
 from kvcodec.container import iter_frames, write_container
+from kvcodec.devices import resolve_device
 from kvcodec.errors import InvalidInputError
+from kvcodec.files import atomic_writer
 from kvcodec.reader import ProgressFn, Reader, build_codecs
+from kvcodec.threads import DEFAULT_THREADS, check_threads, iter_with_threads, torch_threads
 
 
 def _codecs(codec: str | Codec | Sequence[Codec], config: dict[str, Any]) -> list[Codec]:
@@ -30,7 +32,8 @@ def _codecs(codec: str | Codec | Sequence[Codec], config: dict[str, Any]) -> lis
 
 def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, chunk_layers: int | None = None,
-                progress: ProgressFn | None = None, backend: str = "auto", **config: Any) -> Iterator[bytes]:
+                progress: ProgressFn | None = None, backend: str = "auto", threads: int = DEFAULT_THREADS,
+                **config: Any) -> Iterator[bytes]:
     """Encode ``kv`` and yield the container piece by piece (one chunk frame at a time).
 
     ``codec`` is a registered codec id (its options as keyword arguments), a
@@ -42,14 +45,20 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     implementation of codecs that have a GPU path; ``"auto"`` runs cachegen's Triton
     kernels for CUDA tensors, ``"nvdec"`` (decoding only) kvfetcher's NVDEC decoder.
     The same input and config give the same bytes, whichever backend makes them.
+    ``threads`` is how many CPU threads the encode uses (see :mod:`kvcodec.threads`; default 1, so that small
+    per-section work never waits on a busy machine's cores); it does not change the bytes either.
     """
+    if not isinstance(kv, KVCache):
+        raise InvalidInputError(f"encode takes a kvcodec.KVCache, not {type(kv).__name__}; build one with "
+                                "KVCache(layers), KVCache.from_hf(cache) or KVCache.load_safetensors(path)")
+    check_threads(threads)
     codecs = _codecs(codec, config)
     check_backend(codecs, backend)
     header = make_header(kv, codecs, chunk_tokens, chunk_layers)
     frames: Iterable[Any] = encode_frames(kv, header, codecs, backend)
     if progress:
         frames = progress(frames, header.num_slots * len(codecs))
-    return write_container(header, frames)
+    return iter_with_threads(write_container(header, frames), threads)
 
 
 def encode(kv: KVCache, codec: str | Codec = "raw", **options: Any) -> bytes:
@@ -61,24 +70,14 @@ def save(path: str | os.PathLike[str], kv: KVCache, codec: str | Codec = "raw", 
     """Encode ``kv`` into the file ``path``, streaming; returns the bytes written.
 
     The file appears atomically: it is written beside ``path`` under a temporary
-    name, flushed to disk and renamed, so a crash never leaves a partial file.
+    name, flushed to disk and renamed, so a crash never leaves a partial file.  It gets
+    the mode a plain ``open()`` would give it under the process umask.
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".kvcodec-", suffix=".tmp", dir=directory)
-    try:
-        written = 0
-        with os.fdopen(fd, "wb") as f:
-            for piece in iter_encode(kv, codec, **options):
-                f.write(piece)
-                written += len(piece)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    written = 0
+    with atomic_writer(path) as f:  # first, so that an unwritable path fails before any work
+        for piece in iter_encode(kv, codec, **options):
+            f.write(piece)
+            written += len(piece)
     return written
 
 
@@ -91,19 +90,23 @@ def open(source: bytes | bytearray | memoryview | str | os.PathLike[str] | Binar
 
 def decode(data: Any, *, device: torch.device | str | None = None, layers: Sequence[int] | None = None,
            chunks: Sequence[int] | None = None, progress: ProgressFn | None = None, backend: str = "auto",
-           max_bytes: int | None = None) -> KVCache:
+           threads: int = DEFAULT_THREADS, max_bytes: int | None = None) -> KVCache:
     """Decode a container to a :class:`KVCache`.
 
     ``data`` is bytes, a path, a seekable binary file, or an iterable of byte
     pieces as they arrive (decoded as a stream, chunk by chunk).  ``layers``
     and ``chunks`` select part of the cache (``chunks`` needs random access).
-    ``backend`` as for :func:`iter_encode`, for the output ``device``.
+    ``backend`` and ``threads`` as for :func:`iter_encode`, for the output ``device``.  A ``device`` this
+    machine lacks raises :class:`~kvcodec.errors.DeviceUnavailableError` before anything is read.
     ``max_bytes`` (for untrusted input) refuses, with :class:`LimitExceededError` and before allocating it,
     a decode whose output as the header declares it, or any header, index or section it reads, is larger.
     """
     if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
         with Reader(data, max_bytes) as reader:
-            return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend)
+            return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend,
+                                 threads=threads)
+    dev = resolve_device(device)
+    check_threads(threads)
     if chunks is not None:
         raise InvalidInputError("chunk selection needs random access; pass bytes, a path or a seekable file")
     header, frames = iter_frames(data, max_bytes)
@@ -114,8 +117,8 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
                            for h, sections in _best(frames, len(header.variants)))
     if progress:
         rows = progress(rows, header.num_slots)
-    return decode_all(header, rows, codecs, layers, (0, header.max_tokens), torch.device(device or "cpu"), backend,
-                      max_bytes)
+    with torch_threads(threads):
+        return decode_all(header, rows, codecs, layers, (0, header.max_tokens), dev, backend, max_bytes)
 
 
 def _best(frames: Iterable[Any], num_variants: int) -> Iterator[Any]:

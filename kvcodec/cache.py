@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 SUPPORTED_DTYPES = {getattr(torch, name): name for name in DTYPES}
 
 
-@dataclass
+@dataclass(repr=False)
 class KVLayer:
     """One layer: ``keys`` is ``[heads, tokens, key_dim]``, ``values`` is ``[heads, tokens, value_dim]``."""
 
@@ -30,6 +30,12 @@ class KVLayer:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter((self.keys, self.values))
+
+    def __repr__(self) -> str:
+        s = self.shape
+        dtype = SUPPORTED_DTYPES.get(self.keys.dtype, str(self.keys.dtype))
+        return (f"KVLayer(heads={s.heads}, tokens={s.tokens}, key_dim={s.key_dim}, value_dim={s.value_dim}, "
+                f"dtype={dtype}, device={self.keys.device})")
 
 
 class KVCache:
@@ -140,7 +146,7 @@ class KVCache:
         """True when shapes, dtype and every bit of every tensor are identical (NaNs compare by bits)."""
         if self.shapes != other.shapes or self.dtype != other.dtype:
             return False
-        return all(_same_bits(a, b) for x, y in zip(self.layers, other.layers) for a, b in zip(x, y))
+        return all(same_bits(a, b) for x, y in zip(self.layers, other.layers) for a, b in zip(x, y))
 
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.num_layers}, tokens={self.num_tokens}, dtype={SUPPORTED_DTYPES[self.dtype]}, "
@@ -193,7 +199,7 @@ class KVCache:
         return from_lmcache(chunk, num_heads, **meta)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     int_type = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]

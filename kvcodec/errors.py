@@ -12,8 +12,8 @@ class CorruptDataError(KVCodecError):
 
 
 class UnsupportedError(KVCodecError):
-    """The input is well formed but asks for something this build cannot do:
-    a newer container version, or a codec that is not registered."""
+    """The input is well formed but asks for something this build or machine cannot do:
+    a newer container version, a codec that is not registered, a device that is not there."""
 
 
 class UnsupportedVersionError(UnsupportedError):
@@ -31,3 +31,8 @@ class InvalidInputError(KVCodecError, ValueError):
 class LimitExceededError(KVCodecError):
     """A decode would take more memory than the caller allowed (``max_bytes``): the header declares a larger
     output than the limit, or a section longer than it.  Raised before anything that size is allocated."""
+
+
+class DeviceUnavailableError(UnsupportedError):
+    """The device or implementation asked for is not available here (a CUDA device on a CPU-only torch, the meta
+    device, which holds no data): a problem of the environment, not of the data."""

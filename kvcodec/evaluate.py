@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from kvcodec.codecs import Codec
 from kvcodec.errors import InvalidInputError
 from kvcodec.models import LoadedModel
 from kvcodec.texts import load_text
+from kvcodec.threads import DEFAULT_THREADS
 
 
 @dataclass
@@ -38,7 +39,8 @@ class EvalCase:
 
 @dataclass
 class EvalRow:
-    """A codec's numbers, summed or averaged over the cases."""
+    """A codec's numbers over the cases: ``bytes``, ``encode_s`` and ``decode_s`` are totals over the
+    ``cases`` caches (of ``raw_bytes`` in all); the rest are means, or ratios of the totals."""
 
     codec: str
     bytes: int
@@ -47,9 +49,48 @@ class EvalRow:
     agreement: float
     encode_s: float
     decode_s: float
+    cases: int = 1
+    raw_bytes: int = 0
+
+    @property
+    def bytes_per_cache(self) -> float:
+        return self.bytes / self.cases
+
+    @property
+    def encode_s_per_cache(self) -> float:
+        return self.encode_s / self.cases
+
+    @property
+    def decode_s_per_cache(self) -> float:
+        return self.decode_s / self.cases
+
+    @property
+    def encode_MBps(self) -> float:  # noqa: N802 (MB, not Mb)
+        """MB of the caches' own dtype per second: the unit ``kvcodec bench`` reports."""
+        return self.raw_bytes / self.encode_s / 1e6
+
+    @property
+    def decode_MBps(self) -> float:  # noqa: N802
+        return self.raw_bytes / self.decode_s / 1e6
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "bytes_per_cache": self.bytes_per_cache, "encode_s_per_cache": self.encode_s_per_cache,
+                "decode_s_per_cache": self.decode_s_per_cache, "encode_MBps": self.encode_MBps,
+                "decode_MBps": self.decode_MBps}
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> EvalRow:
+        """The row :meth:`to_dict` wrote (derived figures are recomputed, not read)."""
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
+
+
+class EvalJob(NamedTuple):
+    """One codec (the ``row``-th) on one case, as :func:`evaluate` hands them to its progress bar."""
+
+    row: int
+    label: str
+    codec: Codec
+    case: EvalCase
 
 
 def _score(model: LoadedModel, kv: KVCache, continuation: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,33 +114,32 @@ def prepare(model: LoadedModel, text: str, prefix_tokens: int, continuation_toke
 
 def evaluate(model: LoadedModel, cases: Sequence[EvalCase], codecs: Sequence[Codec], *,
              chunk_tokens: int = 256, labels: Sequence[str] | None = None,
-             progress: Callable[[Iterable[Any], int], Iterable[Any]] | None = None) -> list[EvalRow]:
+             progress: Callable[[Iterable[EvalJob], int], Iterable[EvalJob]] | None = None,
+             threads: int = DEFAULT_THREADS) -> list[EvalRow]:
     """Encode every case with every codec, decode, continue and score.  Rows are named by ``labels``
-    (default: :func:`spec_string` of each codec)."""
-    rows = []
-    jobs = [(c, case) for c in codecs for case in cases]
-    it: Iterable[tuple[Codec, EvalCase]] = progress(jobs, len(jobs)) if progress else jobs
+    (default: :func:`spec_string` of each codec).  Encode and decode run on ``threads`` CPU threads, as
+    ``kvcodec bench`` and ``kvcodec encode`` do, so their times agree; the model runs on torch's own setting."""
+    names = list(labels) if labels else [spec_string(c) for c in codecs]
+    jobs = [EvalJob(i, name, codec, case) for i, (name, codec) in enumerate(zip(names, codecs)) for case in cases]
     acc: dict[int, dict[str, float]] = {}
-    for codec, case in it:
+    for row, _, codec, case in (progress(jobs, len(jobs)) if progress else jobs):
         t0 = time.perf_counter()
-        blob = encode(case.kv, codec, chunk_tokens=chunk_tokens)
+        blob = encode(case.kv, codec, chunk_tokens=chunk_tokens, threads=threads)
         t1 = time.perf_counter()
-        decoded = decode(blob)
+        decoded = decode(blob, threads=threads)
         t2 = time.perf_counter()
         nll, pred = _score(model, decoded, case.continuation)
-        a = acc.setdefault(id(codec), dict(bytes=0, elements=0, change=0.0, agree=0.0, enc=0.0, dec=0.0))
+        a = acc.setdefault(row, dict(bytes=0, elements=0, raw=0, change=0.0, agree=0.0, enc=0.0, dec=0.0))
         a["bytes"] += len(blob)
         a["elements"] += case.kv.num_elements
+        a["raw"] += case.kv.nbytes
         a["change"] += math.exp(float(nll.mean())) / case.ref_ppl - 1
         a["agree"] += float((pred == case.ref_pred).float().mean())
         a["enc"] += t1 - t0
         a["dec"] += t2 - t1
-    for i, codec in enumerate(codecs):
-        a = acc[id(codec)]
-        n = len(cases)
-        rows.append(EvalRow(labels[i] if labels else spec_string(codec), int(a["bytes"]), 8 * a["bytes"] / a["elements"], a["change"] / n,
-                            a["agree"] / n, a["enc"], a["dec"]))
-    return rows
+    n = len(cases)
+    return [EvalRow(name, int(a["bytes"]), 8 * a["bytes"] / a["elements"], a["change"] / n, a["agree"] / n, a["enc"],
+                    a["dec"], n, int(a["raw"])) for name, a in zip(names, (acc[i] for i in range(len(names))))]
 
 
 @dataclass
@@ -114,23 +154,24 @@ class Throughput:
 
     def to_dict(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "bits_per_element": 8 * self.bytes / self.elements,
+                "encode_s": self.encode_s, "decode_s": self.decode_s,
                 "encode_MBps": self.raw_bytes / self.encode_s / 1e6, "decode_MBps": self.raw_bytes / self.decode_s / 1e6,
                 "encode_Melem_s": self.elements / self.encode_s / 1e6, "decode_Melem_s": self.elements / self.decode_s / 1e6}
 
 
 def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                       backend: str = "auto") -> Throughput:
+                       backend: str = "auto", threads: int = DEFAULT_THREADS) -> Throughput:
     """Encode and decode ``kv`` ``repeat`` times through the container, on ``kv``'s device; median wall times
     (a CUDA device is synchronised before the encode clock starts and before the decode clock stops; the
-    encode ends in host bytes, so it has finished when it returns)."""
+    encode ends in host bytes, so it has finished when it returns).  ``threads`` as for :func:`kvcodec.encode`."""
     sync = torch.cuda.synchronize if kv.device.type == "cuda" else (lambda: None)
     enc, dec = [], []
     for _ in range(repeat):
         sync()
         t0 = time.perf_counter()
-        blob = encode(kv, codec, chunk_tokens=chunk_tokens, backend=backend)
+        blob = encode(kv, codec, chunk_tokens=chunk_tokens, backend=backend, threads=threads)
         t1 = time.perf_counter()
-        decode(blob, device=kv.device, backend=backend)
+        decode(blob, device=kv.device, backend=backend, threads=threads)
         sync()
         dec.append(time.perf_counter() - t1)
         enc.append(t1 - t0)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -63,9 +64,41 @@ def resolve(spec: str) -> tuple[str, str | None]:
     raise InvalidInputError(f"model {spec!r} is not 'smollm2', a .gguf file or a HuggingFace model folder")
 
 
+def load_model(spec: str = SMOLLM2, *, progress: bool = True) -> LoadedModel:
+    """Load a model on the CPU in float32, offline (cached per process).  ``progress=False`` hides
+    transformers' progress bars (loading weights, converting GGUF tensors)."""
+    if progress:
+        return _load_model(spec)
+    with _no_progress_bars():
+        return _load_model(spec)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    # the GGUF conversion bar is plain tqdm, which that switch does not reach
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 @functools.lru_cache(maxsize=2)
-def load_model(spec: str = SMOLLM2) -> LoadedModel:
-    """Load a model on the CPU in float32, offline (cached per process)."""
+def _load_model(spec: str) -> LoadedModel:
     folder, gguf = resolve(spec)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer

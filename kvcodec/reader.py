@@ -9,12 +9,14 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.cache import KVCache, KVLayer
-from kvcodec.chunking import check_output, decode_all, decode_sections
+from kvcodec.chunking import check_layers, check_output, decode_all, decode_sections
 from kvcodec.codecs import Codec, codec_class
 from kvcodec.codecs.base import check_backend
 from kvcodec.container import ContainerReader
+from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.formats.v1 import VERSION_MAJOR, ChunkEntry, Header, LayerShape
+from kvcodec.threads import DEFAULT_THREADS, check_threads, torch_threads
 
 ProgressFn = Callable[[Iterable[Any], int], Iterable[Any]]
 
@@ -68,7 +70,7 @@ class ContainerInfo:
         }
 
 
-@dataclass
+@dataclass(repr=False)
 class Chunk:
     """One decoded chunk: a token range of some layers (sliding-window layers may hold fewer tokens)."""
 
@@ -76,6 +78,18 @@ class Chunk:
     token_start: int
     token_count: int
     layers: dict[int, KVLayer]
+
+    def __repr__(self) -> str:
+        names = sorted(self.layers)
+        if not names:
+            span = "none"
+        elif names == list(range(names[0], names[-1] + 1)):
+            span = f"{names[0]}-{names[-1]}"
+        else:
+            span = ",".join(map(str, names))
+        first = f", layer {names[0]}: {self.layers[names[0]]!r}" if names else ""
+        return (f"Chunk(index={self.index}, tokens {self.token_start}-{self.token_start + self.token_count - 1}, "
+                f"layers {span}{first})")
 
 
 def build_codecs(header: Header) -> list[Codec]:
@@ -98,6 +112,14 @@ def build_codecs(header: Header) -> list[Codec]:
     return codecs
 
 
+def _naming(error: Exception, source: object) -> Exception:
+    """``error`` again, its message led by the file it is about when ``source`` is a path or a named file."""
+    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "name", None)
+    if not isinstance(name, str):
+        return error
+    return type(error)(f"{name}: {error}")
+
+
 class Reader:
     """An open container.  Use :func:`kvcodec.open` to get one.
 
@@ -110,11 +132,17 @@ class Reader:
 
     def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,
                  max_bytes: int | None = None) -> None:
-        self._container = ContainerReader(source, max_bytes)
+        try:
+            self._container = ContainerReader(source, max_bytes)
+        except (CorruptDataError, UnsupportedError) as e:
+            raise _naming(e, source) from None
         self.max_bytes = max_bytes
         self.header = self._container.header
         try:
             self.codecs = build_codecs(self.header)
+        except (CorruptDataError, UnsupportedError) as e:
+            self._container.close()
+            raise _naming(e, source) from None
         except BaseException:
             self._container.close()
             raise
@@ -136,36 +164,41 @@ class Reader:
         """The chunk index: token range, layer range, offset, length and checksum of each chunk."""
         return list(self._container.entries)
 
-    def read_chunk(self, i: int, *, layers: Sequence[int] | None = None,
-                   device: torch.device | str | None = None, backend: str = "auto") -> Chunk:
-        """Decode chunk ``i`` (or only ``layers`` of it); ``backend`` as for :func:`kvcodec.decode`."""
-        dev = torch.device(device or "cpu")
+    def read_chunk(self, i: int, *, layers: Sequence[int] | None = None, device: torch.device | str | None = None,
+                   backend: str = "auto", threads: int = DEFAULT_THREADS) -> Chunk:
+        """Decode chunk ``i`` (or only ``layers`` of it); ``backend`` and ``threads`` as for :func:`kvcodec.decode`."""
+        dev = resolve_device(device)
         check_backend(self.codecs, backend)
+        check_threads(threads)
         e = self._container.entry(i)
         own = range(e.layer_start, e.layer_start + e.layer_count) if layers is None else layers
         check_output(self.header, [l for l in own if 0 <= l < len(self.header.layers)], e.token_start, e.token_count,
                      self.max_bytes)
         frame = self._container.read_frame(i, layers)
-        decoded = decode_sections(self.codecs[e.variant], self.header, e.token_start, e.token_count, frame.sections,
-                                  dev, backend)
+        with torch_threads(threads):
+            decoded = decode_sections(self.codecs[e.variant], self.header, e.token_start, e.token_count,
+                                      frame.sections, dev, backend)
         return Chunk(i, e.token_start, e.token_count, {layer: KVLayer(k, v) for layer, (_, k, v) in decoded.items()})
 
-    def verify(self, progress: ProgressFn | None = None) -> None:
+    def verify(self, progress: ProgressFn | None = None, threads: int = DEFAULT_THREADS) -> None:
         """Check every checksum and decode every chunk; raises :class:`CorruptDataError` on the first fault."""
         indices: Iterable[int] = range(self.num_chunks)
         for i in (progress(indices, self.num_chunks) if progress else indices):
-            self.read_chunk(i)
+            self.read_chunk(i, threads=threads)
 
     def decode(self, *, layers: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
                device: torch.device | str | None = None, progress: ProgressFn | None = None,
-               backend: str = "auto") -> KVCache:
+               backend: str = "auto", threads: int = DEFAULT_THREADS) -> KVCache:
         """Decode the cache, or the ``layers`` and ``chunks`` asked for.
 
         ``chunks`` are indices into :attr:`chunks`; their token ranges must join
         up.  Where a chunk is stored in several variants, the highest (best) is used.
-        ``backend`` as for :func:`kvcodec.decode`.
+        ``backend`` and ``threads`` as for :func:`kvcodec.decode`.
         """
+        dev = resolve_device(device)
         check_backend(self.codecs, backend)
+        check_threads(threads)
+        check_layers(self.header, layers)
         entries = self._select(chunks)
         if layers is None and chunks is not None:
             layers = sorted({l for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)})
@@ -186,8 +219,8 @@ class Reader:
                     data = self._container.read_frame(i, own)
                     yield e.variant, e.token_start, e.token_count, e.layer_start, data.sections
 
-        return decode_all(self.header, frames(), self.codecs, layers, token_range, torch.device(device or "cpu"),
-                          backend, self.max_bytes)
+        with torch_threads(threads):
+            return decode_all(self.header, frames(), self.codecs, layers, token_range, dev, backend, self.max_bytes)
 
     def _select(self, chunks: Sequence[int] | None) -> list[tuple[int, ChunkEntry]]:
         entries = self._container.entries

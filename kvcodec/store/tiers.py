@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -19,6 +18,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from kvcodec.errors import InvalidInputError
+from kvcodec.files import atomic_writer
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,8 @@ class DiskTier(StorageTier):
     the old value, the new value, or nothing, never a partial file, even after a kill in
     mid-write.  Temporary files are never served; those older than ``stale_tmp_s`` are
     removed when the tier opens.  ``capacity_bytes`` (None: unbounded) evicts the least
-    recently used files, as this process saw them.
+    recently used files, as this process saw them.  Files get the mode a plain ``open()`` would
+    give them under the process umask, so other users or services can share the folder.
     """
 
     name = "disk"
@@ -222,20 +223,8 @@ class DiskTier(StorageTier):
             return False
         target = self._file(key)
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.path)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(value)
-                    f.flush()
-                    if self.fsync:
-                        os.fsync(f.fileno())
-                os.replace(tmp, target)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            with atomic_writer(target, prefix=".tmp-", fsync=self.fsync) as f:
+                f.write(value)
             if self.fsync:
                 dfd = os.open(self.path, os.O_RDONLY)
                 try:

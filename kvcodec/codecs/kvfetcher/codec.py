@@ -43,6 +43,7 @@ from kvcodec.codecs.kvfetcher import video
 from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.threads import torch_threads
 
 MAGIC = b"KVF1"
 HEAD = struct.Struct("<4sBBHHHHIQH")
@@ -259,13 +260,20 @@ class KVFetcher(Codec):
 
 
 def _in_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
-    """``[fn(0), ..., fn(n-1)]`` on up to ``torch.get_num_threads()`` threads: x265 and FFmpeg work without the
-    GIL, and each section is its own stream, so a chunk's layers code in parallel (the bytes do not depend on it)."""
+    """``[fn(0), ..., fn(n-1)]`` on up to ``torch.get_num_threads()`` threads (the call's ``threads``, see
+    :mod:`kvcodec.threads`): x265 and FFmpeg work without the GIL, and each section is its own stream, so a chunk's
+    layers code in parallel (the bytes do not depend on it).  Each worker runs torch on one thread, so that the
+    workers do not each fan out again."""
     workers = min(n, torch.get_num_threads())
     if workers <= 1:
         return [fn(i) for i in range(n)]
+
+    def one_thread(i: int) -> Any:
+        with torch_threads(1):
+            return fn(i)
+
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(fn, range(n)))
+        return list(pool.map(one_thread, range(n)))
 
 
 def iter_frames(head: SectionHead, ctx: LayerContext,

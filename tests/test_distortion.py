@@ -1,0 +1,35 @@
+"""How far a decode is from the original: bit-exact for lossless codecs, error and SNR for lossy ones (real KV)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import kvcodec
+from kvcodec.distortion import distortion
+
+
+def test_lossless_is_bit_exact_and_lossy_is_measured(real_kv):
+    d = distortion(real_kv, kvcodec.decode(kvcodec.encode(real_kv, "zstd")))
+    assert all(v.bit_exact and v.max_abs_error == 0 and math.isinf(v.snr_db) for v in d.values())
+    assert d["keys"].describe() == "bit-exact" and d["keys"].to_dict()["snr_db"] is None
+    fine = distortion(real_kv, kvcodec.decode(kvcodec.encode(real_kv, "kivi", bits=8)))
+    coarse = distortion(real_kv, kvcodec.decode(kvcodec.encode(real_kv, "kivi", bits=2)))
+    for name in ("keys", "values"):
+        f, c = fine[name], coarse[name]
+        assert not f.bit_exact and 0 < f.max_abs_error < c.max_abs_error
+        assert 0 < f.relative_error < c.relative_error < 1 and f.snr_db > c.snr_db > 0
+        # 8 bits: about 6 dB a bit more than 2 bits
+        assert f.snr_db - c.snr_db > 25
+
+
+def test_numbers_match_their_definitions():
+    x = torch.tensor([[[3.0, 4.0]]])
+    y = torch.tensor([[[3.0, 3.0]]])
+    a = kvcodec.KVCache([(x, x)])
+    b = kvcodec.KVCache([(y, x)])
+    d = distortion(a, b)
+    assert d["values"].bit_exact and not d["keys"].bit_exact
+    assert d["keys"].max_abs_error == 1.0 and math.isclose(d["keys"].relative_error, 1 / 5)
+    assert math.isclose(d["keys"].snr_db, 10 * math.log10(25))
