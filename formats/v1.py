@@ -8,11 +8,12 @@ checksum that is verified before any length inside it is used.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import xxhash
 
@@ -48,6 +49,7 @@ MAX_CHUNK_TOKENS = 1 << 20
 MAX_VARIANTS = 64
 MAX_CHUNKS = 1 << 24
 MAX_SECTION_BYTES = 1 << 36
+MAX_JSON_DEPTH = 64
 DTYPES = ("float32", "float16", "bfloat16")
 ROPE_STATES = ("pre", "post")
 
@@ -97,7 +99,7 @@ class Header:
     chunk_layers: int
     meta: dict[str, Any] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property  # slot() asks for it once per chunk
     def max_tokens(self) -> int:
         return max((s.tokens for s in self.layers), default=0)
 
@@ -109,16 +111,19 @@ class Header:
     def layer_groups(self) -> int:
         return math.ceil(len(self.layers) / self.chunk_layers)
 
-    def slots(self) -> list[tuple[int, int, int, int]]:
-        """(token_start, token_count, layer_start, layer_count) of every chunk, in file order."""
-        out = []
-        for b in range(self.token_blocks):
-            t0 = b * self.chunk_tokens
-            tn = min(self.chunk_tokens, self.max_tokens - t0)
-            for g in range(self.layer_groups):
-                l0 = g * self.chunk_layers
-                out.append((t0, tn, l0, min(self.chunk_layers, len(self.layers) - l0)))
-        return out
+    @property
+    def num_slots(self) -> int:
+        return self.token_blocks * self.layer_groups
+
+    def slot(self, i: int) -> tuple[int, int, int, int]:
+        """(token_start, token_count, layer_start, layer_count) of the ``i``-th chunk in file order."""
+        b, g = divmod(i, self.layer_groups)
+        t0, l0 = b * self.chunk_tokens, g * self.chunk_layers
+        return t0, min(self.chunk_tokens, self.max_tokens - t0), l0, min(self.chunk_layers, len(self.layers) - l0)
+
+    def slots(self) -> Iterator[tuple[int, int, int, int]]:
+        """Every chunk's slot, in file order (computed as it goes: a header may declare millions)."""
+        return (self.slot(i) for i in range(self.num_slots))
 
     def local_range(self, layer: int, token_start: int, token_count: int) -> tuple[int, int]:
         """The slice of ``layer``'s own token axis that a chunk's token range covers.
@@ -149,6 +154,9 @@ class Header:
             obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, ValueError) as e:
             raise CorruptDataError(f"container header is not valid JSON: {e}") from None
+        except RecursionError:  # the parser's own stack bound, far deeper than MAX_JSON_DEPTH
+            obj = None
+        _require(obj is not None and _depth(obj) <= MAX_JSON_DEPTH, f"header JSON nests deeper than {MAX_JSON_DEPTH} levels")
         _require(isinstance(obj, dict), "header is not a JSON object")
         expected = {"dtype", "layers", "variants", "chunk_tokens", "chunk_layers", "meta"}
         _require(expected <= set(obj), f"header lacks {sorted(expected - set(obj))}")
@@ -175,7 +183,7 @@ class Header:
         _require(_is_int(cl) and 1 <= cl <= MAX_LAYERS, f"chunk_layers {cl!r} out of bounds")
         _require(isinstance(obj["meta"], dict), "meta must be an object")
         header = cls(obj["dtype"], tuple(shapes), tuple(vs), ct, cl, obj["meta"])
-        _require(len(header.slots()) <= MAX_CHUNKS, "too many chunks")
+        _require(header.num_slots <= MAX_CHUNKS, f"{header.num_slots} chunks exceed the {MAX_CHUNKS} limit")
         header._check_meta()
         return header
 
@@ -255,13 +263,27 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"non-finite number {name}")
 
 
+def _depth(obj: Any) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), without recursion."""
+    deepest, todo = 0, [(obj, 0)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, (list, dict)):
+            deepest = max(deepest, d + 1)
+            if deepest > MAX_JSON_DEPTH:
+                break
+            todo.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x) if isinstance(y, (list, dict)))
+    return deepest
+
+
 class SlotCursor:
     """Checks that frames come in file order: the header's slots in turn, each with
     one or more variants in increasing order.  Raises ``ValueError`` on a violation;
     writers report it as invalid input, readers as corrupt data."""
 
     def __init__(self, header: Header) -> None:
-        self.slots = header.slots()
+        self.header = header
+        self.num_slots = header.num_slots
         self.num_variants = len(header.variants)
         self.pos = -1
         self.last_variant = -1
@@ -269,15 +291,15 @@ class SlotCursor:
     def advance(self, slot: tuple[int, int, int, int], variant: int) -> None:
         if not 0 <= variant < self.num_variants:
             raise ValueError(f"chunk {slot} names variant {variant}, the header has {self.num_variants}")
-        if self.pos >= 0 and slot == self.slots[self.pos] and variant > self.last_variant:
+        if self.pos >= 0 and slot == self.header.slot(self.pos) and variant > self.last_variant:
             pass
-        elif self.pos + 1 < len(self.slots) and slot == self.slots[self.pos + 1]:
+        elif self.pos + 1 < self.num_slots and slot == self.header.slot(self.pos + 1):
             self.pos += 1
         else:
-            want = self.slots[self.pos + 1] if self.pos + 1 < len(self.slots) else "the index"
+            want = self.header.slot(self.pos + 1) if self.pos + 1 < self.num_slots else "the index"
             raise ValueError(f"chunk {slot} variant {variant} is out of order; expected {want}")
         self.last_variant = variant
 
     def finish(self) -> None:
-        if self.pos != len(self.slots) - 1:
-            raise ValueError(f"{len(self.slots) - 1 - self.pos} chunk(s) of the header are missing")
+        if self.pos != self.num_slots - 1:
+            raise ValueError(f"{self.num_slots - 1 - self.pos} chunk(s) of the header are missing")

@@ -9,7 +9,7 @@ from kvcodec.api import decode, encode, iter_encode, load, open, save
 from kvcodec.cache import KVCache, KVLayer
 from kvcodec.codecs import Codec, LayerContext, get_codec, list_codecs, register_codec
 from kvcodec.errors import (CorruptDataError, DeviceUnavailableError, InvalidInputError, KVCodecError,
-                            UnknownCodecError, UnsupportedError, UnsupportedVersionError)
+                            LimitExceededError, UnknownCodecError, UnsupportedError, UnsupportedVersionError)
 from kvcodec.reader import Chunk, ContainerInfo, Reader
 
 __version__ = "0.1.0"
@@ -18,5 +18,5 @@ __all__ = [
     "KVCache", "KVLayer", "Codec", "LayerContext", "get_codec", "list_codecs", "register_codec",
     "encode", "iter_encode", "decode", "save", "load", "open", "Reader", "ContainerInfo", "Chunk",
     "KVCodecError", "CorruptDataError", "InvalidInputError", "UnsupportedError", "UnsupportedVersionError",
-    "UnknownCodecError", "DeviceUnavailableError", "__version__",
+    "UnknownCodecError", "DeviceUnavailableError", "LimitExceededError", "__version__",
 ]

@@ -57,7 +57,7 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     header = make_header(kv, codecs, chunk_tokens, chunk_layers)
     frames: Iterable[Any] = encode_frames(kv, header, codecs, backend)
     if progress:
-        frames = progress(frames, len(header.slots()) * len(codecs))
+        frames = progress(frames, header.num_slots * len(codecs))
     return iter_with_threads(write_container(header, frames), threads)
 
 
@@ -81,14 +81,17 @@ def save(path: str | os.PathLike[str], kv: KVCache, codec: str | Codec = "raw", 
     return written
 
 
-def open(source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> Reader:  # noqa: A001
-    """Open a container for random access (bytes, a path or a seekable binary file)."""
-    return Reader(source)
+def open(source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO, *,  # noqa: A001
+         max_bytes: int | None = None) -> Reader:
+    """Open a container for random access (bytes, a path or a seekable binary file); ``max_bytes`` as for
+    :func:`decode`, for every read and decode of the returned reader."""
+    return Reader(source, max_bytes)
 
 
 def decode(data: Any, *, device: torch.device | str | None = None, layers: Sequence[int] | None = None,
            chunks: Sequence[int] | None = None, progress: ProgressFn | None = None, backend: str = "auto",
-           threads: int = DEFAULT_THREADS, positions: Sequence[int] | None = None) -> KVCache:
+           threads: int = DEFAULT_THREADS, positions: Sequence[int] | None = None,
+           max_bytes: int | None = None) -> KVCache:
     """Decode a container to a :class:`KVCache`.
 
     ``data`` is bytes, a path, a seekable binary file, or an iterable of byte
@@ -99,37 +102,40 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
     ``positions`` (one per token of the decoded range) moves the keys' rotary embedding to those positions
     (:func:`kvcodec.codecs.kvtc.reposition`): the cache must have ``rope="post"`` keys and a known rotary
     setting (a kvtc container's calibration, or one installed for its model).
+    ``max_bytes`` (for untrusted input) refuses, with :class:`LimitExceededError` and before allocating it,
+    a decode whose output as the header declares it, or any header, index or section it reads, is larger.
     """
     if positions is not None:
         from kvcodec.codecs.kvtc import reposition
 
         calibration = None
         if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
-            with Reader(data) as reader:  # a kvtc container's own calibration knows the rotary setting
+            with Reader(data, max_bytes) as reader:  # a kvtc container's own calibration knows the rotary setting
                 calibration = next((c.calibration_data() for c in reader.codecs if c.codec_id == "kvtc"), None)
                 kv = reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend,
                                    threads=threads)
         else:
-            kv = decode(data, device=device, layers=layers, progress=progress, backend=backend, threads=threads)
+            kv = decode(data, device=device, layers=layers, progress=progress, backend=backend, threads=threads,
+                        max_bytes=max_bytes)
         return reposition(kv, positions, layers=layers, calibration=calibration)
     if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
-        with Reader(data) as reader:
+        with Reader(data, max_bytes) as reader:
             return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend,
                                  threads=threads)
     dev = resolve_device(device)
     check_threads(threads)
     if chunks is not None:
         raise InvalidInputError("chunk selection needs random access; pass bytes, a path or a seekable file")
-    header, frames = iter_frames(data)
+    header, frames = iter_frames(data, max_bytes)
     codecs = build_codecs(header)
     check_backend(codecs, backend)
     rows: Iterable[Any] = ((h.variant, h.token_start, h.token_count, h.layer_start,
                             {h.layer_start + j: s for j, s in enumerate(sections)})
                            for h, sections in _best(frames, len(header.variants)))
     if progress:
-        rows = progress(rows, len(header.slots()))
+        rows = progress(rows, header.num_slots)
     with torch_threads(threads):
-        return decode_all(header, rows, codecs, layers, (0, header.max_tokens), dev, backend)
+        return decode_all(header, rows, codecs, layers, (0, header.max_tokens), dev, backend, max_bytes)
 
 
 def _best(frames: Iterable[Any], num_variants: int) -> Iterator[Any]:

@@ -9,6 +9,7 @@ import torch
 from kvcodec.cache import SUPPORTED_DTYPES, KVCache
 from kvcodec.codecs import Codec, LayerContext
 from kvcodec.container import Frame
+from kvcodec.container.frames import check_limit
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError
 from kvcodec.formats.v1 import Header, Variant
 
@@ -78,6 +79,23 @@ def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend:
             yield Frame(variant, t0, tn, l0, [coded.get(layer, b"") for layer in range(l0, l0 + lc)])
 
 
+def output_bytes(header: Header, layers: Iterable[int], token_start: int, token_count: int) -> int:
+    """Bytes of the tensors that decoding ``layers`` over a token range gives, as the header declares them."""
+    item = getattr(torch, header.dtype).itemsize
+    total = 0
+    for layer in layers:
+        lo, hi = header.local_range(layer, token_start, token_count)
+        s = header.layers[layer]
+        total += s.heads * (hi - lo) * (s.key_dim + s.value_dim) * item
+    return total
+
+
+def check_output(header: Header, layers: Iterable[int], token_start: int, token_count: int,
+                 max_bytes: int | None) -> None:
+    """Refuse a decode whose declared output exceeds the caller's ``max_bytes``, before anything is decoded."""
+    check_limit(output_bytes(header, layers, token_start, token_count), max_bytes, "the decoded output")
+
+
 def decode_sections(codec: Codec, header: Header, token_start: int, token_count: int, sections: dict[int, bytes],
                     device: torch.device, backend: str = "auto", *, layer_start: int | None = None,
                     wanted: Sequence[int] | None = None) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
@@ -103,7 +121,7 @@ def decode_sections(codec: Codec, header: Header, token_start: int, token_count:
 def _guarded(codec: Codec, token_start: int, fn: Any) -> Any:
     try:
         return fn()
-    except KVCodecError:
+    except (KVCodecError, MemoryError):  # running out of memory is the machine's state, not the file's
         raise
     except Exception as e:  # a codec's own parsing failing on bad bytes is still bad bytes
         raise CorruptDataError(f"{codec.codec_id} could not decode the chunk at token {token_start}: {e}") from e
@@ -200,10 +218,12 @@ def check_layers(header: Header, layers: Sequence[int] | None) -> None:
 
 def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]],
                codecs: Sequence[Codec], layers: Sequence[int] | None, token_range: tuple[int, int],
-               device: torch.device, backend: str = "auto") -> KVCache:
-    """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache."""
+               device: torch.device, backend: str = "auto", max_bytes: int | None = None) -> KVCache:
+    """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache
+    (refused before the first frame is read when its declared size exceeds ``max_bytes``)."""
     check_layers(header, layers)
     wanted = list(range(len(header.layers))) if layers is None else list(layers)
+    check_output(header, set(wanted), token_range[0], token_range[1] - token_range[0], max_bytes)
     asm = Assembler(header, wanted, *token_range)
     for variant, t0, tn, l0, sections in frames:
         codec = codecs[variant]

@@ -28,6 +28,11 @@ class InvalidInputError(KVCodecError, ValueError):
     """A caller passed arguments that cannot be encoded (bad shapes, dtypes, configs)."""
 
 
+class LimitExceededError(KVCodecError):
+    """A decode would take more memory than the caller allowed (``max_bytes``): the header declares a larger
+    output than the limit, or a section longer than it.  Raised before anything that size is allocated."""
+
+
 class DeviceUnavailableError(UnsupportedError):
     """The device or implementation asked for is not available here (a CUDA device on a CPU-only torch, the meta
     device, which holds no data): a problem of the environment, not of the data."""

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.cache import KVCache, KVLayer
-from kvcodec.chunking import check_layers, decode_all, decode_sections, sections_to_read
+from kvcodec.chunking import check_layers, check_output, decode_all, decode_sections, sections_to_read
 from kvcodec.codecs import Codec, codec_class
 from kvcodec.codecs.base import check_backend
 from kvcodec.container import ContainerReader
@@ -128,14 +128,18 @@ class Reader:
 
     ``info`` describes it; ``read_chunk(i)`` decodes chunk ``i`` alone (reading
     nothing else), ``read_chunk(i, layers=[j])`` only layer ``j`` of it, and
-    ``decode()`` the whole cache or a selection.
+    ``decode()`` the whole cache or a selection.  ``max_bytes`` bounds every
+    read and decode (SPEC.md §9.1): one that would produce or read more raises
+    :class:`LimitExceededError` before allocating it.
     """
 
-    def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> None:
+    def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,
+                 max_bytes: int | None = None) -> None:
         try:
-            self._container = ContainerReader(source)
+            self._container = ContainerReader(source, max_bytes)
         except (CorruptDataError, UnsupportedError) as e:
             raise _naming(e, source) from None
+        self.max_bytes = max_bytes
         self.header = self._container.header
         try:
             self.codecs = build_codecs(self.header)
@@ -177,6 +181,7 @@ class Reader:
             if absent:
                 raise InvalidInputError(f"chunk {i} holds layers {e.layer_start}..{frame_layers[-1]}, not {absent[0]}")
         wanted = list(frame_layers if layers is None else layers)
+        check_output(self.header, wanted, e.token_start, e.token_count, self.max_bytes)
         frame = self._container.read_frame(i, None if layers is None else sections_to_read(
             codec, self.header, e.token_start, e.token_count, e.layer_start, wanted))
         with torch_threads(threads):
@@ -225,7 +230,7 @@ class Reader:
                     yield e.variant, e.token_start, e.token_count, e.layer_start, data.sections
 
         with torch_threads(threads):
-            return decode_all(self.header, frames(), self.codecs, layers, token_range, dev, backend)
+            return decode_all(self.header, frames(), self.codecs, layers, token_range, dev, backend, self.max_bytes)
 
     def _select(self, chunks: Sequence[int] | None) -> list[tuple[int, ChunkEntry]]:
         entries = self._container.entries

@@ -80,8 +80,9 @@ class Kivi(Codec):
         vz = tensor_from_bytes(vz_b, torch.float16, (s.heads, s.tokens, 1))
         if not all(bool(torch.isfinite(t).all()) for t in (ks, kz, vs, vz)):
             raise CorruptDataError("kivi section has non-finite scales or zeros")
-        pad = groups * self.group - s.tokens
-        kq_g = torch.nn.functional.pad(kq, (0, 0, 0, pad)).reshape(s.heads, groups, self.group, s.key_dim)
+        width = min(self.group, s.tokens)  # a section shorter than a group is one group: pad nothing, whatever `group`
+        pad = groups * width - s.tokens
+        kq_g = torch.nn.functional.pad(kq, (0, 0, 0, pad)).reshape(s.heads, groups, width, s.key_dim)
         keys = dequantize(kq_g, ks, kz).reshape(s.heads, -1, s.key_dim)[:, : s.tokens]
         values = dequantize(vq, vs, vz)
         return keys.to(ctx.device, ctx.dtype), values.to(ctx.device, ctx.dtype)

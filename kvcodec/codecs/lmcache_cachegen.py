@@ -208,7 +208,7 @@ class LMCacheCacheGen(Codec):
             return self._decode(data, ctx)
         except CorruptDataError:
             raise
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit, MemoryError):
             raise
         except BaseException as e:  # the coder rejecting a stream (also a Rust panic, a BaseException), or else
             raise CorruptDataError(f"lmcache-cachegen section does not decode: {type(e).__name__}: {e}") from e

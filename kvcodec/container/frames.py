@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from kvcodec.errors import CorruptDataError
+from kvcodec.errors import CorruptDataError, InvalidInputError, LimitExceededError
 from kvcodec.formats.v1 import (CHECKSUM, FRAME_HEAD, FRAME_MAGIC, MAX_LAYERS, MAX_SECTION_BYTES, SECTION_ENTRY, Header, checksum,
                                 parse_preamble)
 
@@ -58,15 +58,27 @@ def parse_frame_head(fixed: bytes, rest: bytes) -> FrameHead:
     return FrameHead(variant, t0, tn, l0, sections, digest)
 
 
+def check_limit(size: int, max_bytes: int | None, what: str) -> None:
+    """Refuse, before allocating it, anything larger than the caller's ``max_bytes``."""
+    if max_bytes is not None and size > max_bytes:
+        raise LimitExceededError(f"{what} is {size} bytes, over the caller's max_bytes={max_bytes}")
+
+
+def check_max_bytes(max_bytes: int | None) -> None:
+    if max_bytes is not None and not (isinstance(max_bytes, int) and not isinstance(max_bytes, bool) and max_bytes > 0):
+        raise InvalidInputError(f"max_bytes must be a positive integer or None, not {max_bytes!r}")
+
+
 def verify_section(data: bytes | memoryview, expected: int, where: str) -> None:
     if checksum(data) != expected:
         raise CorruptDataError(f"checksum mismatch in {where}")
 
 
-def parse_header_block(preamble: bytes, read: Callable[[int], bytes]) -> tuple[Header, int]:
+def parse_header_block(preamble: bytes, read: Callable[[int], bytes], max_bytes: int | None = None) -> tuple[Header, int]:
     """Parse the header after ``preamble``; ``read(n)`` must return exactly n more bytes.
     Returns the header and the file's minor version."""
     header_len, minor = parse_preamble(preamble)
+    check_limit(header_len, max_bytes, "the container header")
     header_json = read(header_len)
     (stored,) = CHECKSUM.unpack(read(CHECKSUM.size))
     if checksum(preamble, header_json) != stored:

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import BinaryIO, Sequence
 
-from kvcodec.container.frames import FrameHead, fixed_layer_count, parse_frame_head, parse_header_block, verify_section
+from kvcodec.container.frames import (FrameHead, check_limit, check_max_bytes, fixed_layer_count, parse_frame_head,
+                                      parse_header_block, verify_section)
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.formats.v1 import (CHECKSUM, FOOTER, FOOTER_MAGIC, FRAME_HEAD, INDEX_ENTRY, INDEX_HEAD, INDEX_MAGIC,
                                 MAX_CHUNKS, PREAMBLE, SECTION_ENTRY, ChunkEntry, SlotCursor, checksum)
@@ -24,10 +25,14 @@ class ContainerReader:
     """Opens a container, verifies header and index, and reads chunks on demand.
 
     Only the header, the index and the chunks asked for are read; every byte
-    read is checked against its checksum before it is used.
+    read is checked against its checksum before it is used.  ``max_bytes``
+    refuses (:class:`LimitExceededError`) a header, index or section longer than it.
     """
 
-    def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO) -> None:
+    def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,
+                 max_bytes: int | None = None) -> None:
+        check_max_bytes(max_bytes)
+        self.max_bytes = max_bytes
         self._owned = False
         if isinstance(source, (bytes, bytearray, memoryview)):
             self._f: BinaryIO = io.BytesIO(source)
@@ -66,7 +71,7 @@ class ContainerReader:
             pos += n
             return data
 
-        self.header, self.minor_version = parse_header_block(self._read_at(0, PREAMBLE.size), read)
+        self.header, self.minor_version = parse_header_block(self._read_at(0, PREAMBLE.size), read, self.max_bytes)
         self.data_start = pos
         index_offset, index_len, magic = FOOTER.unpack(self._read_at(size - FOOTER.size, FOOTER.size))
         if magic != FOOTER_MAGIC:
@@ -74,6 +79,7 @@ class ContainerReader:
         if index_offset < self.data_start or index_offset + index_len != size - FOOTER.size or \
                 index_len < INDEX_HEAD.size + CHECKSUM.size:
             raise CorruptDataError("container footer points outside the file")
+        check_limit(index_len, self.max_bytes, "the chunk index")
         index = self._read_at(index_offset, index_len)
         magic, count = INDEX_HEAD.unpack_from(index)
         if magic != INDEX_MAGIC or count > MAX_CHUNKS or index_len != INDEX_HEAD.size + count * INDEX_ENTRY.size + CHECKSUM.size:
@@ -134,6 +140,7 @@ class ContainerReader:
             if layer not in starts:
                 raise InvalidInputError(f"chunk {i} holds layers {e.layer_start}..{e.layer_start + e.layer_count - 1}, not {layer}")
             length, digest = head.sections[layer - e.layer_start]
+            check_limit(length, self.max_bytes, f"chunk {i}, layer {layer}'s section")
             data = self._read_at(starts[layer], length)
             verify_section(data, digest, f"chunk {i}, layer {layer}")
             out[layer] = data

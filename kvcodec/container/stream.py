@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from kvcodec.container.frames import FrameHead, fixed_layer_count, parse_frame_head, parse_header_block, verify_section
+from kvcodec.container.frames import (FrameHead, check_limit, check_max_bytes, fixed_layer_count, parse_frame_head,
+                                      parse_header_block, verify_section)
 from kvcodec.container.writer import index_bytes
 from kvcodec.errors import CorruptDataError
 from kvcodec.formats.v1 import (CHECKSUM, FRAME_HEAD, FRAME_MAGIC, INDEX_MAGIC, PREAMBLE, SECTION_ENTRY, ChunkEntry,
@@ -43,20 +44,22 @@ class _Pieces:
         return not self._fill(1)
 
 
-def iter_frames(pieces: Iterable[bytes]) -> tuple[Header, Iterator[tuple[FrameHead, list[bytes]]]]:
+def iter_frames(pieces: Iterable[bytes], max_bytes: int | None = None) -> tuple[Header, Iterator[tuple[FrameHead, list[bytes]]]]:
     """Parse a container from ``pieces`` in order.
 
     Returns the verified header at once and an iterator of ``(frame head,
     sections)`` that yields each chunk as soon as its bytes have arrived and
     its checksums pass.  The iterator ends after checking the index and footer
-    against the frames it saw; anything left over is corrupt data.
+    against the frames it saw; anything left over is corrupt data.  A header or
+    section longer than ``max_bytes`` is refused before it is buffered.
     """
+    check_max_bytes(max_bytes)
     src = _Pieces(pieces)
-    header, _ = parse_header_block(src.read(PREAMBLE.size), src.read)
-    return header, _frames(src, header)
+    header, _ = parse_header_block(src.read(PREAMBLE.size), src.read, max_bytes)
+    return header, _frames(src, header, max_bytes)
 
 
-def _frames(src: _Pieces, header: Header) -> Iterator[tuple[FrameHead, list[bytes]]]:
+def _frames(src: _Pieces, header: Header, max_bytes: int | None) -> Iterator[tuple[FrameHead, list[bytes]]]:
     cursor = SlotCursor(header)
     entries: list[ChunkEntry] = []
     while True:
@@ -74,6 +77,7 @@ def _frames(src: _Pieces, header: Header) -> Iterator[tuple[FrameHead, list[byte
             raise CorruptDataError(str(e)) from None
         sections = []
         for j, (length, digest) in enumerate(head.sections):
+            check_limit(length, max_bytes, f"the section of layer {head.layer_start + j} of the chunk at offset {offset}")
             data = src.read(length)
             verify_section(data, digest, f"chunk at offset {offset}, layer {head.layer_start + j}")
             sections.append(data)

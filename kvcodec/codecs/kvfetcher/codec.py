@@ -232,17 +232,21 @@ class KVFetcher(Codec):
 
     def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
         s = ctx.shape
-        keys = torch.empty(s.heads, s.tokens, s.key_dim, dtype=ctx.dtype, device=ctx.device)
-        values = torch.empty(s.heads, s.tokens, s.value_dim, dtype=ctx.dtype, device=ctx.device)
+        out: list[torch.Tensor] = []
 
         def sink(lo: int, hi: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+            if not out:  # allocated once the head, the scales and a first picture have passed their checks
+                out.extend(torch.empty(s.heads, s.tokens, d, dtype=ctx.dtype, device=ctx.device)
+                           for d in (s.key_dim, s.value_dim))
             if k is not None:
-                keys[:, lo:hi] = k.to(ctx.device, ctx.dtype)
+                out[0][:, lo:hi] = k.to(ctx.device, ctx.dtype)
             if v is not None:
-                values[:, lo:hi] = v.to(ctx.device, ctx.dtype)
+                out[1][:, lo:hi] = v.to(ctx.device, ctx.dtype)
 
         restore_on(data, ctx, sink)
-        return keys, values
+        if not out:
+            raise CorruptDataError("kvfetcher section decoded to no pictures")
+        return out[0], out[1]
 
     def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
                            layout: Any = "flash") -> None:

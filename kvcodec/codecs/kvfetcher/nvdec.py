@@ -23,6 +23,7 @@ import torch
 
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.kvfetcher.sps import check_parameter_sets
 from kvcodec.errors import CorruptDataError, UnsupportedError
 
 
@@ -158,6 +159,8 @@ def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None, gpu: i
     """``(token_lo, token_hi, is_value, int32 codes [H, t, D])`` per picture NVDEC decodes, in stream order (the
     twin of :func:`kvcodec.codecs.kvfetcher.codec.iter_frames`); the codes stay where NVDEC put them."""
     s, geo = ctx.shape, head.geo
+    if pieces is None:  # the whole stream is here: its parameter sets are checked before NVDEC sees it (SPEC.md §10.7)
+        check_parameter_sets(bytes(head.stream), geo.rows, geo.cols, head.bits)
     nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu, reuse=reuse)
     columns = None
     i = 0

@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from kvcodec.codecs.kvfetcher.sps import check_parameter_sets
 from kvcodec.errors import CorruptDataError, InvalidInputError
 
 #: Smallest frame side accepted by NVDEC for HEVC (its ``GetDecoderCaps`` minimum); we never go below it.
@@ -93,7 +94,8 @@ class StreamDecoder:
     """Decodes one HEVC elementary stream fed in arbitrary byte pieces, yielding code frames as they appear.
 
     ``max_frames`` bounds the output: a stream that yields more pictures, or a
-    picture of another size or format, raises :class:`CorruptDataError`.
+    picture of another size or format, raises :class:`CorruptDataError`; a stream
+    whose parameter sets declare another picture is refused before FFmpeg decodes it.
     FFmpeg's own decode errors are CorruptDataError too.
     """
 
@@ -111,6 +113,8 @@ class StreamDecoder:
         import av
 
         for p in packets:
+            if p is not None:
+                check_parameter_sets(bytes(p), self.rows, self.cols, self.bits)
             try:
                 decoded = self.ctx.decode(p)
             except av.FFmpegError as e:
