@@ -153,20 +153,24 @@ def check_correctness(kv: kvcodec.KVCache, device: torch.device, say: Callable[[
     table = torch.randperm(n_blocks + 3)[:n_blocks].to(torch.int32)
     blob = kvcodec.encode(small, kvcodec.get_codec("cachegen", **lanes), chunk_tokens=tokens // 2)
     expected = kvcodec.decode(blob, backend="cpu")
-    with kvcodec.open(blob) as r:
-        paged = [torch.zeros(2, n_blocks + 3, block_size, *small.layers[0].keys.shape[::2], dtype=torch.float16,
-                             device=device) for _ in small.layers]
-        for i in range(r.num_chunks):
-            frame = r._container.read_frame(i)
-            e = frame.entry
-            for layer, data in frame.sections.items():
-                lo, hi = r.header.local_range(layer, e.token_start, e.token_count)
-                ctx = layer_context(r.header, layer, (lo, hi), device, "triton")
-                r.codecs[e.variant].decode_layer_paged(data, ctx, paged[layer], slot_mapping(table, lo, hi - lo, block_size))
-    same = kvcodec.KVCache.from_paged(paged, table.to(device), tokens).to("cpu").equal(expected)
-    say(f"- paged restore through a shuffled block table {'==' if same else '!='} contiguous decode")
-    if not same:
-        failures.append("paged restore differs from the contiguous decode")
+    heads, dim = small.layers[0].keys.shape[::2]
+    shapes = {"flash": (2, n_blocks + 3, block_size, heads, dim), "gpu": (n_blocks + 3, heads, block_size, 2 * dim),
+              "cpu": (n_blocks + 3, heads, block_size, 2 * dim)}
+    for layout, shape in shapes.items():
+        with kvcodec.open(blob) as r:
+            paged = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in small.layers]
+            for i in range(r.num_chunks):
+                frame = r._container.read_frame(i)
+                e = frame.entry
+                for layer, data in frame.sections.items():
+                    lo, hi = r.header.local_range(layer, e.token_start, e.token_count)
+                    ctx = layer_context(r.header, layer, (lo, hi), device, "triton")
+                    r.codecs[e.variant].decode_layer_paged(data, ctx, paged[layer],
+                                                           slot_mapping(table, lo, hi - lo, block_size), layout)
+        same = kvcodec.KVCache.from_paged(paged, table.to(device), tokens, layout).to("cpu").equal(expected)
+        say(f"- paged restore ({layout!r} layout) through a shuffled block table {'==' if same else '!='} contiguous decode")
+        if not same:
+            failures.append(f"paged restore ({layout!r} layout) differs from the contiguous decode")
     return failures
 
 
