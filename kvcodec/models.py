@@ -130,7 +130,7 @@ def export_hf_folder(spec: str, folder: str | os.PathLike[str], *, dtype: torch.
     folder = os.fspath(folder)
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
-    loaded = load_model.__wrapped__(spec)  # a copy of its own: it is changed below
+    loaded = _load_model.__wrapped__(spec)  # a copy of its own, uncached: it is changed below
     model = loaded.model
     # A GGUF-loaded model remembers its quantization, and save_pretrained refuses to write it; its weights are
     # already dequantized, so it is saved as the plain model it now is.
