@@ -173,6 +173,7 @@ class Reader:
         dev = resolve_device(device)
         check_backend(self.codecs, backend)
         check_threads(threads)
+        check_layers(self.header, layers)
         e = self._container.entry(i)
         codec = self.codecs[e.variant]
         frame_layers = range(e.layer_start, e.layer_start + e.layer_count)

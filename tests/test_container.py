@@ -848,3 +848,14 @@ def test_chunk_and_layer_reprs_are_short():
                            "value_dim=32, dtype=float16, device=cpu))")
     assert "layers 1,3," in repr(reader.read_chunk(0, layers=[1, 3]))
     assert len(str(chunk)) < 200 and "\n" not in str(chunk.layers[0])
+
+
+def test_read_chunk_layer_selection_is_checked_like_decode():
+    """An empty or out-of-range layer selection names the container's layers, on read_chunk as on decode."""
+    kv = kvcodec.KVCache([(torch.randn(1, 8, 4), torch.randn(1, 8, 4))] * 3)
+    with kvcodec.open(kvcodec.encode(kv, codec="raw", chunk_tokens=4)) as r:
+        with pytest.raises(kvcodec.InvalidInputError, match="no layers selected"):
+            r.read_chunk(0, layers=[])
+        with pytest.raises(kvcodec.InvalidInputError, match="the container has 3 layers"):
+            r.read_chunk(0, layers=[40])
+        assert sorted(r.read_chunk(1, layers=[2]).layers) == [2]
