@@ -35,6 +35,7 @@ import torch
 
 from kvcodec.codecs.kvtc.rope import Rotary
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError
+from kvcodec.files import write_atomically
 
 FORMAT = "kvcodec-kvtc-calibration-1"
 SUFFIX = ".kvtc"
@@ -122,11 +123,7 @@ class Calibration:
 
     def save(self, path: str | os.PathLike[str]) -> str:
         """Write the calibration file (atomically); returns its digest."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(self.to_bytes())
-        os.replace(tmp, path)
+        write_atomically(path, self.to_bytes())
         return self.digest
 
     @classmethod
@@ -223,8 +220,7 @@ def install(cal: Calibration, folder: str | None = None) -> str:
     path = os.path.join(folder, cal.digest + SUFFIX)
     if not os.path.exists(path):
         cal.save(path)
-    with open(os.path.join(folder, _model_file(cal.model)), "w") as f:
-        f.write(cal.digest + "\n")
+    write_atomically(os.path.join(folder, _model_file(cal.model)), (cal.digest + "\n").encode())
     return path
 
 
