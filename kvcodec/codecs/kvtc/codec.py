@@ -218,7 +218,9 @@ class KVTC(Codec):
         ctx0 = present[0]
         t, s = ctx0.shape.tokens, self._sinks(ctx0)
         reader = _Bytes(data)
-        coeffs = [self._decode_part(reader, gb, t - s) for gb in (cal.keys[g], cal.values[g])]
+        # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
+        # all zero, and at the default level most of the basis is dead in any one chunk
+        parts = [self._decode_part(reader, gb, t - s) for gb in (cal.keys[g], cal.values[g])]
         sinks = []
         for c in present:
             h = c.shape.heads
@@ -230,8 +232,8 @@ class KVTC(Codec):
         for c, sink in zip(present, sinks):
             h, dk, dv = c.shape.heads, c.shape.key_dim, c.shape.value_dim
             if c.layer in wanted:
-                k = self._features(coeffs[0], cal.keys[g], slice(k_off, k_off + h * dk), t - s).reshape(t - s, h, dk)
-                v = self._features(coeffs[1], cal.values[g], slice(v_off, v_off + h * dv), t - s).reshape(t - s, h, dv)
+                k = self._features(*parts[0], cal.keys[g], slice(k_off, k_off + h * dk), t - s).reshape(t - s, h, dk)
+                v = self._features(*parts[1], cal.values[g], slice(v_off, v_off + h * dv), t - s).reshape(t - s, h, dv)
                 k = torch.cat([torch.zeros(h, s, dk), k.permute(1, 0, 2)], 1)
                 v = torch.cat([torch.from_numpy(sink[1].astype(np.float32)), v.permute(1, 0, 2)], 1)
                 if self._rotated(c):
@@ -242,8 +244,9 @@ class KVTC(Codec):
             v_off += h * dv
         return out
 
-    def _decode_part(self, reader: _Bytes, gb: GroupBasis, t: int) -> torch.Tensor:
-        """The dequantized coefficients ``[T, K]`` float32 of one part."""
+    def _decode_part(self, reader: _Bytes, gb: GroupBasis, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One part's dequantized coefficients of its live components ``[T, L]`` float32, and those
+        components' basis columns ``[F, L]``."""
         k = gb.components
         table = reader.take(k, "u1")
         base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
@@ -267,11 +270,13 @@ class KVTC(Codec):
                                                      [(r.size, r.table) for r in runs])):
                 r.scatter(q, symbols)
         # |q| <= 255 and a float32 step: the float32 product is the exact product rounded once
-        return torch.from_numpy(q.T.astype(np.float32) * STEPS[codes][None, :])
+        coeff = q[live].T.astype(np.float32) * STEPS[codes[live]][None, :]
+        return torch.from_numpy(coeff), gb.basis32[:, torch.from_numpy(live)]
 
     @staticmethod
-    def _features(coeff: torch.Tensor, gb: GroupBasis, cols: slice, t: int) -> torch.Tensor:
-        """Features ``cols`` of the group back from the coefficients: ``coeff @ basis[cols].T / w + mean``."""
+    def _features(coeff: torch.Tensor, basis: torch.Tensor, gb: GroupBasis, cols: slice, t: int) -> torch.Tensor:
+        """Features ``cols`` of the group back from live coefficients and their basis columns:
+        ``coeff @ basis[cols].T / w + mean``."""
         if not t:
             return torch.zeros(0, cols.stop - cols.start)
-        return (coeff @ gb.basis32[cols].T) / gb.weight[cols] + gb.mean[cols]
+        return (coeff @ basis[cols].T) / gb.weight[cols] + gb.mean[cols]
