@@ -184,7 +184,7 @@ class KVTC(Codec):
         return b"".join(parts + sinks)
 
     def _encode_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
-        coeff = (((x - gb.mean) * gb.weight) @ gb.basis32).T.numpy().astype(np.float64)  # [K, T]
+        coeff = (((x - gb.mean) * gb.weight) @ gb.rows32.T).T.numpy().astype(np.float64)  # [K, T]
         k, t = coeff.shape
         codes = np.full(k, step_code(step), np.int64)
         worst = np.abs(coeff).max(1, initial=0) / STEPS[codes]
@@ -227,26 +227,34 @@ class KVTC(Codec):
             sinks.append([reader.take(h * s * d, "<f2").reshape(h, s, d) for d in (c.shape.key_dim, c.shape.value_dim)])
         if reader.pos != len(data):
             raise CorruptDataError(f"kvtc group has {len(data) - reader.pos} bytes too many")
-        out = {}
+        # each layer's features are a column span of the group's; one product covers the wanted layers' spans
+        spans = {}
         k_off = v_off = 0
+        for c in present:
+            h = c.shape.heads
+            spans[c.layer] = (slice(k_off, k_off + h * c.shape.key_dim), slice(v_off, v_off + h * c.shape.value_dim))
+            k_off, v_off = spans[c.layer][0].stop, spans[c.layer][1].stop
+        feats = [self._features(*parts[i], gb, slice(min(spans[l][i].start for l in wanted if l in spans),
+                                                      max(spans[l][i].stop for l in wanted if l in spans)), t - s)
+                 for i, gb in enumerate((cal.keys[g], cal.values[g]))]
+        out = {}
         for c, sink in zip(present, sinks):
             h, dk, dv = c.shape.heads, c.shape.key_dim, c.shape.value_dim
             if c.layer in wanted:
-                k = self._features(*parts[0], cal.keys[g], slice(k_off, k_off + h * dk), t - s).reshape(t - s, h, dk)
-                v = self._features(*parts[1], cal.values[g], slice(v_off, v_off + h * dv), t - s).reshape(t - s, h, dv)
+                k, v = (f[:, span.start - f_start:span.stop - f_start]
+                        for (f, f_start), span in zip(feats, spans[c.layer]))
+                k, v = k.reshape(t - s, h, dk), v.reshape(t - s, h, dv)
                 k = torch.cat([torch.zeros(h, s, dk), k.permute(1, 0, 2)], 1)
                 v = torch.cat([torch.from_numpy(sink[1].astype(np.float32)), v.permute(1, 0, 2)], 1)
                 if self._rotated(c):
                     k = cal.layers[c.layer].rotary.rotate(k, c.positions_tensor())
                 k[:, :s] = torch.from_numpy(sink[0].astype(np.float32))
                 out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
-            k_off += h * dk
-            v_off += h * dv
         return out
 
     def _decode_part(self, reader: _Bytes, gb: GroupBasis, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One part's dequantized coefficients of its live components ``[T, L]`` float32, and those
-        components' basis columns ``[F, L]``."""
+        components' basis rows ``[L, F]``."""
         k = gb.components
         table = reader.take(k, "u1")
         base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
@@ -271,12 +279,13 @@ class KVTC(Codec):
                 r.scatter(q, symbols)
         # |q| <= 255 and a float32 step: the float32 product is the exact product rounded once
         coeff = q[live].T.astype(np.float32) * STEPS[codes[live]][None, :]
-        return torch.from_numpy(coeff), gb.basis32[:, torch.from_numpy(live)]
+        return torch.from_numpy(coeff), gb.rows32.index_select(0, torch.from_numpy(live))
 
     @staticmethod
-    def _features(coeff: torch.Tensor, basis: torch.Tensor, gb: GroupBasis, cols: slice, t: int) -> torch.Tensor:
-        """Features ``cols`` of the group back from live coefficients and their basis columns:
-        ``coeff @ basis[cols].T / w + mean``."""
+    def _features(coeff: torch.Tensor, rows: torch.Tensor, gb: GroupBasis, cols: slice,
+                  t: int) -> tuple[torch.Tensor, int]:
+        """Features ``cols`` of the group ``[T, cols]`` back from live coefficients and their basis rows
+        (``coeff @ rows[:, cols] / w + mean``), and where they start."""
         if not t:
-            return torch.zeros(0, cols.stop - cols.start)
-        return (coeff @ basis[cols].T) / gb.weight[cols] + gb.mean[cols]
+            return torch.zeros(0, cols.stop - cols.start), cols.start
+        return torch.addcdiv(gb.mean[cols], coeff @ rows[:, cols], gb.weight[cols]), cols.start
