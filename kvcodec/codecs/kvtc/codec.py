@@ -28,7 +28,7 @@ from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane
 from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, step_code
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
                                              register_calibration)
-from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, LEVELS
+from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
 
@@ -47,13 +47,16 @@ class KVTC(Codec):
     joint_sections = True
 
     def __init__(self, level: int = DEFAULT_LEVEL, calibration: Any = "auto", sink_tokens: int = 1,
-                 lane_components: int = 64, lane_tokens: int = 256) -> None:
+                 lane_components: int = 64, lane_tokens: int = 256, min_std: float = DEFAULT_MIN_STD) -> None:
         if not isinstance(level, int) or isinstance(level, bool) or level not in LEVELS:
             raise InvalidInputError(f"kvtc level must be one of {sorted(LEVELS)}, not {level!r}")
         for name, v, hi in (("sink_tokens", sink_tokens, 1024), ("lane_components", lane_components, 4096),
                             ("lane_tokens", lane_tokens, MAX_LANE_SYMBOLS)):
             if not isinstance(v, int) or isinstance(v, bool) or not (0 if name == "sink_tokens" else 1) <= v <= hi:
                 raise InvalidInputError(f"kvtc {name} must be an integer up to {hi}, not {v!r}")
+        if isinstance(min_std, bool) or not isinstance(min_std, (int, float)) or not 0 <= min_std <= 10:
+            raise InvalidInputError(f"kvtc min_std must be a number in 0..10 (a fraction of the step), not {min_std!r}")
+        self.min_std = float(min_std)
         if lane_components * lane_tokens > MAX_LANE_SYMBOLS:
             raise InvalidInputError(f"kvtc lane_components * lane_tokens must be at most {MAX_LANE_SYMBOLS}")
         self.level, self.sink_tokens = level, sink_tokens
@@ -75,14 +78,16 @@ class KVTC(Codec):
         return [{"level": level} for level in sorted(LEVELS)]
 
     def get_config(self) -> dict[str, Any]:
-        return {"level": self.level, "calibration": self.calibration, "sink_tokens": self.sink_tokens,
-                "lane_components": self.lane_components, "lane_tokens": self.lane_tokens}
+        config = {"level": self.level, "calibration": self.calibration, "sink_tokens": self.sink_tokens,
+                  "lane_components": self.lane_components, "lane_tokens": self.lane_tokens}
+        # 0 (every component coded) is what files written before the option meant, and they name no min_std
+        return config | ({"min_std": self.min_std} if self.min_std else {})
 
     @classmethod
     def from_file_config(cls, config: dict[str, Any]) -> Codec:
         if not (isinstance(config.get("calibration"), str) and DIGEST.fullmatch(config["calibration"])):
             raise InvalidInputError("a kvtc container must name its calibration by SHA-256")
-        return cls.from_config(config)
+        return cls.from_config({"min_std": 0.0} | config)  # written before min_std existed: every component coded
 
     def for_cache(self, kv: Any) -> KVTC:
         """This codec with its calibration resolved for ``kv`` (``"auto"``: the one installed for its model)."""
@@ -93,7 +98,7 @@ class KVTC(Codec):
             raise InvalidInputError(
                 f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
                 "kvcodec.codecs.kvtc.calibrate) and pass calibration=FILE")
-        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens)
+        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std)
 
     def calibration_data(self) -> Calibration:
         if self._cal is None:
@@ -183,8 +188,16 @@ class KVTC(Codec):
                  for f, basis, step in ((kfeat, cal.keys[g], key_step), (vfeat, cal.values[g], value_step))]
         return b"".join(parts + sinks)
 
+    def _coded(self, gb: GroupBasis, step: float) -> int:
+        """How many leading components of ``gb`` are coded: those whose calibration std is at least ``min_std``
+        steps (the basis is sorted by variance, so they lead).  A component with a smaller std rounds to zero
+        nearly everywhere, so leaving it out costs about the error its quantization would leave, and saves its
+        share of the matrix products, which dominate kvtc's time."""
+        return int((gb.variance.sqrt() >= self.min_std * step).sum())
+
     def _encode_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
-        coeff = (((x - gb.mean) * gb.weight) @ gb.rows32.T).T.numpy().astype(np.float64)  # [K, T]
+        rows = gb.rows32[:self._coded(gb, step)]
+        coeff = (((x - gb.mean) * gb.weight) @ rows.T).T.numpy().astype(np.float64)  # [K, T]
         k, t = coeff.shape
         codes = np.full(k, step_code(step), np.int64)
         worst = np.abs(coeff).max(1, initial=0) / STEPS[codes]
@@ -220,7 +233,8 @@ class KVTC(Codec):
         reader = _Bytes(data)
         # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
         # all zero, and at the default level most of the basis is dead in any one chunk
-        parts = [self._decode_part(reader, gb, t - s) for gb in (cal.keys[g], cal.values[g])]
+        parts = [self._decode_part(reader, gb, step, t - s) for gb, step in zip((cal.keys[g], cal.values[g]),
+                                                                                  LEVELS[self.level])]
         sinks = []
         for c in present:
             h = c.shape.heads
@@ -252,10 +266,10 @@ class KVTC(Codec):
                 out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
         return out
 
-    def _decode_part(self, reader: _Bytes, gb: GroupBasis, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One part's dequantized coefficients of its live components ``[T, L]`` float32, and those
-        components' basis rows ``[L, F]``."""
-        k = gb.components
+    def _decode_part(self, reader: _Bytes, gb: GroupBasis, step: float, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One part's dequantized coefficients ``[T, L]`` float32 of its components up to the last live one,
+        and those components' basis rows ``[L, F]``."""
+        k = self._coded(gb, step)
         table = reader.take(k, "u1")
         base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
         live = np.flatnonzero(table != DEAD)
@@ -278,8 +292,11 @@ class KVTC(Codec):
                                                      [(r.size, r.table) for r in runs])):
                 r.scatter(q, symbols)
         # |q| <= 255 and a float32 step: the float32 product is the exact product rounded once
-        coeff = q[live].T.astype(np.float32) * STEPS[codes[live]][None, :]
-        return torch.from_numpy(coeff), gb.rows32.index_select(0, torch.from_numpy(live))
+        # up to the last live component: the basis rows are then a view (no copy), and dead components before
+        # it contribute zeros
+        n = int(live[-1]) + 1 if len(live) else 0
+        coeff = q[:n].T.astype(np.float32) * STEPS[codes[:n]][None, :]
+        return torch.from_numpy(coeff), gb.rows32[:n]
 
     @staticmethod
     def _features(coeff: torch.Tensor, rows: torch.Tensor, gb: GroupBasis, cols: slice,
