@@ -285,3 +285,18 @@ class Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def iter_chunk_layers(reader: Reader, i: int, *, device: torch.device | str | None = None) -> Iterator[KVLayer]:
+    """Chunk ``i``'s layers one at a time, in order, for engines that overlap loading with the model's layers:
+    each layer is decoded on its own, except that a codec with joint sections (kvtc: SPEC.md §6.7) decodes the
+    frame once, at the first layer, instead of once per layer."""
+    e = reader.chunks[i]
+    layers = range(e.layer_start, e.layer_start + e.layer_count)
+    if reader.codecs[e.variant].joint_sections:
+        chunk = reader.read_chunk(i, device=device)
+        for l in layers:
+            yield chunk.layers.pop(l)
+    else:
+        for l in layers:
+            yield reader.read_chunk(i, layers=[l], device=device).layers[l]

@@ -220,3 +220,10 @@ def test_store_keeps_the_calibration_beside_the_chunks(toy_cal, tmp_path, monkey
     reader = KVStore([DiskTier(tmp_path / "shared")], model="toy", codec=KVTC(calibration=toy_cal.digest), chunk_tokens=32)
     got = reader.get(ids)
     assert got is not None and got.num_tokens == 96 and reader.stats["corrupt"] == 0
+    # kvtc chunks record their absolute positions (it undoes the rotary embedding at them): the stored cache is
+    # what encoding the whole cache gives, chunk for chunk (but for each chunk's first token, kept exact there)
+    with kvcodec.open(reader.fetch(ids)[2].data) as r:
+        assert r.header.meta["positions"] == list(range(64, 96))
+    whole = kvcodec.decode(kvcodec.encode(kv, KVTC(calibration=toy_cal), chunk_tokens=32))
+    coded = [t for t in range(96) if t % 32]
+    assert all(torch.equal(a.keys[:, coded], b.keys[:, coded]) for a, b in zip(got.layers, whole.layers))
