@@ -373,7 +373,7 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
     try:
         for seg in (progress(segments, len(segments)) if progress else segments):
             cache = DynamicCache(config=cfg)
-            out = model(torch.tensor([seg]), cache=cache, use_cache=True, output_hidden_states=True)
+            out = model(torch.tensor([seg]), use_cache=True, output_hidden_states=True, **loaded._cache_arg(cache))
             kv = KVCache.from_hf(cache)
             n = len(seg)
             for i, l in enumerate(layers):

@@ -45,6 +45,7 @@ class KVTC(Codec):
     codec_id = "kvtc"
     lossless = False
     joint_sections = True
+    uses_positions = True
 
     def __init__(self, level: int = DEFAULT_LEVEL, calibration: Any = "auto", sink_tokens: int = 1,
                  lane_components: int = 64, lane_tokens: int = 256, min_std: float = DEFAULT_MIN_STD) -> None:
