@@ -43,6 +43,15 @@ def load_dump(path: str) -> kvcodec.KVCache:
     return kvcodec.KVCache.load_safetensors(path)
 
 
+def calibrate_for(specs: list[str]) -> None:
+    """Install SmolLM2's kvtc calibration (computed once, minutes) when a spec needs it."""
+    if any(spec.startswith("kvtc") for spec in specs):
+        from kvcodec.codecs.kvtc import ensure_calibration
+        from kvcodec.models import load_model
+
+        ensure_calibration(load_model("smollm2", progress=False), log=lambda line: print(line, file=sys.stderr))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dump", default=DEFAULT_DUMP)
@@ -52,11 +61,7 @@ def main() -> None:
     torch.set_num_threads(1)
     kv = load_dump(args.dump)
     specs = args.codec or DEFAULT_CODECS
-    if any(spec.startswith("kvtc") for spec in specs):
-        from kvcodec.codecs.kvtc import ensure_calibration
-        from kvcodec.models import load_model
-
-        ensure_calibration(load_model("smollm2", progress=False), log=lambda line: print(line, file=sys.stderr))
+    calibrate_for(specs)
     load = os.getloadavg()[0]
     rows = []
     for spec in specs:
