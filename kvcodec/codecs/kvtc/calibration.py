@@ -63,6 +63,7 @@ SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
 # A component whose std is below this fraction of the finest step rounds to zero at every level
 # (|c| >= step/2 needs a 3.3-sigma excursion), so the basis drops it.
 TRUNCATE_FRACTION = 0.15
+WEIGHT_FLOOR = 1e-3
 
 
 class MissingCalibrationError(KVCodecError):
@@ -467,14 +468,21 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
             pair = (energy[:, :half] + energy[:, half:2 * half]) / 2
             energy = torch.cat([pair, pair, energy[:, 2 * half:]], -1)
         scaling = float(getattr(blocks[i].self_attn, "scaling", l.key_dim ** -0.5))  # the logits' factor
-        key_weights.append((energy.sqrt() * scaling).reshape(-1))
+        key_weights.append(_floored((energy.sqrt() * scaling).reshape(-1)))
         wo = blocks[i].self_attn.o_proj.weight.double() * taps.output_gain(i)[:, None]
         col = wo.pow(2).sum(0).reshape(l.heads, nq // l.heads, l.value_dim).sum(1).sqrt()
-        value_weights.append((col / math.sqrt(resid_sq[i] / counted)).reshape(-1))
+        value_weights.append(_floored((col / math.sqrt(resid_sq[i] / counted)).reshape(-1)))
     settings = {"texts": list(texts), "segment_tokens": segment_tokens, "tokens": counted, "undo_rope": undo_rope,
                 "window": getattr(cfg, "sliding_window", None)}
     return Features(loaded.model_id, layers, windowed, [torch.cat(f) for f in keys_pre], [torch.cat(f) for f in values],
                     key_weights, value_weights, settings)
+
+
+def _floored(weight: torch.Tensor) -> torch.Tensor:
+    """Weights of at least ``WEIGHT_FLOOR`` times the layer's largest: a channel nothing reads (Gemma 3 270M's
+    query norm zeroes some query channels, so their keys' weight is 0) must still be invertible; its error then
+    costs next to nothing, as it should."""
+    return weight.clamp_min(WEIGHT_FLOOR * float(weight.max()))
 
 
 def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, group_layers: int | None = None,
