@@ -26,7 +26,7 @@ import torch
 
 import kvcodec
 from kvcodec.fuzz.runner import FIXED_BYTES, HEADER_FACTOR, INPUT_FACTOR, OUTPUT_FACTOR, Worker, fuzz
-from kvcodec.fuzz.seeds import CHUNK_LAYERS, SEED_CODECS, fuzz_kv, hevc_donors, make_seeds
+from kvcodec.fuzz.seeds import CHUNK_LAYERS, SEED_CODECS, fuzz_kv, hevc_donors, make_seeds, seed_codecs
 from kvcodec.fuzz.worker import PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,14 +43,11 @@ def default_dump() -> Path:
 
 def real_cache_ratios(kv: kvcodec.KVCache, seeds_data: list[bytes]) -> list[tuple[str, str, int, int, float]]:
     """(codec, path, declared output bytes, peak bytes, peak / declared) of the whole real cache, unmutated."""
-    worker = Worker(seeds_data, 4 << 30)
+    files = {name: kvcodec.encode(kv, seed_codecs(name, kv), chunk_layers=CHUNK_LAYERS) for name in SEED_CODECS}
+    worker = Worker(seeds_data + [files["kvtc"]], 4 << 30)  # the child gets the kvtc file's calibration, too
     rows = []
     try:
-        for name, spec in SEED_CODECS.items():
-            if isinstance(spec, list):
-                data = kvcodec.encode(kv, [kvcodec.get_codec(c, **o) for c, o in spec], chunk_layers=CHUNK_LAYERS)
-            else:
-                data = kvcodec.encode(kv, spec[0], chunk_layers=CHUNK_LAYERS, **spec[1])
+        for name, data in files.items():
             for path in PATHS:
                 r = worker.run((path, data, 0, None), 120)
                 assert r["outcome"] == "decoded", r["detail"]
@@ -67,12 +64,12 @@ def section_ratios(kv: kvcodec.KVCache, seeds_data: list[bytes], tokens: int = 4
     reps = -(-tokens // layer.keys.shape[1])
     one = kvcodec.KVCache([(torch.cat([layer.keys] * reps, 1)[:, :tokens], torch.cat([layer.values] * reps, 1)[:, :tokens])],
                           model=kv.model)
-    worker = Worker(seeds_data, 4 << 30)
+    files = {name: kvcodec.encode(one, seed_codecs(name, one)[-1], chunk_tokens=tokens) for name in SEED_CODECS}
+    worker = Worker(seeds_data + [files["kvtc"]], 4 << 30)
     rows = []
     try:
-        for name, spec in SEED_CODECS.items():
-            codecs = [kvcodec.get_codec(c, **o) for c, o in (spec if isinstance(spec, list) else [spec])]
-            r = worker.run(("open", kvcodec.encode(one, codecs[-1], chunk_tokens=tokens), 0, None), 300)
+        for name, data in files.items():
+            r = worker.run(("open", data, 0, None), 300)
             assert r["outcome"] == "decoded", r["detail"]
             rows.append((name, r["declared"], r["peak"], r["peak"] / r["declared"]))
     finally:

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 import kvcodec
-from cpu_codecs import DEFAULT_DUMP, load_dump  # bench/ is on sys.path when this runs as a script
+from cpu_codecs import DEFAULT_DUMP, calibrate_for, load_dump  # bench/ is on sys.path when this runs as a script
 from kvcodec.cli import parse_codec
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_CODECS = ["raw", "fp8", "zstd", "kivi:bits=4", "lmcache-cachegen", "cachegen", "kvfetcher"]
+DEFAULT_CODECS = ["raw", "fp8", "zstd", "kivi:bits=4", "lmcache-cachegen", "cachegen", "kvfetcher", "kvtc"]
 TARGET = 1.5
 
 
@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--codec", action="append", help=f"codec specs (default: {' '.join(DEFAULT_CODECS)})")
     args = p.parse_args()
     kv = load_dump(args.dump)
+    calibrate_for(args.codec or DEFAULT_CODECS)
     load_before = os.getloadavg()[0]
     old_default = torch.get_num_threads()  # what torch picks for this machine: what every call used before
     rows = []

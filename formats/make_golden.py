@@ -69,7 +69,7 @@ def cases(source: kvcodec.KVCache) -> dict[str, tuple[str, kvcodec.KVCache, dict
         "kivi2-f16.kvc": ("kivi:bits=2,group=16", f16, grid),
         "kivi4-f16.kvc": ("kivi:bits=4,group=32", f16, dict(chunk_tokens=32)),
         "kivi8-f16.kvc": ("kivi:bits=8,group=128", f16, {}),
-        "kvtc-f16.kvc": ("kvtc:level=4", f16, {}),
+        "kvtc-f16.kvc": ("kvtc:level=4,min_std=0", f16, {}),  # every component coded (min_std 0), as before the option
     }
 
 

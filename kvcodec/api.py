@@ -105,23 +105,15 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
     ``max_bytes`` (for untrusted input) refuses, with :class:`LimitExceededError` and before allocating it,
     a decode whose output as the header declares it, or any header, index or section it reads, is larger.
     """
-    if positions is not None:
-        from kvcodec.codecs.kvtc import reposition
-
-        calibration = None
-        if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
-            with Reader(data, max_bytes) as reader:  # a kvtc container's own calibration knows the rotary setting
-                calibration = next((c.calibration_data() for c in reader.codecs if c.codec_id == "kvtc"), None)
-                kv = reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend,
-                                   threads=threads)
-        else:
-            kv = decode(data, device=device, layers=layers, progress=progress, backend=backend, threads=threads,
-                        max_bytes=max_bytes)
-        return reposition(kv, positions, layers=layers, calibration=calibration)
     if isinstance(data, (bytes, bytearray, memoryview, str, os.PathLike)) or hasattr(data, "seek"):
         with Reader(data, max_bytes) as reader:
             return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend,
-                                 threads=threads)
+                                 threads=threads, positions=positions)
+    if positions is not None:
+        from kvcodec.codecs.kvtc import reposition
+
+        return reposition(decode(data, device=device, layers=layers, chunks=chunks, progress=progress,
+                                 backend=backend, threads=threads, max_bytes=max_bytes), positions, layers=layers)
     dev = resolve_device(device)
     check_threads(threads)
     if chunks is not None:

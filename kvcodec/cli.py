@@ -427,12 +427,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvcodec.codecs.kvtc import calibrate, install
-    from kvcodec.codecs.kvtc.calibration import DEFAULT_CALIBRATION_TEXTS
+    from kvcodec.codecs.kvtc.calibration import DEFAULT_CALIBRATION_TEXTS, collect_features
     from kvcodec.models import load_model
 
-    model = load_model(args.model)
+    model = load_model(args.model, progress=not args.quiet)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
-    cal = calibrate(model, texts, group_layers=args.group_layers, max_tokens=args.tokens)
+    features = collect_features(model, texts, max_tokens=args.tokens,
+                                progress=_progress(args, "calibrate: run the model", unit="segment"))
+    if not args.quiet:  # the fit has no steps to count and takes minutes
+        print(f"calibrate: fitting the PCA bases of {features.settings['tokens']} tokens "
+              "(several minutes on 2 cores for an all-layer basis)", file=sys.stderr)
+    cal = calibrate(model, texts, group_layers=args.group_layers, features=features)
     digest = cal.save(args.output)
     installed = install(cal) if args.install else None
     obj = {"output": args.output, "sha256": digest, "model": cal.model, "groups": len(cal.groups),

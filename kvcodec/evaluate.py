@@ -151,12 +151,19 @@ class Throughput:
     decode_s: float
     elements: int
     raw_bytes: int
+    # the process's CPU seconds over the same calls: what a core's worth of work takes, whatever else the
+    # machine runs (with one thread, elements per CPU-second is the speed per core)
+    encode_cpu_s: float = float("nan")
+    decode_cpu_s: float = float("nan")
 
     def to_dict(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "bits_per_element": 8 * self.bytes / self.elements,
                 "encode_s": self.encode_s, "decode_s": self.decode_s,
                 "encode_MBps": self.raw_bytes / self.encode_s / 1e6, "decode_MBps": self.raw_bytes / self.decode_s / 1e6,
-                "encode_Melem_s": self.elements / self.encode_s / 1e6, "decode_Melem_s": self.elements / self.decode_s / 1e6}
+                "encode_Melem_s": self.elements / self.encode_s / 1e6, "decode_Melem_s": self.elements / self.decode_s / 1e6,
+                "encode_cpu_s": self.encode_cpu_s, "decode_cpu_s": self.decode_cpu_s,
+                "encode_Melem_per_cpu_s": self.elements / self.encode_cpu_s / 1e6,
+                "decode_Melem_per_cpu_s": self.elements / self.decode_cpu_s / 1e6}
 
 
 def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -165,17 +172,20 @@ def measure_throughput(kv: KVCache, codec: Codec, repeat: int = 3, chunk_tokens:
     (a CUDA device is synchronised before the encode clock starts and before the decode clock stops; the
     encode ends in host bytes, so it has finished when it returns).  ``threads`` as for :func:`kvcodec.encode`."""
     sync = torch.cuda.synchronize if kv.device.type == "cuda" else (lambda: None)
-    enc, dec = [], []
+    enc, dec, enc_cpu, dec_cpu = [], [], [], []
     for _ in range(repeat):
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         blob = encode(kv, codec, chunk_tokens=chunk_tokens, backend=backend, threads=threads)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         decode(blob, device=kv.device, backend=backend, threads=threads)
         sync()
         dec.append(time.perf_counter() - t1)
+        dec_cpu.append(time.process_time() - c1)
         enc.append(t1 - t0)
-    return Throughput(len(blob), statistics.median(enc), statistics.median(dec), kv.num_elements, kv.nbytes)
+        enc_cpu.append(c1 - c0)
+    return Throughput(len(blob), statistics.median(enc), statistics.median(dec), kv.num_elements, kv.nbytes,
+                      statistics.median(enc_cpu), statistics.median(dec_cpu))
 
 
 def preset_label(codec_id: str, preset: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from kvcodec.cache import KVCache, KVLayer
 from kvcodec.chunking import check_layers, check_output, decode_all, decode_sections, sections_to_read
 from kvcodec.codecs import Codec, codec_class
 from kvcodec.codecs.base import check_backend
+from kvcodec.codecs.kvtc import reposition
 from kvcodec.container import ContainerReader
 from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
@@ -168,13 +169,18 @@ class Reader:
         return list(self._container.entries)
 
     def read_chunk(self, i: int, *, layers: Sequence[int] | None = None, device: torch.device | str | None = None,
-                   backend: str = "auto", threads: int = DEFAULT_THREADS) -> Chunk:
-        """Decode chunk ``i`` (or only ``layers`` of it); ``backend`` and ``threads`` as for :func:`kvcodec.decode`."""
+                   backend: str = "auto", threads: int = DEFAULT_THREADS,
+                   positions: Sequence[int] | None = None) -> Chunk:
+        """Decode chunk ``i`` (or only ``layers`` of it); ``backend`` and ``threads`` as for :func:`kvcodec.decode`.
+        ``positions`` (one per token of the chunk) moves the keys' rotary embedding to those positions, as
+        :func:`kvcodec.decode` does."""
         dev = resolve_device(device)
         check_backend(self.codecs, backend)
         check_threads(threads)
         check_layers(self.header, layers)
         e = self._container.entry(i)
+        if positions is not None and len(positions) != e.token_count:
+            raise InvalidInputError(f"{len(positions)} positions for chunk {i}'s {e.token_count} tokens")
         codec = self.codecs[e.variant]
         frame_layers = range(e.layer_start, e.layer_start + e.layer_count)
         if layers is not None:
@@ -188,7 +194,26 @@ class Reader:
         with torch_threads(threads):
             decoded = decode_sections(codec, self.header, e.token_start, e.token_count, frame.sections, dev, backend,
                                       layer_start=e.layer_start, wanted=wanted)
-        return Chunk(i, e.token_start, e.token_count, {layer: KVLayer(k, v) for layer, (_, k, v) in decoded.items()})
+        chunk = Chunk(i, e.token_start, e.token_count, {layer: KVLayer(k, v) for layer, (_, k, v) in decoded.items()})
+        if positions is not None and chunk.layers:
+            names = sorted(chunk.layers)
+            held = max(chunk.layers[l].keys.shape[1] for l in names)  # window layers alone hold the last tokens
+            kv = KVCache([chunk.layers[l] for l in names], **self._meta(e.token_start + e.token_count - held, held))
+            moved = self._moved(kv, list(positions)[e.token_count - held:], names)
+            chunk.layers = dict(zip(names, moved.layers))
+        return chunk
+
+    def _meta(self, token_start: int, token_count: int) -> dict[str, Any]:
+        """The header's model and rope, and the positions of the tokens ``token_start..+token_count``."""
+        meta = {k: self.header.meta[k] for k in ("model", "rope") if k in self.header.meta}
+        positions = self.header.meta.get("positions") or range(self.header.max_tokens)
+        return meta | {"positions": positions[token_start:token_start + token_count]}
+
+    def _moved(self, kv: KVCache, positions: Sequence[int], layers: Sequence[int] | None) -> KVCache:
+        """``kv`` (the model ``layers`` of this container) with its keys moved to ``positions``; a kvtc
+        container's own calibration knows the rotary setting."""
+        calibration = next((c.calibration_data() for c in self.codecs if c.codec_id == "kvtc"), None)
+        return reposition(kv, positions, layers=layers, calibration=calibration)
 
     def verify(self, progress: ProgressFn | None = None, threads: int = DEFAULT_THREADS) -> None:
         """Check every checksum and decode every chunk; raises :class:`CorruptDataError` on the first fault."""
@@ -198,12 +223,13 @@ class Reader:
 
     def decode(self, *, layers: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
                device: torch.device | str | None = None, progress: ProgressFn | None = None,
-               backend: str = "auto", threads: int = DEFAULT_THREADS) -> KVCache:
+               backend: str = "auto", threads: int = DEFAULT_THREADS,
+               positions: Sequence[int] | None = None) -> KVCache:
         """Decode the cache, or the ``layers`` and ``chunks`` asked for.
 
         ``chunks`` are indices into :attr:`chunks`; their token ranges must join
         up.  Where a chunk is stored in several variants, the highest (best) is used.
-        ``backend`` and ``threads`` as for :func:`kvcodec.decode`.
+        ``backend``, ``threads`` and ``positions`` as for :func:`kvcodec.decode`.
         """
         dev = resolve_device(device)
         check_backend(self.codecs, backend)
@@ -231,7 +257,8 @@ class Reader:
                     yield e.variant, e.token_start, e.token_count, e.layer_start, data.sections
 
         with torch_threads(threads):
-            return decode_all(self.header, frames(), self.codecs, layers, token_range, dev, backend, self.max_bytes)
+            kv = decode_all(self.header, frames(), self.codecs, layers, token_range, dev, backend, self.max_bytes)
+        return kv if positions is None else self._moved(kv, positions, layers)
 
     def _select(self, chunks: Sequence[int] | None) -> list[tuple[int, ChunkEntry]]:
         entries = self._container.entries
@@ -258,3 +285,18 @@ class Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def iter_chunk_layers(reader: Reader, i: int, *, device: torch.device | str | None = None) -> Iterator[KVLayer]:
+    """Chunk ``i``'s layers one at a time, in order, for engines that overlap loading with the model's layers:
+    each layer is decoded on its own, except that a codec with joint sections (kvtc: SPEC.md §6.7) decodes the
+    frame once, at the first layer, instead of once per layer."""
+    e = reader.chunks[i]
+    layers = range(e.layer_start, e.layer_start + e.layer_count)
+    if reader.codecs[e.variant].joint_sections:
+        chunk = reader.read_chunk(i, device=device)
+        for l in layers:
+            yield chunk.layers.pop(l)
+    else:
+        for l in layers:
+            yield reader.read_chunk(i, layers=[l], device=device).layers[l]

@@ -12,7 +12,7 @@ import torch
 import kvcodec
 from kvcodec.cli import EXIT_FAILED, EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_UNSUPPORTED, build_parser, main
 
-SUBCOMMANDS = ["dump", "encode", "decode", "info", "verify", "eval", "bench", "codecs"]
+SUBCOMMANDS = ["dump", "encode", "decode", "info", "verify", "eval", "bench", "codecs", "calibrate"]
 
 
 def run(capsys, *argv):
@@ -140,3 +140,20 @@ def test_backend_choices_are_the_codecs_backends():
     for name in ("encode", "decode"):
         action = next(a for a in commands[name]._actions if a.dest == "backend")
         assert tuple(action.choices) == BACKENDS
+
+
+def test_calibrate_then_kvtc_on_real_kv(capsys, real_dump, tmp_path, monkeypatch):
+    """`kvcodec calibrate` on the real model (a small budget: one 2048-token segment, groups of 10 layers), quiet
+    when asked, and the calibration it writes codes a real cache of another text to within kvtc's error."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cal, kvc, back = (str(tmp_path / n) for n in ("smollm2.kvtc", "kv.kvc", "back.safetensors"))
+    code, out, err = run(capsys, "calibrate", "--model", "smollm2", "--tokens", "2048", "--group-layers", "10",
+                         "-o", cal, "-q", "--json")
+    info = json.loads(out)
+    assert code == EXIT_OK and err == "" and info["groups"] == 3 and info["tokens"] == 2047
+    dump = str(real_dump("pydoc-topics", 300))
+    assert run(capsys, "encode", dump, "-o", kvc, "--codec", f"kvtc:level=4,calibration={cal}", "-q")[0] == EXIT_OK
+    code, out, _ = run(capsys, "decode", kvc, "-o", back, "--against", dump, "--json", "-q")
+    against = json.loads(out)["against"]
+    # values are weighted by what their error does downstream, so their plain SNR is lower than the keys'
+    assert code == EXIT_OK and 15 < against["keys"]["snr_db"] < 60 and 8 < against["values"]["snr_db"] < 60, against

@@ -80,7 +80,7 @@ def raw_container(tokens: int = 3) -> bytes:
 
 def test_sealing_unmutated_seeds_gives_their_bytes(seeds):
     assert {s.name for s in seeds} >= {"raw", "kivi", "fp8", "zstd", "cachegen", "lmcache-cachegen", "kvfetcher",
-                                       "multi-level"}
+                                       "multi-level", "kvtc"}
     for s in seeds:
         assert seal(unseal(s.data)) == s.data, s.name
 
@@ -293,8 +293,8 @@ def test_stream_refuses_a_section_over_max_bytes_before_buffering_it():
 
 
 def test_short_fuzz_run_finds_only_kvcodec_errors_and_decodes(seeds):
-    """30 mutated files per seed codec, each through all three paths in a child process (10 s, 2 GiB over
-    its start); every decoder's own checks must be reached (``in codec``)."""
+    """30 mutated files per seed (kvtc's over a calibration fitted on the seed cache), each through all three
+    paths in a child process (10 s, 2 GiB over its start); every decoder's own checks must be reached (``in codec``)."""
     tally = fuzz(seeds, hevc_donors(), cases=30 * len(seeds), rng_seed=14)
     assert not tally.bugs, [(b["seed"], b["path"], b["mutation"], b["outcome"], b["detail"][-500:]) for b in tally.bugs]
     for (seed, path), counts in tally.counts.items():

@@ -140,23 +140,24 @@ def test_codec_needs_whole_groups_and_a_calibration(toy_cal):
         kvcodec.encode(_cache(10, 6), KVTC(calibration=toy_cal), chunk_layers=3)
 
 
-def test_reposition_raw_float32_matches_model_at_shifted_positions(smollm2):
-    """The KV of a text at positions 0..T moved to P..P+T equals the model's own KV computed at P..P+T."""
+def _kv_at(model, ids: list[int], start: int, name: str) -> kvcodec.KVCache:
+    """The model's own float32 KV of ``ids`` computed at positions ``start..start+len(ids)``."""
     from transformers import DynamicCache
 
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([ids]), cache=cache, position_ids=torch.arange(start, start + len(ids))[None])
+    return kvcodec.KVCache.from_hf(cache, model=name, rope="post")
+
+
+def test_reposition_raw_float32_matches_model_at_shifted_positions(smollm2):
+    """The KV of a text at positions 0..T moved to P..P+T equals the model's own KV computed at P..P+T."""
     from kvcodec.codecs.kvtc.calibration import model_layers
 
     model = smollm2.model
     ids = smollm2.tokenize("The quick brown fox jumps over the lazy dog. " * 6)[:48]
     rot = [l.rotary for l in model_layers(model)]
-
-    def kv_at(start: int) -> kvcodec.KVCache:
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(torch.tensor([ids]), cache=cache, position_ids=torch.arange(start, start + len(ids))[None])
-        return kvcodec.KVCache.from_hf(cache, rope="post")
-
-    base, shifted = kv_at(0), kv_at(700)
+    base, shifted = _kv_at(model, ids, 0, "m"), _kv_at(model, ids, 700, "m")
     moved = reposition(kvcodec.decode(kvcodec.encode(base, "raw")), range(700, 700 + len(ids)), rotary=rot)
     assert moved.positions == list(range(700, 748))
     for a, b in zip(moved.layers, shifted.layers):
@@ -164,6 +165,45 @@ def test_reposition_raw_float32_matches_model_at_shifted_positions(smollm2):
         assert torch.allclose(a.values, b.values, atol=2e-4, rtol=1e-4)  # deeper layers: float noise of the run
     far = max(float((a.keys - b.keys).abs().max()) for a, b in zip(base.layers, shifted.layers))
     assert far > 0.1  # the shift really changes the keys
+
+
+def test_read_chunk_moves_keys_to_new_positions(smollm2):
+    """read_chunk(i, positions=) gives the model's own KV of that chunk's tokens computed at the new positions:
+    float32-close from a raw container (rotary setting from the model's installed calibration), within the
+    codec's error from a kvtc container (its own calibration), and nothing installed is an error."""
+    from kvcodec.codecs.kvtc.calibration import model_layers
+
+    model = smollm2.model
+    ids = smollm2.tokenize("The quick brown fox jumps over the lazy dog. " * 6)[:48]
+    name = "smollm2-read-chunk-test"  # a model name of its own: other tests' calibrations do not answer for it
+    base, shifted = _kv_at(model, ids, 0, name), _kv_at(model, ids, 500, name)
+    raw = kvcodec.encode(base, "raw", chunk_tokens=16)
+    with kvcodec.open(raw) as r, pytest.raises(InvalidInputError, match="no rotary setting"):
+        r.read_chunk(1, positions=range(516, 532))
+    # a small calibration of SmolLM2 fitted on these very tokens: enough for the rotary setting and a kvtc round trip
+    layers = model_layers(model)
+    flat = [(layer.rotary.rotate(l.keys, torch.arange(48), inverse=True), l.values) for layer, l in zip(layers, base.layers)]
+    feats = [(k.permute(1, 0, 2).reshape(48, -1), v.permute(1, 0, 2).reshape(48, -1)) for k, v in flat]
+    ones = [torch.ones(l.heads * l.key_dim) for l in layers]
+    cal = fit_calibration(name, layers, default_groups(layers, 5), [k for k, _ in feats], [v for _, v in feats],
+                          ones, ones, (1e-3, 1e-3))
+    kvcodec.codecs.kvtc.register_calibration(cal)
+    with kvcodec.open(raw) as r:
+        with pytest.raises(InvalidInputError, match="positions"):
+            r.read_chunk(1, positions=range(5))
+        chunk = r.read_chunk(1, positions=range(516, 532), layers=[0, 29])
+        assert sorted(chunk.layers) == [0, 29]
+        for l in (0, 29):
+            assert torch.allclose(chunk.layers[l].keys, shifted.layers[l].keys[:, 16:32], atol=2e-4, rtol=1e-4)
+            assert torch.allclose(chunk.layers[l].values, shifted.layers[l].values[:, 16:32], atol=2e-4, rtol=1e-4)
+        assert float((r.read_chunk(1).layers[29].keys - shifted.layers[29].keys[:, 16:32]).abs().max()) > 0.1
+    blob = kvcodec.encode(base, KVTC(level=1, calibration=cal), chunk_tokens=16)
+    codec_error = max(float((a.keys - b.keys).abs().max()) for a, b in zip(kvcodec.decode(blob).layers, base.layers))
+    with kvcodec.open(blob) as r:
+        chunk = r.read_chunk(2, positions=range(532, 548))
+        for l, layer in chunk.layers.items():
+            error = float((layer.keys - shifted.layers[l].keys[:, 32:48]).abs().max())
+            assert error < 2 * codec_error + 1e-3, (l, error, codec_error)
 
 
 def test_store_keeps_the_calibration_beside_the_chunks(toy_cal, tmp_path, monkeypatch):
@@ -180,3 +220,10 @@ def test_store_keeps_the_calibration_beside_the_chunks(toy_cal, tmp_path, monkey
     reader = KVStore([DiskTier(tmp_path / "shared")], model="toy", codec=KVTC(calibration=toy_cal.digest), chunk_tokens=32)
     got = reader.get(ids)
     assert got is not None and got.num_tokens == 96 and reader.stats["corrupt"] == 0
+    # kvtc chunks record their absolute positions (it undoes the rotary embedding at them): the stored cache is
+    # what encoding the whole cache gives, chunk for chunk (but for each chunk's first token, kept exact there)
+    with kvcodec.open(reader.fetch(ids)[2].data) as r:
+        assert r.header.meta["positions"] == list(range(64, 96))
+    whole = kvcodec.decode(kvcodec.encode(kv, KVTC(calibration=toy_cal), chunk_tokens=32))
+    coded = [t for t in range(96) if t % 32]
+    assert all(torch.equal(a.keys[:, coded], b.keys[:, coded]) for a, b in zip(got.layers, whole.layers))

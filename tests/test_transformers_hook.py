@@ -83,3 +83,40 @@ def test_failed_load_is_recomputed(smollm2, prompts, monkeypatch):
     assert store.lookup(second).num_tokens == 0  # the prefix that failed was evicted
     monkeypatch.undo()
     assert out.tokens == _in_memory(smollm2, second[:256], second[256:], 4)
+
+
+# a small calibration keeps the test cheap (about a second): 256 tokens, one basis per layer
+SMALL_CALIBRATION = {"max_tokens": 256, "segment_tokens": 128, "group_layers": 1}
+
+
+def test_kvtc_hook_calibrates_on_first_use_and_finds_it_after(smollm2, prompts, tmp_path, monkeypatch, caplog):
+    """codec kvtc with calibration 'auto': the first hook calibrates SmolLM2 (logged) and installs it, continues
+    a request from kvtc chunks within kvtc's error; a second hook (a new process's registry) finds the installed one."""
+    import kvcodec
+    from kvcodec.codecs.kvtc import calibration as calmod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(calmod.ENV_PATH, raising=False)
+    monkeypatch.setattr(calmod, "_registered", {})
+    first, second = prompts
+    caplog.set_level("INFO", logger="kvcodec.engines.transformers_hook")
+    hook = TransformersKVHook.with_store(smollm2, [MemoryTier(None)], codec="kvtc", calibration_options=SMALL_CALIBRATION)
+    assert "no calibration of SmolLM2-135M-Instruct installed; calibrating it now" in caplog.text
+    digest = hook.store.codec.calibration
+    assert (tmp_path / "kvcodec" / "calibrations" / f"{digest}.kvtc").is_file()
+    assert hook.generate(first, max_new_tokens=1).saved_chunks == 1
+    stored = kvcodec.decode(hook.store.fetch(first)[0].data)
+    exact = smollm2.prefill(first)
+    own = kvcodec.decode(kvcodec.encode(exact, hook.store.codec))  # kvtc's own error on this KV
+    for a, b, c in zip(stored.layers, exact.layers, own.layers):
+        for x, y, z in ((a.keys, b.keys, c.keys), (a.values, b.values, c.values)):
+            assert float((x - y).pow(2).mean().sqrt()) <= 1.05 * float((z - y).pow(2).mean().sqrt()) + 1e-3
+    b = hook.generate(second, max_new_tokens=NEW_TOKENS)
+    # the continuation runs on the loaded kvtc KV (a 256-token calibration's tokens soon part from the exact ones)
+    assert b.loaded_tokens == 256 and not b.recomputed and len(b.tokens) == NEW_TOKENS
+
+    caplog.clear()
+    monkeypatch.setattr(calmod, "_registered", {})
+    again = TransformersKVHook.with_store(smollm2, [MemoryTier(None)], codec="kvtc")
+    assert f"using the installed calibration {digest}" in caplog.text and "calibrating" not in caplog.text
+    assert again.store.codec.calibration == digest

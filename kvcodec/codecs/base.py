@@ -57,6 +57,9 @@ class Codec(abc.ABC):
     # A codec that codes a frame's layers together implements encode_frame/decode_frame instead of working
     # section by section; its frames hold one section (SPEC.md §6.7).
     joint_sections: ClassVar[bool] = False
+    # A codec whose coding depends on the tokens' positions (kvtc undoes the rotary embedding at them): a store
+    # records each chunk's absolute positions for it, which a chunk would otherwise take to start at 0.
+    uses_positions: ClassVar[bool] = False
 
     @abc.abstractmethod
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:

@@ -27,7 +27,10 @@ settings travel with it), and back with :meth:`KVCache.to_lmcache`.  Two ways in
    settings (numbers are parsed: ``level=2``, ``bits=4``).  ``num_heads`` defaults to LMCache's
    ``metadata.kv_shape[3]`` (the KV heads of this worker).  A chunk that is missing, damaged
    (checksum) or fails to decode is a miss (``get`` returns None, and it is deleted), so LMCache
-   recomputes it; no exception reaches the engine.
+   recomputes it; no exception reaches the engine.  With ``codec=kvtc`` the calibration is found by
+   LMCache's ``model_name``; when none is installed, the plugin loads that model (a folder, a GGUF file or
+   ``smollm2``) with transformers on the CPU and calibrates it once at start-up, saying so in the log
+   (``calibrate.max_tokens=4096`` and other ``calibrate.*`` parameters set the calibration).
 
 **2. A serializer** for LMCache's newer L2 adapters (``register_serde_factory``): call
 :func:`register` once (for example from a module your launcher imports), then name it in an
@@ -60,6 +63,7 @@ import torch
 from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec, get_codec
+from kvcodec.engines.auto_calibration import ensure_model_calibration, load_served_model, wants_calibration
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.reader import Reader
 from kvcodec.store import DiskTier, MemoryTier, RedisTier, StorageTier
@@ -120,9 +124,11 @@ class LMCacheChunkCodec:
     """``[2, L, T, H*D]`` tensors to kvcodec container bytes and back."""
 
     def __init__(self, codec: str | Codec = "cachegen", *, num_heads: int | None = None, model: str | None = None,
-                 **codec_options: Any) -> None:
+                 calibration_options: dict[str, Any] | None = None, **codec_options: Any) -> None:
         self.codec = codec if isinstance(codec, Codec) else get_codec(codec, **codec_options)
         self.num_heads, self.model = num_heads, model
+        if model and wants_calibration(codec, codec_options):  # kvtc: calibrate the model when none is installed
+            ensure_model_calibration(model, lambda: load_served_model(model, log.info), log.info, calibration_options)
 
     def encode(self, chunk: torch.Tensor, num_heads: int | None = None) -> bytes:
         h = num_heads or self.num_heads
@@ -348,7 +354,9 @@ def connector_from_url(url: str, *, local_cpu_backend: Any = None, loop: Any = N
     """``kvcodec://host:port/?backend=redis&codec=cachegen&level=2``, ``kvcodec:///folder?backend=disk`` or
     ``kvcodec://local/?backend=memory``; codec settings from the query and from ``extra``
     (``remote_storage_plugin.<plugin>.codec_options``); ``workers`` (default 2) threads do the storage and codec
-    work off LMCache's event loop."""
+    work off LMCache's event loop.  With ``codec=kvtc`` and no ``calibration``, a model (LMCache's
+    ``model_name``: a folder, GGUF file or ``smollm2``) with no calibration installed is calibrated once, at
+    start-up; ``calibrate.<option>=value`` settings (``calibrate.max_tokens=4096``) are kvtc calibrate's."""
     parsed = urlparse(url)
     if parsed.scheme != "kvcodec":
         raise InvalidInputError(f"not a kvcodec:// url: {url!r}")
@@ -358,6 +366,7 @@ def connector_from_url(url: str, *, local_cpu_backend: Any = None, loop: Any = N
     num_heads = q.pop("num_heads", None)
     timeout = float(q.pop("timeout", 0.5))
     workers = int(q.pop("workers", 2))
+    calibration = {k.removeprefix("calibrate."): q.pop(k) for k in list(q) if k.startswith("calibrate.")}
     options = dict((extra or {}).get(f"remote_storage_plugin.{plugin}.codec_options", {}) or {})
     options.update(q)
     if backend == "redis":
@@ -371,7 +380,8 @@ def connector_from_url(url: str, *, local_cpu_backend: Any = None, loop: Any = N
     else:
         raise InvalidInputError(f"backend must be redis, disk or memory, not {backend!r}")
     model = getattr(metadata, "model_name", None)
-    codec_obj = LMCacheChunkCodec(codec, num_heads=int(num_heads) if num_heads else None, model=model, **options)
+    codec_obj = LMCacheChunkCodec(codec, num_heads=int(num_heads) if num_heads else None, model=model,
+                                  calibration_options=calibration, **options)
     return KVCodecRemoteConnector(tier, codec_obj, local_cpu_backend=local_cpu_backend, loop=loop, metadata=metadata,
                                   config=config, max_workers=workers)
 
@@ -457,14 +467,17 @@ class KVCodecDeserializer(Deserializer):
 
 
 def make_serde(config: dict[str, Any] | None = None) -> Any:
-    """The serde factory: ``{"codec": ..., "num_heads": ..., "max_workers": ..., <codec settings>}``
-    (``max_workers``: threads of LMCache's ``AsyncSerdeProcessor``, default 1)."""
+    """The serde factory: ``{"codec": ..., "num_heads": ..., "max_workers": ..., "model": ...,
+    "calibration_options": {...}, <codec settings>}`` (``max_workers``: threads of LMCache's
+    ``AsyncSerdeProcessor``, default 1; ``model`` names the caches' model, which kvtc's calibration is found by,
+    and calibrated with ``calibration_options`` when none is installed)."""
     cfg = dict(config or {})
     cfg.pop("type", None)
     codec = cfg.pop("codec", "cachegen")
     num_heads = cfg.pop("num_heads", None)
     max_workers = int(cfg.pop("max_workers", 1))
-    chunk_codec = LMCacheChunkCodec(codec, num_heads=num_heads, **cfg)
+    chunk_codec = LMCacheChunkCodec(codec, num_heads=num_heads, model=cfg.pop("model", None),
+                                    calibration_options=cfg.pop("calibration_options", None), **cfg)
     ser, de = KVCodecSerializer(chunk_codec), KVCodecDeserializer()
     if AsyncSerdeProcessor is not None:  # pragma: no cover - needs LMCache
         return AsyncSerdeProcessor(ser, de, max_workers=max_workers)

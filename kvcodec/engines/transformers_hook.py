@@ -25,8 +25,9 @@ from typing import Any, Sequence
 import torch
 
 from kvcodec.errors import KVCodecError
-from kvcodec.reader import Reader
-from kvcodec.store import FetchedChunk, KVStore
+from kvcodec.engines.auto_calibration import ensure_model_calibration, wants_calibration
+from kvcodec.reader import Reader, iter_chunk_layers
+from kvcodec.store import FetchedChunk, KVStore, StorageTier
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,11 @@ class LayerwiseLoader:
 
     def _run(self) -> None:
         try:
+            sources = [iter_chunk_layers(r, 0, device=self.device) for r in self.readers]
             for i in range(self.num_layers):
                 ks, vs = [], []
-                for r in self.readers:
-                    layer = r.read_chunk(0, layers=[i], device=self.device).layers[i]
+                for source in sources:
+                    layer = next(source)
                     ks.append(layer.keys)
                     vs.append(layer.values)
                 k = torch.cat(ks, 1)[:, : self.num_tokens]
@@ -168,6 +170,19 @@ class TransformersKVHook:
     def __init__(self, model: Any, store: KVStore, *, save: bool = True, save_dtype: torch.dtype | None = None) -> None:
         self.model = getattr(model, "model", model)
         self.store, self.save, self.save_dtype = store, save, save_dtype
+
+    @classmethod
+    def with_store(cls, model: Any, tiers: Sequence[StorageTier], *, codec: str = "cachegen",
+                   codec_options: dict[str, Any] | None = None, calibration_options: dict[str, Any] | None = None,
+                   save: bool = True, save_dtype: torch.dtype | None = None, **store_options: Any) -> TransformersKVHook:
+        """A hook over a new :class:`KVStore` on ``tiers`` for ``model`` (a :class:`kvcodec.models.LoadedModel`),
+        keyed by its ``model_id``; ``store_options`` as for :class:`KVStore`.  With ``codec="kvtc"`` and its
+        calibration left ``"auto"``, a model with no calibration installed is calibrated now, once
+        (``calibration_options`` for :func:`kvcodec.codecs.kvtc.calibrate`), and the log says so."""
+        if wants_calibration(codec, codec_options):
+            ensure_model_calibration(model.model_id, lambda: model, log.info, calibration_options)
+        store = KVStore(tiers, model=model.model_id, codec=codec, codec_options=codec_options, **store_options)
+        return cls(model, store, save=save, save_dtype=save_dtype)
 
     def load(self, token_ids: Sequence[int]) -> tuple[LayerwiseLoader | None, list[str]]:
         """Look up the stored prefix of ``token_ids`` and start decoding it (leaving at least one

@@ -14,7 +14,11 @@ Load it with::
 - ``tiers``: fastest first, each ``cpu[:bytes]``, ``gpu[:bytes]``, ``disk:<folder>`` or
   ``redis://host:port[/db]`` (default ``["cpu", "disk:<tmp>/kvcodec-vllm"]``); ``redis_url`` adds a Redis tier;
   ``redis_timeout_s`` (default 0.5);
-- ``model``: the model id in the keys (default ``model_config.model``, the path or name vLLM was given).
+- ``model``: the model id in the keys (default ``model_config.model``, the path or name vLLM was given);
+- ``calibration_options``: for ``codec`` ``kvtc`` with its calibration ``"auto"`` (the default), the settings of
+  the calibration made when none is installed for the model (:func:`kvcodec.codecs.kvtc.calibrate`'s options, e.g.
+  ``{"max_tokens": 4096}``): the connector then loads the served folder with transformers on the CPU, calibrates
+  it once into the cache folder and says so in the log; later starts find it installed.
 
 vLLM runs the scheduler-side and worker-side connector in different processes, each with its own
 store object.  A ``cpu`` / ``gpu`` tier is private to its process, so every chunk is also written to
@@ -71,7 +75,7 @@ from kvcodec.engines.vllm_setup import (  # noqa: F401 (make_tier: part of this 
     use_profile_of_config,
 )
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping, write_paged
-from kvcodec.reader import Reader
+from kvcodec.reader import Reader, iter_chunk_layers
 from kvcodec.store import FetchedChunk, KVStore
 
 log = engine_logger(__name__)
@@ -198,11 +202,12 @@ class _Load:
     def _run(self) -> None:
         try:
             ok = len(self.readers)
+            sources = [iter_chunk_layers(r, 0) for r in self.readers]
             for i in range(self.num_layers):
                 ks, vs = [], []
                 for j in range(ok):
                     try:
-                        layer = self.readers[j].read_chunk(0, layers=[i]).layers[i]
+                        layer = next(sources[j])
                     except Exception:
                         log.warning("chunk %s failed to decode at layer %d; its blocks will be recomputed",
                                     self.chunks[j].key, i, exc_info=True)

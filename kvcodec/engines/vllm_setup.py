@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvcodec.engines.auto_calibration import ensure_model_calibration, load_served_model, wants_calibration
 from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
 from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
@@ -59,7 +60,9 @@ def make_tier(spec: str, *, redis_timeout_s: float = 0.5) -> StorageTier:
 
 def build_store(extra: dict[str, Any] | None, model: str) -> KVStore:
     """The store a connector uses, from ``kv_connector_extra_config``.  Warns when no tier can be shared between
-    vLLM's scheduler and worker processes (only ``cpu`` / ``gpu`` tiers): then nothing saved is ever found."""
+    vLLM's scheduler and worker processes (only ``cpu`` / ``gpu`` tiers): then nothing saved is ever found.
+    With codec ``kvtc`` and its calibration ``"auto"``, a model (``model``: the folder vLLM serves) with no
+    calibration installed is calibrated here, once (``calibration_options`` for kvtc's ``calibrate``)."""
     extra = dict(extra or {})
     timeout = float(extra.get("redis_timeout_s", 0.5))
     specs = list(extra.get("tiers") or ["cpu", "disk:" + os.path.join(tempfile.gettempdir(), "kvcodec-vllm")])
@@ -72,7 +75,10 @@ def build_store(extra: dict[str, Any] | None, model: str) -> KVStore:
         log.warning("kvcodec connector: tiers %s are private to each process, and vLLM runs its scheduler and its "
                     "workers in different processes: the scheduler will never find what a worker saved. Add a "
                     "shared tier (\"disk:<folder>\" or \"redis://host:port\") to \"tiers\".", specs)
-    return KVStore(tiers, model=str(extra.get("model", model)), codec=extra.get("codec", "cachegen"),
+    name, codec = str(extra.get("model", model)), extra.get("codec", "cachegen")
+    if wants_calibration(codec, extra.get("codec_options")):
+        ensure_model_calibration(name, lambda: load_served_model(model, log.info), log.info, extra.get("calibration_options"))
+    return KVStore(tiers, model=name, codec=codec,
                    codec_options=extra.get("codec_options"), chunk_tokens=int(extra.get("chunk_tokens", 256)),
                    hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared))
 

@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import kvcodec
 from kvcodec.formats.v1 import PREAMBLE
 from kvcodec.fuzz.container import seal
 from kvcodec.fuzz.mutate import Seed, mutate
@@ -46,6 +47,15 @@ def raised_in_codec(seed: Seed, message: str) -> bool:
     return any(v.codec in message or (v.codec == "kvfetcher" and "HEVC" in message) for v in seed.header.variants)
 
 
+def calibrations_of(files: list[bytes]) -> list[bytes]:
+    """The kvtc calibration files the containers ``files`` name (registered in this process), for the child."""
+    found: dict[str, bytes] = {}
+    for data in files:
+        with kvcodec.open(data) as r:
+            found |= {c.calibration: c.calibration_data().to_bytes() for c in r.codecs if c.codec_id == "kvtc"}
+    return list(found.values())
+
+
 class WorkerDied(Exception):
     pass
 
@@ -57,7 +67,7 @@ class Worker:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvcodec.fuzz.worker", str(extra_address_space)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        send(self.proc.stdin, seeds)
+        send(self.proc.stdin, (seeds, calibrations_of(seeds)))
         ready = self._receive(600)
         if not ready or not ready.get("ready"):
             raise RuntimeError("the fuzz worker did not start (seeds do not decode?)")

@@ -2,8 +2,9 @@
 address-space limit, and reports the outcome and its peak memory.
 
 Protocol (stdin/stdout): each message is a u64 length and a pickle.  The first message is the list of seed
-files, decoded once through every path so that lazy imports and caches are in place before the limit is set
-and memory is measured; each further message is ``(path, data, piece_seed, max_bytes)``.
+files and the kvtc calibration files they name; the seeds are decoded once through every path so that lazy
+imports and caches are in place before the limit is set and memory is measured; each further message is
+``(path, data, piece_seed, max_bytes)``.
 """
 
 from __future__ import annotations
@@ -145,7 +146,12 @@ def main() -> None:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # library chatter must not corrupt the protocol
     inp = sys.stdin.buffer
-    for data in receive(inp):
+    seeds, calibrations = receive(inp)
+    from kvcodec.codecs.kvtc import Calibration, register_calibration
+
+    for cal in calibrations:  # the seeds' kvtc calibrations, findable by hash as an installed one would be
+        register_calibration(Calibration.from_bytes(cal))
+    for data in seeds:
         for path in PATHS:
             result = run_case(path, data, 0, None)
             if result["outcome"] != "decoded":

@@ -151,9 +151,10 @@ class KVStore:
             missing = [t for t in targets if not self._safe(t, "contains", key, default=False)]
             if not missing:
                 continue
+            positions = kv.positions[s:e] if kv.positions is not None else (
+                range(s, e) if self.codec.uses_positions else None)
             part = KVCache([(l.keys[:, s:e], l.values[:, s:e]) for l in kv.layers], model=self.model,
-                           token_ids=token_ids[s:e], rope=kv.rope,
-                           positions=None if kv.positions is None else kv.positions[s:e])
+                           token_ids=token_ids[s:e], rope=kv.rope, positions=positions)
             blob = encode(part, self.codec, chunk_tokens=e - s)
             if any([self._safe(t, "put", key, blob, default=False) for t in missing]):
                 written += 1

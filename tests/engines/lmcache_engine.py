@@ -68,10 +68,10 @@ class CPUEngine:
     ``(L, 2, chunk_size, H, D)``; :meth:`close` destroys it (a new one shares nothing but the storage)."""
 
     def __init__(self, config: dict[str, Any], *, layers: int, heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, model: str = MODEL) -> None:
         cfg = LMCacheEngineConfig.from_dict(config)
         shape = (layers, 2, cfg.chunk_size, heads, head_dim)
-        self.metadata = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
+        self.metadata = LMCacheMetadata(model_name=model, world_size=1, local_world_size=1, worker_id=0,
                                         local_worker_id=0, kv_dtype=dtype, kv_shape=shape, role="worker")
         self.name = f"kvcodec-test-{next(_names)}"
         self.engine: LMCacheEngine = LMCacheEngineBuilder.get_or_create(

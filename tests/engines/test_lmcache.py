@@ -31,8 +31,9 @@ def redis(tmp_path):
     server.stop()
 
 
-def _engine(url: str, **more) -> CPUEngine:
-    return CPUEngine(kvcodec_plugin_config(url, **more), layers=L, heads=H, head_dim=D, dtype=torch.float16)
+def _engine(url: str, model: str | None = None, **more) -> CPUEngine:
+    return CPUEngine(kvcodec_plugin_config(url, **more), layers=L, heads=H, head_dim=D, dtype=torch.float16,
+                     **({"model": model} if model else {}))
 
 
 def _wait_for_puts(engine: CPUEngine, n: int, timeout_s: float = 60) -> None:
@@ -172,3 +173,36 @@ def _wait(query, task_id, timeout_s: float = 60) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert ok is True
+
+
+def test_kvtc_calibrates_the_served_model_on_first_use(real_chunks, smollm2_hf, tmp_path, monkeypatch, caplog):
+    """codec=kvtc with no calibration installed for LMCache's model_name (the served folder): the first engine
+    calibrates it (logged; a small calibration keeps this short), stores kvtc chunks (joint sections); a new
+    engine finds the installed calibration and retrieves exactly what kvtc makes of the KV."""
+    from kvcodec.codecs.kvtc import calibration as calmod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(calmod.ENV_PATH, raising=False)
+    monkeypatch.setattr(calmod, "_registered", {})
+    caplog.set_level("INFO", logger="kvcodec.engines.lmcache_plugin")
+    tokens, kv = real_chunks
+    tokens, kv = tokens[:512], kv[:, :, :512]
+    model = str(smollm2_hf)
+    url = (f"kvcodec://{tmp_path}/kv?backend=disk&codec=kvtc"
+           "&calibrate.max_tokens=256&calibrate.segment_tokens=128&calibrate.group_layers=1")
+    with _engine(url, model) as first:
+        assert f"no calibration of {model} installed; calibrating it now" in caplog.text
+        first.store(tokens, kv)
+        _wait_for_puts(first, 2)
+    caplog.clear()
+    monkeypatch.setattr(calmod, "_registered", {})  # as in a new process
+    with _engine(url, model) as second:
+        assert "using the installed calibration" in caplog.text and "calibrating" not in caplog.text
+        assert second.lookup(tokens) == 512
+        got, n = second.retrieve(tokens, kv)
+    assert n == 512
+    # LMCache hands over each chunk alone, without its place in the sequence: kvtc codes it at positions 0..255
+    own = [kvcodec.decode(kvcodec.encode(kvcodec.KVCache.from_lmcache(kv[:, :, s:s + 256], H, model=model), "kvtc"))
+           for s in (0, 256)]
+    assert torch.equal(got, torch.cat([o.to_lmcache() for o in own], 2).to(got.dtype))
+    assert float((got.float() - kv.float()).abs().max()) > 0  # lossy: the KV did go through kvtc

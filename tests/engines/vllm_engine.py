@@ -42,11 +42,11 @@ class Engine:
 
     def __init__(self, model: str | os.PathLike[str], kv_transfer_config: dict[str, Any] | None = None, *,
                  max_model_len: int = 4096, dtype: str = DTYPE, python: str = sys.executable,
-                 start_timeout_s: float = 600) -> None:
+                 start_timeout_s: float = 600, env: dict[str, str] | None = None) -> None:
         cfg = {"model": os.fspath(model), "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len,
                "dtype": dtype}
         self.proc = subprocess.Popen([python, __file__, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENGINE_ENV})
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENGINE_ENV, **(env or {})})
         self.log: deque[str] = deque(maxlen=400)  # the engine's own output, for failure messages
         self._replies: list[dict[str, Any]] = []
         self._cond = threading.Condition()

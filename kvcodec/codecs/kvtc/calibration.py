@@ -84,11 +84,12 @@ class GroupBasis:
         return self.basis.shape[1]
 
     @property
-    def basis32(self) -> torch.Tensor:
-        """The basis in float32, as the matrix products use it (converted once)."""
-        if getattr(self, "_basis32", None) is None:
-            self._basis32 = self.basis.float()
-        return self._basis32
+    def rows32(self) -> torch.Tensor:
+        """The basis transposed ``[K, F]``, float32 and contiguous (converted once): a decode takes the rows of
+        the components live in its chunk, a cheap row copy; an encode multiplies by its transpose view."""
+        if getattr(self, "_rows32", None) is None:
+            self._rows32 = self.basis.float().T.contiguous()
+        return self._rows32
 
 
 @dataclass(frozen=True)
@@ -442,7 +443,7 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
             # cache keeps only its window): the keys and values do not depend on it, and windowed layers then
             # give as many feature rows as the others.
             cache = DynamicCache()
-            out = model(torch.tensor([seg]), cache=cache, use_cache=True, output_hidden_states=True)
+            out = model(torch.tensor([seg]), use_cache=True, output_hidden_states=True, **loaded._cache_arg(cache))
             kv = KVCache.from_hf(cache)
             n = len(seg)
             for i, l in enumerate(layers):

@@ -28,7 +28,7 @@ from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane
 from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, step_code
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
                                              register_calibration)
-from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, LEVELS
+from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
 
@@ -45,15 +45,19 @@ class KVTC(Codec):
     codec_id = "kvtc"
     lossless = False
     joint_sections = True
+    uses_positions = True
 
     def __init__(self, level: int = DEFAULT_LEVEL, calibration: Any = "auto", sink_tokens: int = 1,
-                 lane_components: int = 64, lane_tokens: int = 256) -> None:
+                 lane_components: int = 64, lane_tokens: int = 256, min_std: float = DEFAULT_MIN_STD) -> None:
         if not isinstance(level, int) or isinstance(level, bool) or level not in LEVELS:
             raise InvalidInputError(f"kvtc level must be one of {sorted(LEVELS)}, not {level!r}")
         for name, v, hi in (("sink_tokens", sink_tokens, 1024), ("lane_components", lane_components, 4096),
                             ("lane_tokens", lane_tokens, MAX_LANE_SYMBOLS)):
             if not isinstance(v, int) or isinstance(v, bool) or not (0 if name == "sink_tokens" else 1) <= v <= hi:
                 raise InvalidInputError(f"kvtc {name} must be an integer up to {hi}, not {v!r}")
+        if isinstance(min_std, bool) or not isinstance(min_std, (int, float)) or not 0 <= min_std <= 10:
+            raise InvalidInputError(f"kvtc min_std must be a number in 0..10 (a fraction of the step), not {min_std!r}")
+        self.min_std = float(min_std)
         if lane_components * lane_tokens > MAX_LANE_SYMBOLS:
             raise InvalidInputError(f"kvtc lane_components * lane_tokens must be at most {MAX_LANE_SYMBOLS}")
         self.level, self.sink_tokens = level, sink_tokens
@@ -75,14 +79,16 @@ class KVTC(Codec):
         return [{"level": level} for level in sorted(LEVELS)]
 
     def get_config(self) -> dict[str, Any]:
-        return {"level": self.level, "calibration": self.calibration, "sink_tokens": self.sink_tokens,
-                "lane_components": self.lane_components, "lane_tokens": self.lane_tokens}
+        config = {"level": self.level, "calibration": self.calibration, "sink_tokens": self.sink_tokens,
+                  "lane_components": self.lane_components, "lane_tokens": self.lane_tokens}
+        # 0 (every component coded) is what files written before the option meant, and they name no min_std
+        return config | ({"min_std": self.min_std} if self.min_std else {})
 
     @classmethod
     def from_file_config(cls, config: dict[str, Any]) -> Codec:
         if not (isinstance(config.get("calibration"), str) and DIGEST.fullmatch(config["calibration"])):
             raise InvalidInputError("a kvtc container must name its calibration by SHA-256")
-        return cls.from_config(config)
+        return cls.from_config({"min_std": 0.0} | config)  # written before min_std existed: every component coded
 
     def for_cache(self, kv: Any) -> KVTC:
         """This codec with its calibration resolved for ``kv`` (``"auto"``: the one installed for its model)."""
@@ -93,7 +99,7 @@ class KVTC(Codec):
             raise InvalidInputError(
                 f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
                 "kvcodec.codecs.kvtc.calibrate) and pass calibration=FILE")
-        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens)
+        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std)
 
     def calibration_data(self) -> Calibration:
         if self._cal is None:
@@ -183,8 +189,16 @@ class KVTC(Codec):
                  for f, basis, step in ((kfeat, cal.keys[g], key_step), (vfeat, cal.values[g], value_step))]
         return b"".join(parts + sinks)
 
+    def _coded(self, gb: GroupBasis, step: float) -> int:
+        """How many leading components of ``gb`` are coded: those whose calibration std is at least ``min_std``
+        steps (the basis is sorted by variance, so they lead).  A component with a smaller std rounds to zero
+        nearly everywhere, so leaving it out costs about the error its quantization would leave, and saves its
+        share of the matrix products, which dominate kvtc's time."""
+        return int((gb.variance.sqrt() >= self.min_std * step).sum())
+
     def _encode_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
-        coeff = (((x - gb.mean) * gb.weight) @ gb.basis32).T.numpy().astype(np.float64)  # [K, T]
+        rows = gb.rows32[:self._coded(gb, step)]
+        coeff = (((x - gb.mean) * gb.weight) @ rows.T).T.numpy().astype(np.float64)  # [K, T]
         k, t = coeff.shape
         codes = np.full(k, step_code(step), np.int64)
         worst = np.abs(coeff).max(1, initial=0) / STEPS[codes]
@@ -218,33 +232,45 @@ class KVTC(Codec):
         ctx0 = present[0]
         t, s = ctx0.shape.tokens, self._sinks(ctx0)
         reader = _Bytes(data)
-        coeffs = [self._decode_part(reader, gb, t - s) for gb in (cal.keys[g], cal.values[g])]
+        # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
+        # all zero, and at the default level most of the basis is dead in any one chunk
+        parts = [self._decode_part(reader, gb, step, t - s) for gb, step in zip((cal.keys[g], cal.values[g]),
+                                                                                  LEVELS[self.level])]
         sinks = []
         for c in present:
             h = c.shape.heads
             sinks.append([reader.take(h * s * d, "<f2").reshape(h, s, d) for d in (c.shape.key_dim, c.shape.value_dim)])
         if reader.pos != len(data):
             raise CorruptDataError(f"kvtc group has {len(data) - reader.pos} bytes too many")
-        out = {}
+        # each layer's features are a column span of the group's; one product covers the wanted layers' spans
+        spans = {}
         k_off = v_off = 0
+        for c in present:
+            h = c.shape.heads
+            spans[c.layer] = (slice(k_off, k_off + h * c.shape.key_dim), slice(v_off, v_off + h * c.shape.value_dim))
+            k_off, v_off = spans[c.layer][0].stop, spans[c.layer][1].stop
+        feats = [self._features(*parts[i], gb, slice(min(spans[l][i].start for l in wanted if l in spans),
+                                                      max(spans[l][i].stop for l in wanted if l in spans)), t - s)
+                 for i, gb in enumerate((cal.keys[g], cal.values[g]))]
+        out = {}
         for c, sink in zip(present, sinks):
             h, dk, dv = c.shape.heads, c.shape.key_dim, c.shape.value_dim
             if c.layer in wanted:
-                k = self._features(coeffs[0], cal.keys[g], slice(k_off, k_off + h * dk), t - s).reshape(t - s, h, dk)
-                v = self._features(coeffs[1], cal.values[g], slice(v_off, v_off + h * dv), t - s).reshape(t - s, h, dv)
+                k, v = (f[:, span.start - f_start:span.stop - f_start]
+                        for (f, f_start), span in zip(feats, spans[c.layer]))
+                k, v = k.reshape(t - s, h, dk), v.reshape(t - s, h, dv)
                 k = torch.cat([torch.zeros(h, s, dk), k.permute(1, 0, 2)], 1)
                 v = torch.cat([torch.from_numpy(sink[1].astype(np.float32)), v.permute(1, 0, 2)], 1)
                 if self._rotated(c):
                     k = cal.layers[c.layer].rotary.rotate(k, c.positions_tensor())
                 k[:, :s] = torch.from_numpy(sink[0].astype(np.float32))
                 out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
-            k_off += h * dk
-            v_off += h * dv
         return out
 
-    def _decode_part(self, reader: _Bytes, gb: GroupBasis, t: int) -> torch.Tensor:
-        """The dequantized coefficients ``[T, K]`` float32 of one part."""
-        k = gb.components
+    def _decode_part(self, reader: _Bytes, gb: GroupBasis, step: float, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One part's dequantized coefficients ``[T, L]`` float32 of its components up to the last live one,
+        and those components' basis rows ``[L, F]``."""
+        k = self._coded(gb, step)
         table = reader.take(k, "u1")
         base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
         live = np.flatnonzero(table != DEAD)
@@ -267,11 +293,17 @@ class KVTC(Codec):
                                                      [(r.size, r.table) for r in runs])):
                 r.scatter(q, symbols)
         # |q| <= 255 and a float32 step: the float32 product is the exact product rounded once
-        return torch.from_numpy(q.T.astype(np.float32) * STEPS[codes][None, :])
+        # up to the last live component: the basis rows are then a view (no copy), and dead components before
+        # it contribute zeros
+        n = int(live[-1]) + 1 if len(live) else 0
+        coeff = q[:n].T.astype(np.float32) * STEPS[codes[:n]][None, :]
+        return torch.from_numpy(coeff), gb.rows32[:n]
 
     @staticmethod
-    def _features(coeff: torch.Tensor, gb: GroupBasis, cols: slice, t: int) -> torch.Tensor:
-        """Features ``cols`` of the group back from the coefficients: ``coeff @ basis[cols].T / w + mean``."""
+    def _features(coeff: torch.Tensor, rows: torch.Tensor, gb: GroupBasis, cols: slice,
+                  t: int) -> tuple[torch.Tensor, int]:
+        """Features ``cols`` of the group ``[T, cols]`` back from live coefficients and their basis rows
+        (``coeff @ rows[:, cols] / w + mean``), and where they start."""
         if not t:
-            return torch.zeros(0, cols.stop - cols.start)
-        return (coeff @ gb.basis32[cols].T) / gb.weight[cols] + gb.mean[cols]
+            return torch.zeros(0, cols.stop - cols.start), cols.start
+        return torch.addcdiv(gb.mean[cols], coeff @ rows[:, cols], gb.weight[cols]), cols.start

@@ -1,0 +1,60 @@
+"""Engine hooks' first use of ``kvtc``: calibrate the served model when no calibration of it is installed.
+
+An engine hook has the model, so ``codec="kvtc"`` with ``calibration="auto"`` (the default) needs no separate
+``kvcodec calibrate`` step: the first start finds none installed for the model name its store uses, runs
+:func:`kvcodec.codecs.kvtc.ensure_calibration` on the model (installing the result in the cache folder), and
+says so in the log; later starts find the installed one.  Engines that run several processes at once (vLLM's
+scheduler and workers) take a lock per model, so one of them calibrates and the others wait and find it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+from typing import Any, Callable, Iterator
+
+from kvcodec.codecs.kvtc import cache_dir, calibration_for_model, ensure_calibration, register_calibration
+
+
+def wants_calibration(codec: Any, codec_options: dict[str, Any] | None) -> bool:
+    """Whether a store of ``codec`` (an id with ``codec_options``) resolves a kvtc calibration by model."""
+    return codec == "kvtc" and (codec_options or {}).get("calibration", "auto") == "auto"
+
+
+def load_served_model(model: str, log: Callable[[str], None]) -> Any:
+    """The model an engine serves (its folder, a GGUF file or ``smollm2``), loaded with transformers on the CPU
+    in float32 to calibrate it: the engine's own copy of the weights is in a layout of its own."""
+    from kvcodec.models import load_model
+
+    log(f"kvtc: loading {model} with transformers on the CPU (float32) to calibrate it")
+    return load_model(model, progress=False)
+
+
+@contextlib.contextmanager
+def _model_lock(model: str) -> Iterator[None]:
+    folder = cache_dir()
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, ".lock-" + hashlib.sha256(model.encode()).hexdigest()[:16])
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_model_calibration(model: str, load: Callable[[], Any], log: Callable[[str], None],
+                             options: dict[str, Any] | None = None) -> str:
+    """The digest of the kvtc calibration of ``model`` (the name the store's keys and caches carry): the one
+    installed, else one computed now from ``load()`` (a :class:`kvcodec.models.LoadedModel`, loaded only then)
+    with ``options`` for :func:`kvcodec.codecs.kvtc.calibrate`, installed and registered."""
+    with _model_lock(model):
+        cal = calibration_for_model(model)
+        if cal is not None:
+            log(f"kvtc: using the installed calibration {cal.digest} of {model}")
+            return register_calibration(cal).digest
+        loaded = dataclasses.replace(load(), model_id=model)  # the calibration is named as the store names the model
+        return ensure_calibration(loaded, log=log, **(options or {})).digest
