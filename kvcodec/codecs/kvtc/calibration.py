@@ -6,15 +6,30 @@ config, and a decoder looks it up, in order, among the calibrations registered i
 (:func:`register_calibration`), the folders of ``$KVCODEC_CALIBRATIONS`` (``os.pathsep``-separated) and the
 cache folder (:func:`cache_dir`).  A ``KVStore`` keeps the calibrations its chunks need beside them.
 
-Features.  Layers are pooled in groups (consecutive layers of one shape); a token's feature vector in a group
+Features.  Layers are pooled in groups (layers of one kind: shape, rotary setting, window); a token's feature vector in a group
 is the concatenation of its layers' ``[heads, dim]`` keys (or values).  Keys are first rotated back to
 position 0 (the rotary embedding undone), then centred and multiplied by a weight per channel:
 
 * keys: the RMS of the calibration queries that read the channel's rotary pair (summed over the query heads
-  sharing the KV head) over ``sqrt(head_dim)``, so a unit of error is a unit of attention-logit error;
+  sharing the KV head), times the attention's logit scale (``self_attn.scaling``: ``head_dim ** -0.5`` in Llama,
+  ``query_pre_attn_scalar ** -0.5`` in Gemma), so a unit of error is a unit of attention-logit error.  The queries
+  are taken as the attention multiplies them: after its own query norm where it has one (Gemma 3's ``q_norm``
+  rescales each head to a learned RMS, so the projection's raw output would misjudge them);
 * values: the norm of the output projection's column that the channel feeds (summed the same way), over the RMS
   of the residual stream entering the layer, so a unit of error is a unit of error after the next layer's
-  RMS normalization.  (Layer 0's values are tiny but its residual stream is too: this keeps them.)
+  RMS normalization.  (Layer 0's values are tiny but its residual stream is too: this keeps them.)  Where the
+  block transforms the attention's output before adding it to the residual stream (Gemma normalizes it: an
+  RMSNorm with a learned gain), each row of the output projection is first multiplied by that transform's
+  measured gain on its hidden channel (the least-squares slope of its output on its input over the calibration
+  tokens: ``gain / RMS(attention output)`` for a norm; see ``_AttentionTaps``).  So Gemma's values, which reach
+  ~136 in some layers but are divided by their own output's RMS before they count, are weighted by what reaches
+  the residual stream, not by their raw size; a Llama block (nothing between the projection and the residual
+  add) keeps a gain of 1, and the same weights as before.
+
+Nothing here is specific to one model: rotary settings, head counts and sizes, logit scale, query norm and the
+output transform are read from the model's config and modules, or measured on the calibration text.  Layers
+with a sliding window (``layer_types``) hold other tokens than full layers, so they are never grouped with them;
+during calibration they keep every token (their windowed cache would give a quarter of the rows).
 
 The bases are the eigenvectors of the weighted features' covariance, largest first, truncated where a
 component's standard deviation falls below a fraction of the finest level's step (such a component quantizes
@@ -48,6 +63,7 @@ SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
 # A component whose std is below this fraction of the finest step rounds to zero at every level
 # (|c| >= step/2 needs a 3.3-sigma excursion), so the basis drops it.
 TRUNCATE_FRACTION = 0.15
+WEIGHT_FLOOR = 1e-3
 
 
 class MissingCalibrationError(KVCodecError):
@@ -263,26 +279,28 @@ def calibration_for_model(model: str | None, paths: Sequence[str | os.PathLike[s
 # --- computing one ------------------------------------------------------------------------
 
 def model_layers(model: Any) -> list[LayerInfo]:
-    """Heads, head sizes and rotary settings of a transformers decoder's attention layers."""
+    """Heads, head sizes and rotary settings of a transformers decoder's attention layers.  A model whose layer
+    types use different rotary settings (Gemma 3: sliding layers at theta 1e4, full layers at 1e6) keeps them on its
+    rotary embedding as ``{layer_type}_inv_freq`` and ``{layer_type}_attention_scaling`` (transformers 5)."""
     cfg = model.config
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // nq
-    inner = model.model
+    emb = getattr(model.model, "rotary_emb", None)
     layer_types = getattr(cfg, "layer_types", None) or []
+    rope = getattr(cfg, "position_embedding_type", "rope") in ("rope", None)
     out = []
     for i in range(cfg.num_hidden_layers):
-        emb = getattr(inner, "rotary_emb", None)
-        if i < len(layer_types) and layer_types[i] == "sliding_attention" and hasattr(inner, "rotary_emb_local"):
-            emb = inner.rotary_emb_local
+        prefix = f"{layer_types[i]}_" if i < len(layer_types) and hasattr(emb, f"{layer_types[i]}_inv_freq") else ""
+        inv_freq = getattr(emb, prefix + "inv_freq", None)
         rot = None
-        if emb is not None and getattr(cfg, "position_embedding_type", "rope") in ("rope", None):
-            rot = Rotary(emb.inv_freq.detach().double().cpu().numpy(), float(getattr(emb, "attention_scaling", 1.0)))
+        if rope and inv_freq is not None:
+            rot = Rotary(inv_freq.detach().double().cpu().numpy(), float(getattr(emb, prefix + "attention_scaling", 1.0)))
         out.append(LayerInfo(nkv, d, d, rot))
     return out
 
 
 def default_groups(layers: Sequence[LayerInfo], group_layers: int | None, window_layers: Sequence[bool] = ()) -> list[list[int]]:
-    """Consecutive layers of one kind (shape, rotary, sliding window or not), at most ``group_layers`` per group
+    """The layers of each kind (shape, rotary, sliding window or not) in order, at most ``group_layers`` per group
     (None: as many as there are)."""
     def kind(i: int) -> tuple:
         l = layers[i]
@@ -330,6 +348,57 @@ class Features:
     settings: dict[str, Any]
 
 
+class _AttentionTaps:
+    """Forward hooks on each decoder block that record what the channel weights need:
+
+    * the queries as the attention multiplies them with the keys: the query projection's output, through the
+      attention's own query norm when it has one (``q_norm``: Gemma 3, Qwen 3), ``[T, heads * dim]``;
+    * the gain per hidden channel of whatever the block applies to the attention's output before adding it to the
+      residual stream (Gemma's post-attention RMSNorm divides it by its RMS and multiplies by a learned weight):
+      the least-squares slope of that module's output on its input, per channel (1 where the output is added as
+      it is, as in Llama).  It is found as the child module whose input is the attention's output tensor itself.
+    """
+
+    def __init__(self, blocks: Any, heads: int) -> None:
+        self.queries: dict[int, torch.Tensor] = {}
+        self._cross: dict[int, torch.Tensor] = {}  # sum over tokens of output * input, per hidden channel
+        self._square: dict[int, torch.Tensor] = {}  # sum over tokens of input ** 2
+        self._attn_out: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        for idx, block in enumerate(blocks):
+            attn = block.self_attn
+            norm = getattr(attn, "q_norm", None)
+
+            def on_query(m: Any, i: Any, o: torch.Tensor, idx: int = idx, norm: Any = norm) -> None:
+                q = o[0].detach()
+                if norm is not None:
+                    q = norm(q.reshape(q.shape[0], heads, -1))
+                self.queries[idx] = q.reshape(q.shape[0], -1).float()
+
+            def on_attention(m: Any, i: Any, o: Any, idx: int = idx) -> None:
+                self._attn_out[idx] = o[0] if isinstance(o, tuple) else o
+
+            def on_child(m: Any, i: Any, o: Any, idx: int = idx) -> None:
+                if i and i[0] is self._attn_out.get(idx) and isinstance(o, torch.Tensor) and o.shape == i[0].shape:
+                    x, y = i[0].detach().double().reshape(-1, o.shape[-1]), o.detach().double().reshape(-1, o.shape[-1])
+                    self._cross[idx] = self._cross.get(idx, 0) + (x * y).sum(0)
+                    self._square[idx] = self._square.get(idx, 0) + x.pow(2).sum(0)
+
+            self._hooks.append(attn.q_proj.register_forward_hook(on_query))
+            self._hooks.append(attn.register_forward_hook(on_attention))
+            self._hooks += [child.register_forward_hook(on_child) for child in block.children() if child is not attn]
+
+    def output_gain(self, idx: int) -> torch.Tensor:
+        """Per hidden channel, how much of a change in the attention's output reaches the residual stream."""
+        if idx not in self._cross:
+            return torch.ones(1, dtype=torch.float64)
+        return self._cross[idx] / self._square[idx].clamp_min(1e-30)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *,
                      segment_tokens: int = SEGMENT_TOKENS, max_tokens: int | None = None, undo_rope: bool = True,
@@ -367,17 +436,18 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
     counted = 0
     keys_pre: list[list[torch.Tensor]] = [[] for _ in layers]
     values: list[list[torch.Tensor]] = [[] for _ in layers]
-    queries: dict[int, torch.Tensor] = {}
-    hooks = [b.self_attn.q_proj.register_forward_hook(lambda m, i, o, idx=idx: queries.__setitem__(idx, o[0].float()))
-             for idx, b in enumerate(blocks)]
+    taps = _AttentionTaps(blocks, nq)
     try:
         for seg in (progress(segments, len(segments)) if progress else segments):
-            cache = DynamicCache(config=cfg)
+            # A cache without the model's config keeps every token of every layer (a sliding-window layer's own
+            # cache keeps only its window): the keys and values do not depend on it, and windowed layers then
+            # give as many feature rows as the others.
+            cache = DynamicCache()
             out = model(torch.tensor([seg]), use_cache=True, output_hidden_states=True, **loaded._cache_arg(cache))
             kv = KVCache.from_hf(cache)
             n = len(seg)
             for i, l in enumerate(layers):
-                qd = queries[i][SINK_TOKENS:].reshape(-1, nq, l.key_dim).double().pow(2).sum(0)
+                qd = taps.queries[i][SINK_TOKENS:].double().pow(2).sum(0)
                 q_energy[i] += qd.reshape(l.heads, nq // l.heads, l.key_dim).sum(1)
                 resid_sq[i] += out.hidden_states[i][0, SINK_TOKENS:].double().pow(2).mean(-1).sum()
                 k, v = kv.layers[i].keys.float(), kv.layers[i].values.float()
@@ -390,8 +460,7 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
                 values[i].append(v[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
             counted += n - SINK_TOKENS
     finally:
-        for h in hooks:
-            h.remove()
+        taps.remove()
     key_weights, value_weights = [], []
     for i, l in enumerate(layers):
         energy = q_energy[i] / counted
@@ -399,14 +468,22 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
         if half:  # RoPE rotates energy within a pair: weight the pair by its mean
             pair = (energy[:, :half] + energy[:, half:2 * half]) / 2
             energy = torch.cat([pair, pair, energy[:, 2 * half:]], -1)
-        key_weights.append((energy.sqrt() / math.sqrt(l.key_dim)).reshape(-1))
-        wo = blocks[i].self_attn.o_proj.weight.double()
+        scaling = float(getattr(blocks[i].self_attn, "scaling", l.key_dim ** -0.5))  # the logits' factor
+        key_weights.append(_floored((energy.sqrt() * scaling).reshape(-1)))
+        wo = blocks[i].self_attn.o_proj.weight.double() * taps.output_gain(i)[:, None]
         col = wo.pow(2).sum(0).reshape(l.heads, nq // l.heads, l.value_dim).sum(1).sqrt()
-        value_weights.append((col / math.sqrt(resid_sq[i] / counted)).reshape(-1))
+        value_weights.append(_floored((col / math.sqrt(resid_sq[i] / counted)).reshape(-1)))
     settings = {"texts": list(texts), "segment_tokens": segment_tokens, "tokens": counted, "undo_rope": undo_rope,
                 "window": getattr(cfg, "sliding_window", None)}
     return Features(loaded.model_id, layers, windowed, [torch.cat(f) for f in keys_pre], [torch.cat(f) for f in values],
                     key_weights, value_weights, settings)
+
+
+def _floored(weight: torch.Tensor) -> torch.Tensor:
+    """Weights of at least ``WEIGHT_FLOOR`` times the layer's largest: a channel nothing reads (Gemma 3 270M's
+    query norm zeroes some query channels, so their keys' weight is 0) must still be invertible; its error then
+    costs next to nothing, as it should."""
+    return weight.clamp_min(WEIGHT_FLOOR * float(weight.max()))
 
 
 def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, group_layers: int | None = None,

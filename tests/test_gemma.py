@@ -1,0 +1,172 @@
+"""A second real architecture, Gemma 3 270M: sliding-window layers (a window of 512, their own rotary setting),
+one KV head of 256 channels, query/key norms and a norm on the attention's output.  kvtc's calibration, round
+trips and position moves on its real KV.  The model comes from PyPI (228 MB, ``kvcodec.models.GEMMA3_PIP``);
+CI does not install it, and these tests skip without it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.errors import InvalidInputError
+from kvcodec.models import GEMMA3, GEMMA3_PACKAGE
+
+needs_gemma = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PACKAGE) is None,
+                                 reason=f"Gemma 3 270M is not installed ({GEMMA3_PACKAGE})")
+TEXT = "license:GPL-3"  # an evaluation text, not a calibration text
+TOKENS = 600  # past the sliding window: windowed layers hold the last 511 tokens
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+    from kvcodec.models import resolve
+
+    monkeypatch.setitem(sys.modules, GEMMA3_PACKAGE, None)  # import fails as if not installed
+    with pytest.raises(InvalidInputError, match=r"pip install .kvcodec\[gemma3\]."):
+        resolve(GEMMA3)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from kvcodec.models import load_model
+    return load_model(GEMMA3, progress=False)
+
+
+@pytest.fixture(scope="module")
+def ids(gemma):
+    from kvcodec.texts import load_text
+    return gemma.tokenize(load_text(TEXT))[:TOKENS]
+
+
+@pytest.fixture(scope="module")
+def small_cal(gemma):
+    """A calibration from one 1024-token segment (a test's budget; `kvcodec calibrate` uses all four texts)."""
+    from kvcodec.codecs.kvtc import calibrate, register_calibration
+    return register_calibration(calibrate(gemma, segment_tokens=1024, max_tokens=1024))
+
+
+def _kv_at(loaded, ids: list[int], start: int) -> kvcodec.KVCache:
+    """The model's own cache of ``ids`` computed at positions ``start..``, float32."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=loaded.model.config)
+    with torch.no_grad():
+        loaded.model(torch.tensor([ids]), cache=cache, position_ids=torch.arange(start, start + len(ids))[None])
+    return kvcodec.KVCache.from_hf(cache, model=loaded.model_id, rope="post", token_ids=ids)
+
+
+@needs_gemma
+def test_rotary_setting_per_layer_type(gemma):
+    from kvcodec.codecs.kvtc.calibration import model_layers
+
+    cfg = gemma.model.config
+    layers = model_layers(gemma.model)
+    assert {l.heads for l in layers} == {cfg.num_key_value_heads} and {l.key_dim for l in layers} == {cfg.head_dim}
+    for l, kind in zip(layers, cfg.layer_types):
+        theta = cfg.rope_parameters[kind]["rope_theta"]
+        expect = theta ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
+        assert np.allclose(l.rotary.inv_freq, expect, rtol=1e-6)
+    assert len({l.rotary.inv_freq.tobytes() for l in layers}) == 2  # sliding and full layers differ
+
+
+@needs_gemma
+def test_keys_rotated_back_do_not_depend_on_position(gemma, ids):
+    """Rotated back with its layer's own setting, a key is the same whether the text sat at 0.. or at 900..;
+    rotating back and forth at the same positions returns the keys."""
+    from kvcodec.codecs.kvtc.calibration import model_layers
+
+    rot = [l.rotary for l in model_layers(gemma.model)]
+    a, b = _kv_at(gemma, ids, 0), _kv_at(gemma, ids, 900)
+    for r, la, lb in zip(rot, a.layers, b.layers):
+        t = la.keys.shape[1]
+        pa, pb = torch.arange(len(ids) - t, len(ids)), torch.arange(900 + len(ids) - t, 900 + len(ids))
+        back_a, back_b = r.rotate(la.keys, pa, inverse=True), r.rotate(lb.keys, pb, inverse=True)
+        scale = float(la.keys.abs().max())
+        assert float((back_a - back_b).abs().max()) < 1e-3 * scale
+        assert float((r.rotate(back_a, pa) - la.keys).abs().max()) < 1e-5 * scale
+    sliding = [i for i, k in enumerate(gemma.model.config.layer_types) if k == "sliding_attention"]
+    assert a.layers[sliding[0]].keys.shape[1] < len(ids) == a.layers[5].keys.shape[1]
+
+
+@needs_gemma
+def test_raw_decoded_at_new_positions_matches_the_model(gemma, ids, small_cal):
+    """Full and sliding layers: the KV at 0.. decoded at 700.. equals the model's KV computed at 700.., to float32
+    noise (values and keys alike)."""
+    base, shifted = _kv_at(gemma, ids, 0), _kv_at(gemma, ids, 700)
+    moved = kvcodec.decode(kvcodec.encode(base, "raw"), positions=range(700, 700 + len(ids)))
+    for a, b, c in zip(moved.layers, shifted.layers, base.layers):
+        assert a.keys.shape == b.keys.shape
+        tol = 1e-4 * float(b.values.abs().max())
+        assert float((a.keys - b.keys).abs().max()) < 1e-4 * float(b.keys.abs().max())
+        assert float((a.values - b.values).abs().max()) < tol
+        assert float((c.keys - b.keys).abs().max()) > 0.1  # the shift really changes the keys
+
+
+@needs_gemma
+def test_continuing_from_a_windowed_cache_matches_one_pass(gemma, ids):
+    """The model reading more tokens after a kvcodec cache (windowed layers holding only their last 511 tokens)
+    gives the logits of one pass over the whole text: the next tokens' positions and masks are right."""
+    from kvcodec.texts import load_text
+
+    more = gemma.tokenize(load_text(TEXT))[len(ids):len(ids) + 32]
+    with torch.no_grad():
+        whole = gemma.model(torch.tensor([ids + more])).logits[0, len(ids):].float()
+    after = gemma.continue_from(_kv_at(gemma, ids, 0), more)
+    assert float((after - whole).abs().max()) < 1e-3 * float(whole.abs().max())
+
+
+@needs_gemma
+def test_kvtc_round_trip_selection_and_positions(gemma, ids, small_cal):
+    """A real Gemma cache through kvtc: in the calibration's weighted transform domain every coefficient comes back
+    within half its step, each layer's first token as float16; the model continues from it nearly as from the
+    original; deterministic bytes; ``layers=`` equal to the full decode's; and a decode at new positions as close
+    to the model's own KV there as the plain decode is to the original."""
+    from kvcodec.codecs.kvtc import KVTC
+    from kvcodec.codecs.kvtc.levels import LEVELS
+
+    level = 4
+    kv = _kv_at(gemma, ids, 0)
+    codec = KVTC(level=level, calibration=small_cal)
+    blob = kvcodec.encode(kv, codec)
+    assert blob == kvcodec.encode(kv, codec)
+    out = kvcodec.decode(blob)
+    n = len(ids)
+
+    def coefficients(cache: kvcodec.KVCache, g: int, part: int) -> torch.Tensor:
+        rows = []
+        for layer in small_cal.groups[g]:
+            x = (cache.layers[layer].keys, cache.layers[layer].values)[part].float()
+            if part == 0:
+                x = small_cal.layers[layer].rotary.rotate(x, torch.arange(n - x.shape[1], n), inverse=True)
+            rows.append(x[:, 1:].permute(1, 0, 2).reshape(x.shape[1] - 1, -1))  # local token 0 is stored exactly
+        basis = (small_cal.keys, small_cal.values)[part][g]
+        return ((torch.cat(rows, 1) - basis.mean) * basis.weight) @ basis.basis32
+
+    for g in range(len(small_cal.groups)):
+        for part in (0, 1):
+            err = (coefficients(out, g, part) - coefficients(kv, g, part)).abs()
+            half = LEVELS[level][part] / 2
+            assert float((err <= half * 1.001 + 1e-3).float().mean()) > 0.999, (g, part)
+    for a, b in zip(out.layers, kv.layers):  # the sink is stored in float16
+        assert torch.equal(a.keys[:, 0], b.keys[:, 0].half().float()) and torch.equal(a.values[:, 0], b.values[:, 0].half().float())
+
+    from kvcodec.texts import load_text
+
+    more = gemma.tokenize(load_text(TEXT))[n:n + 65]
+    target = torch.tensor(more[1:])
+    nll = [torch.nn.functional.cross_entropy(gemma.continue_from(c, more[:-1]), target) for c in (kv, out)]
+    assert abs(float(nll[1] - nll[0])) < 0.05  # perplexity within 5%
+
+    full = [i for i, k in enumerate(gemma.model.config.layer_types) if k == "full_attention"]
+    part = kvcodec.decode(blob, layers=[1, full[0]])
+    assert torch.equal(part.layers[0].keys, out.layers[1].keys) and torch.equal(part.layers[1].values, out.layers[full[0]].values)
+    shifted = _kv_at(gemma, ids, 700)
+    moved = kvcodec.decode(blob, positions=range(700, 700 + n))
+    for a, b, c, d in zip(moved.layers, shifted.layers, out.layers, kv.layers):
+        here = float((c.keys - d.keys).norm())
+        there = float((a.keys - b.keys).norm())
+        assert there < 1.05 * here + 1e-3 * float(b.keys.norm())
