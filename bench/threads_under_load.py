@@ -14,6 +14,7 @@ bench/results/threads_under_load.md.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -32,12 +33,16 @@ DEFAULT_CODECS = ["raw", "fp8", "zstd", "kivi:bits=4", "lmcache-cachegen", "cach
 TARGET = 1.5
 
 
-def timed(kv: kvcodec.KVCache, codec: object, threads: int) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    blob = kvcodec.encode(kv, codec, threads=threads)
-    t1 = time.perf_counter()
-    kvcodec.decode(blob, threads=threads)
-    return t1 - t0, time.perf_counter() - t1
+def timed(kv: kvcodec.KVCache, codec: object, threads: int, calls: int = 1) -> tuple[float, float]:
+    """Mean seconds of one encode and one decode over ``calls`` of each."""
+    enc = dec = 0.0
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        blob = kvcodec.encode(kv, codec, threads=threads)
+        t1 = time.perf_counter()
+        kvcodec.decode(blob, threads=threads)
+        enc, dec = enc + t1 - t0, dec + time.perf_counter() - t1
+    return enc / calls, dec / calls
 
 
 class Competitors:
@@ -72,20 +77,23 @@ def main() -> None:
     rows = []
     for spec in args.codec or DEFAULT_CODECS:
         codec = parse_codec(spec)
-        timed(kv, codec, 1)  # warm-up: imports, tables, first allocations
+        warm = sum(timed(kv, codec, 1))  # warm-up: imports, tables, first allocations
+        # calls short enough for scheduler noise to matter are timed over several, half a second in all
+        calls = max(1, math.ceil(0.5 / max(warm, 1e-3)))
         runs: dict[str, list[tuple[float, float]]] = {"quiet": [], "loaded": [], "old": []}
         for _ in range(args.repeat):
-            runs["quiet"].append(timed(kv, codec, 1))
+            runs["quiet"].append(timed(kv, codec, 1, calls))
             with Competitors(args.competitors):
-                runs["loaded"].append(timed(kv, codec, 1))
-                runs["old"].append(timed(kv, codec, old_default))
+                runs["loaded"].append(timed(kv, codec, 1, calls))
+                runs["old"].append(timed(kv, codec, old_default, calls))
         med = {k: (statistics.median(e for e, _ in v), statistics.median(d for _, d in v)) for k, v in runs.items()}
         rows.append((spec, med))
         print(f"{spec:18s} enc {med['quiet'][0]:6.2f} / {med['loaded'][0]:6.2f} / {med['old'][0]:6.2f} s   "
               f"dec {med['quiet'][1]:6.2f} / {med['loaded'][1]:6.2f} / {med['old'][1]:6.2f} s", flush=True)
     worst = max(max(m["loaded"][0] / m["quiet"][0], m["loaded"][1] / m["quiet"][1]) for _, m in rows)
     lines = [f"# Encode and decode under a competing CPU job ({kv}, {kv.nbytes / 1e6:.1f} MB float16)", "",
-             f"Median of {args.repeat} runs each, interleaved. *quiet*: `threads=1` (kvcodec's default) with no "
+             f"Median of {args.repeat} runs each, interleaved (a run of a codec that takes under half a second is the "
+             "mean of several calls). *quiet*: `threads=1` (kvcodec's default) with no "
              f"competing job of ours; *loaded*: the same while {args.competitors} busy process(es) run; *old default, "
              f"loaded*: torch's own {old_default} threads (what every call used before the `threads` option) under "
              f"the same job. The machine has {os.cpu_count()} cores and is shared with other work, which no column "
