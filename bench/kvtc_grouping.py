@@ -18,7 +18,6 @@ from pathlib import Path
 
 from kvcodec.codecs.kvtc import KVTC, calibrate
 from kvcodec.codecs.kvtc.calibration import collect_features
-from kvcodec.codecs.kvtc.levels import LEVELS
 from kvcodec.evaluate import evaluate, measure_throughput, prepare
 from kvcodec.models import load_model
 from kvcodec.texts import DEFAULT_EVAL_TEXTS
@@ -51,8 +50,7 @@ def main() -> None:
         codec = KVTC(level=args.level, calibration=cal)
         row = evaluate(model, cases, [codec])[0]
         speed = measure_throughput(cases[0].kv, codec).to_dict()
-        coded = sum(codec._coded(gb, step) for kind in (cal.keys, cal.values)
-                    for gb, step in zip(kind, [LEVELS[args.level][kind is cal.values]] * len(kind)))
+        coded = sum(map(sum, codec.coded_components()))
         lines.append(f"| {size or 'all (30)'} | {coded} | {cal.basis_bytes / 1e6:.0f} | {fit:.0f} | "
                      f"{row.bits_per_element:.3f} | {100 * row.ppl_change:+.3f}% | {100 * row.agreement:.2f}% | "
                      f"{speed['encode_Melem_per_cpu_s']:.2f} | {speed['decode_Melem_per_cpu_s']:.2f} |")

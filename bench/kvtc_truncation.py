@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from kvcodec.codecs.kvtc import KVTC, ensure_calibration
-from kvcodec.codecs.kvtc.levels import LEVELS
 from kvcodec.evaluate import evaluate, measure_throughput, prepare
 from kvcodec.models import load_model
 from kvcodec.texts import DEFAULT_EVAL_TEXTS
@@ -50,7 +49,7 @@ def main() -> None:
             codec = KVTC(level=level, calibration=cal, min_std=min_std)
             row = evaluate(model, cases, [codec])[0]
             speed = measure_throughput(cases[0].kv, codec).to_dict()
-            coded = [codec._coded(gb, step) for gb, step in zip((cal.keys[0], cal.values[0]), LEVELS[level])]
+            coded = codec.coded_components()[0]
             lines.append(f"| {level} | {min_std:g} | {coded[0]} / {coded[1]} | {row.bits_per_element:.3f} | "
                          f"{100 * row.ppl_change:+.3f}% | {100 * row.agreement:.2f}% | "
                          f"{speed['encode_Melem_per_cpu_s']:.2f} | {speed['decode_Melem_per_cpu_s']:.2f} |")

@@ -227,3 +227,17 @@ def test_store_keeps_the_calibration_beside_the_chunks(toy_cal, tmp_path, monkey
     whole = kvcodec.decode(kvcodec.encode(kv, KVTC(calibration=toy_cal), chunk_tokens=32))
     coded = [t for t in range(96) if t % 32]
     assert all(torch.equal(a.keys[:, coded], b.keys[:, coded]) for a, b in zip(got.layers, whole.layers))
+
+
+def test_min_std_leaves_small_components_uncoded(toy_cal):
+    """min_std=0 codes every component and is what a config without min_std means; a larger min_std codes a
+    leading subset (the basis is sorted by variance), and the file still round-trips."""
+    every = KVTC(calibration=toy_cal, min_std=0)
+    assert every.coded_components() == [(k.components, v.components) for k, v in zip(toy_cal.keys, toy_cal.values)]
+    assert "min_std" not in every.get_config() and KVTC.from_file_config(every.get_config()).min_std == 0
+    fewer = KVTC(calibration=toy_cal, min_std=1.0)
+    assert all(a <= b for pair, full in zip(fewer.coded_components(), every.coded_components())
+               for a, b in zip(pair, full))
+    assert fewer.coded_components() != every.coded_components()
+    kv = _cache(40, 4)
+    assert kvcodec.decode(kvcodec.encode(kv, fewer)).layers[0].keys.shape == kv.layers[0].keys.shape

@@ -196,6 +196,12 @@ class KVTC(Codec):
         share of the matrix products, which dominate kvtc's time."""
         return int((gb.variance.sqrt() >= self.min_std * step).sum())
 
+    def coded_components(self) -> list[tuple[int, int]]:
+        """Per calibration group, how many key and value components this codec codes (see :meth:`_coded`)."""
+        cal = self.calibration_data()
+        key_step, value_step = LEVELS[self.level]
+        return [(self._coded(k, key_step), self._coded(v, value_step)) for k, v in zip(cal.keys, cal.values)]
+
     def _encode_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
         rows = gb.rows32[:self._coded(gb, step)]
         coeff = (((x - gb.mean) * gb.weight) @ rows.T).T.numpy().astype(np.float64)  # [K, T]
