@@ -33,7 +33,7 @@ def _codecs(codec: str | Codec | Sequence[Codec], config: dict[str, Any]) -> lis
 def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, chunk_layers: int | None = None,
                 progress: ProgressFn | None = None, backend: str = "auto", threads: int = DEFAULT_THREADS,
-                **config: Any) -> Iterator[bytes]:
+                meta: dict[str, Any] | None = None, **config: Any) -> Iterator[bytes]:
     """Encode ``kv`` and yield the container piece by piece (one chunk frame at a time).
 
     ``codec`` is a registered codec id (its options as keyword arguments), a
@@ -47,6 +47,8 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     The same input and config give the same bytes, whichever backend makes them.
     ``threads`` is how many CPU threads the encode uses (see :mod:`kvcodec.threads`; default 1, so that small
     per-section work never waits on a busy machine's cores); it does not change the bytes either.
+    ``meta`` adds keys of the caller's to the header's ``meta`` (SPEC.md §5: readers ignore keys they do not know);
+    it may not name the keys the cache itself sets (``model``, ``token_ids``, ``rope``, ``positions``).
     """
     if not isinstance(kv, KVCache):
         raise InvalidInputError(f"encode takes a kvcodec.KVCache, not {type(kv).__name__}; build one with "
@@ -54,7 +56,7 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     check_threads(threads)
     codecs = [c.for_cache(kv) for c in _codecs(codec, config)]
     check_backend(codecs, backend)
-    header = make_header(kv, codecs, chunk_tokens, chunk_layers)
+    header = make_header(kv, codecs, chunk_tokens, chunk_layers, meta)
     frames: Iterable[Any] = encode_frames(kv, header, codecs, backend)
     if progress:
         frames = progress(frames, header.num_slots * len(codecs))

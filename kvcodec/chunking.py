@@ -17,17 +17,25 @@ DEFAULT_CHUNK_TOKENS = 256
 
 
 def make_header(kv: KVCache, codecs: Sequence[Codec], chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                chunk_layers: int | None = None) -> Header:
-    """The header describing ``kv`` encoded with ``codecs`` (one variant each)."""
+                chunk_layers: int | None = None, extra_meta: dict[str, Any] | None = None) -> Header:
+    """The header describing ``kv`` encoded with ``codecs`` (one variant each), with the caller's ``extra_meta``
+    keys beside the cache's own."""
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise InvalidInputError(f"chunk_tokens must be a positive integer, not {chunk_tokens!r}")
+    meta = kv.meta
+    if extra_meta:
+        clash = sorted(set(extra_meta) & {"model", "token_ids", "rope", "positions"})
+        if clash or not all(isinstance(k, str) for k in extra_meta):
+            raise InvalidInputError(f"meta keys must be strings other than the cache's own; {clash or list(extra_meta)} "
+                                    "are not")
+        meta = {**meta, **extra_meta}
     header = Header(
         dtype=SUPPORTED_DTYPES[kv.dtype],
         layers=tuple(kv.shapes),
         variants=tuple(Variant(c.codec_id, c.get_config(), c.joint_sections) for c in codecs),
         chunk_tokens=chunk_tokens,
         chunk_layers=kv.num_layers if chunk_layers is None else chunk_layers,
-        meta=kv.meta,
+        meta=meta,
     )
     header.validate()
     return header

@@ -139,8 +139,9 @@ def test_gpu_tier_on_cuda(real_kv):
 def test_demote_and_promote():
     kv = _small_kv(12)
     ids = list(range(12))
-    one = len(kvcodec.encode(kvcodec.KVCache([(l.keys[:, :4], l.values[:, :4]) for l in kv.layers], model=MODEL,
-                                             token_ids=ids[:4]), "raw", chunk_tokens=4))
+    probe = MemoryTier(None)
+    KVStore([probe], model=MODEL, codec="raw", chunk_tokens=4).put(ids, kv)
+    one = max(len(probe.get(k)) for k in probe.keys())  # a stored chunk's bytes
     cpu, disk = MemoryTier(capacity_bytes=one + 10), MemoryTier(None, name="disk")
     store = KVStore([cpu, disk], model=MODEL, codec="raw", chunk_tokens=4)
     store.put(ids, kv)  # writes to the fastest tier; two of the three chunks are demoted as the budget overflows

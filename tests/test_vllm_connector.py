@@ -17,7 +17,8 @@ from kvcodec.engines.vllm_connector import (
     KVConnectorRole,
     build_store,
 )
-from kvcodec.errors import UnsupportedError
+from kvcodec.codecs.kvtc import MissingCalibrationError
+from kvcodec.errors import CorruptDataError, UnsupportedError
 from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
 from kvcodec.reader import Reader
 from kvcodec.store import KVStore, MemoryTier
@@ -242,20 +243,24 @@ def test_corrupt_chunk_reported_not_raised():
     assert store.lookup(ids).num_tokens == 32 and not tier.contains(key)  # the damaged chunk is evicted
 
 
-def test_chunk_that_fails_to_decode_is_reported_and_evicted(monkeypatch):
+@pytest.mark.parametrize("fault, evicted", [(CorruptDataError("section does not decode"), True),
+                                             (MemoryError(), False), (MissingCalibrationError("not here"), False)])
+def test_chunk_that_fails_to_decode_is_reported_and_evicted_only_when_bad(monkeypatch, fault, evicted):
+    """A chunk whose data is bad is evicted; a fault of this machine (memory, a calibration it lacks) is a load
+    error that leaves the shared entry alone."""
     store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
     ids, kv = _stored(store)
     bad_key = store.keys_for(ids)[2][0]
-    bad = store.tiers[0].get(bad_key)
+    bad = store.fetch(ids)[2].data
 
     class FlakyReader(Reader):  # passes its checksums, then fails to decode layer 1
-        def __init__(self, source):
-            super().__init__(source)
+        def __init__(self, source, max_bytes=None):
+            super().__init__(source, max_bytes)
             self._bad = bytes(source) == bad
 
         def read_chunk(self, i, *, layers=None, **kw):
             if self._bad and layers == [1]:
-                raise ValueError("decoder blew up")
+                raise fault
             return super().read_chunk(i, layers=layers, **kw)
 
     monkeypatch.setattr(vc, "Reader", FlakyReader)
@@ -264,7 +269,7 @@ def test_chunk_that_fails_to_decode_is_reported_and_evicted(monkeypatch):
     slots = slot_mapping(torch.tensor(blocks), 0, 64, BS)
     for name, layer in zip(NAMES, kv.layers):
         assert torch.equal(read_paged(fresh[name], slots)[1], layer.values[:, :64])
-    assert not store.tiers[0].contains(bad_key)
+    assert store.tiers[0].contains(bad_key) != evicted
 
 
 def test_missing_chunk_reported():

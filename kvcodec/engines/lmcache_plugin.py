@@ -147,7 +147,7 @@ class LMCacheChunkCodec:
         """Every checksum of a single-chunk container holds (no decoding)."""
         try:
             with Reader(data) as r:
-                r._container.read_frame(0)
+                r.verify_checksums()
             return True
         except Exception:
             return False

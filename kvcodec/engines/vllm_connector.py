@@ -73,10 +73,12 @@ from kvcodec.engines.vllm_setup import (  # noqa: F401 (make_tier: part of this 
     engine_logger,
     make_tier,
     use_profile_of_config,
+    vllm_identity,
 )
+from kvcodec.errors import CorruptDataError
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping, write_paged
 from kvcodec.reader import Reader, iter_chunk_layers
-from kvcodec.store import FetchedChunk, KVStore
+from kvcodec.store import ChunkShape, FetchedChunk, KVStore
 
 log = engine_logger(__name__)
 
@@ -148,6 +150,7 @@ class LoadSpec:
     block_ids: list[int]
     start: int
     end: int
+    salt: str | None = None
 
 
 @dataclass
@@ -157,6 +160,7 @@ class SaveSpec:
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    salt: str | None = None
 
 
 @dataclass
@@ -168,13 +172,18 @@ class KVCodecConnectorMetadata(_MetadataBase):
 # --- loading ---------------------------------------------------------------------------------------
 
 class _Load:
-    """One request's load: decodes its chunks layer by layer in a thread; the first bad chunk cuts it short."""
+    """One request's load: decodes its chunks layer by layer in a thread; the first bad chunk cuts it short.
 
-    def __init__(self, spec: LoadSpec, chunks: list[FetchedChunk], num_layers: int) -> None:
+    What loaded correctly only ever shrinks: the thread lowers :attr:`decoded_end` as chunks fail, and a failed
+    write into vLLM's memory (:meth:`fail_write`) marks the whole request failed for good, whatever the thread
+    reports afterwards."""
+
+    def __init__(self, spec: LoadSpec, chunks: list[FetchedChunk], num_layers: int, store: KVStore) -> None:
         self.spec, self.num_layers = spec, num_layers
         self.readers: list[Reader] = []
-        self.good_end = spec.start  # tokens before this are loaded correctly (once every layer is done)
-        self.failed_key: str | None = None  # the chunk that failed to open or decode (evicted afterwards)
+        self.decoded_end = spec.end  # tokens before this decoded correctly (once every layer is done)
+        self.write_failed = False
+        self.failed: tuple[FetchedChunk, BaseException] | None = None  # the chunk that failed, and why
         end = spec.start
         chunks = [c for c in chunks if c.end > spec.start]  # chunks wholly before ``start`` are already in vLLM
         for c in chunks:
@@ -182,22 +191,30 @@ class _Load:
                 break
             r = None
             try:
-                r = Reader(c.data)
+                r = Reader(c.data, store.max_bytes(c.end - c.start))
                 if len(r.header.layers) != num_layers:
-                    raise ValueError(f"chunk has {len(r.header.layers)} layers, the model {num_layers}")
-            except Exception:
+                    raise CorruptDataError(f"chunk has {len(r.header.layers)} layers, the model {num_layers}")
+            except Exception as e:
                 if r is not None:
                     r.close()
                 log.warning("chunk %s does not open; its blocks will be recomputed", c.key, exc_info=True)
-                self.failed_key = c.key
+                self.failed = (c, e)
                 break
             self.readers.append(r)
             end = c.end
         self.chunks = chunks[: len(self.readers)]
-        self.avail_end = min(end, spec.end)  # tokens the fetched, openable chunks cover
-        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.decoded_end = min(end, spec.end)  # tokens the fetched, openable chunks cover
+        self.layers: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * num_layers
         self.done = [threading.Event() for _ in range(num_layers)]
         self.thread = threading.Thread(target=self._run, name="kvcodec-vllm-load", daemon=True)
+
+    @property
+    def good_end(self) -> int:
+        """Tokens before this are in vLLM's memory correctly (once every layer is written)."""
+        return self.spec.start if self.write_failed else self.decoded_end
+
+    def fail_write(self) -> None:
+        self.write_failed = True
 
     def _run(self) -> None:
         try:
@@ -208,23 +225,21 @@ class _Load:
                 for j in range(ok):
                     try:
                         layer = next(sources[j])
-                    except Exception:
+                    except Exception as e:
                         log.warning("chunk %s failed to decode at layer %d; its blocks will be recomputed",
                                     self.chunks[j].key, i, exc_info=True)
                         ok = j
-                        self.failed_key = self.chunks[j].key
+                        self.failed = (self.chunks[j], e)
                         break
                     ks.append(layer.keys)
                     vs.append(layer.values)
                 if ks:
-                    base = self.chunks[0].start
-                    k, v = torch.cat(ks[:ok], 1), torch.cat(vs[:ok], 1)
-                    self.layers[i] = (k, v, base)  # type: ignore[assignment]
-                self.good_end = min(self.avail_end, self.chunks[ok - 1].end) if ok else self.spec.start
+                    self.layers[i] = (torch.cat(ks[:ok], 1), torch.cat(vs[:ok], 1), self.chunks[0].start)
+                self.decoded_end = min(self.decoded_end, self.chunks[ok - 1].end if ok else self.spec.start)
                 self.done[i].set()
         except BaseException:
             log.warning("loading request %s failed", self.spec.req_id, exc_info=True)
-            self.good_end = self.spec.start
+            self.decoded_end = self.spec.start
             for ev in self.done:
                 ev.set()
         finally:
@@ -266,7 +281,8 @@ class KVCodecConnector(_ConnectorBase):
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
         model_config = getattr(vllm_config, "model_config", None)
         model = getattr(model_config, "model", None) or "unknown-model"
-        self.store = store if store is not None else build_store(extra, str(model))
+        self.store = store if store is not None else build_store(
+            extra, str(model), identity=vllm_identity(vllm_config, role != KVConnectorRole.SCHEDULER))
         self.profile = use_profile_of_config(self.store.model, getattr(model_config, "hf_config", None))
         if self.profile is not None:
             log.info("kvcodec connector: model %s uses the channel profile of %s", self.store.model, self.profile)
@@ -284,6 +300,8 @@ class KVCodecConnector(_ConnectorBase):
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (num_computed_tokens, external tokens)
         self._need_load: dict[str, tuple[int, int]] = {}  # req id -> (start, end)
         self._unsaved: dict[str, dict[str, Any]] = {}  # req id -> prompt ids, block ids, tokens done
+        self._keyed: dict[str, str | None] = {}  # req id -> its cache_salt, for requests the store can key
+        self._unkeyable_logged: set[str] = set()
         # worker side
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_names: list[str] = []
@@ -294,14 +312,35 @@ class KVCodecConnector(_ConnectorBase):
         self._failed_reqs: set[str] = set()  # requests whose load failed in this forward pass: not saved
 
     # ============================== scheduler side ==============================
+    def _unkeyable(self, request: Any) -> str | None:
+        """Why the store cannot key ``request``'s KV by its tokens alone (a LoRA adapter or multimodal inputs change
+        the KV of the same tokens), or None."""
+        if getattr(request, "lora_request", None) is not None:
+            return "a LoRA adapter"
+        if getattr(request, "mm_features", None) or getattr(request, "mm_hashes", None) or \
+                getattr(request, "mm_positions", None):
+            return "multimodal inputs"
+        return None
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Prompt tokens beyond ``num_computed_tokens`` that the store can supply (whole blocks), and False (sync load)."""
+        """Prompt tokens beyond ``num_computed_tokens`` that the store can supply (whole blocks), and False (sync load).
+        Requests whose KV depends on more than their tokens and ``cache_salt`` are neither loaded nor saved."""
         ids = list(getattr(request, "prompt_token_ids", None) or [])
+        why = self._unkeyable(request)
+        if why is not None:
+            self._keyed.pop(request.request_id, None)
+            if why not in self._unkeyable_logged:
+                self._unkeyable_logged.add(why)
+                log.warning("kvcodec connector: requests with %s are neither loaded from nor saved to the store (its "
+                            "keys do not cover them yet); said once", why)
+            return 0, False
+        salt = getattr(request, "cache_salt", None)
+        self._keyed[request.request_id] = salt
         if len(ids) < 2:
             return 0, False
         try:
             # the whole prompt's chunks (a stored last chunk counts), less one token that vLLM must compute
-            hit = min(self.store.lookup(ids).num_tokens, len(ids) - 1)
+            hit = min(self.store.lookup(ids, salt=salt).num_tokens, len(ids) - 1)
         except Exception:
             log.warning("store lookup failed; treating it as a miss", exc_info=True)
             hit = 0
@@ -323,15 +362,18 @@ class KVCodecConnector(_ConnectorBase):
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
         for req in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
             rid = req.req_id
+            if rid not in self._keyed:  # not looked up here, or not keyable: neither loaded nor saved
+                continue
+            salt = self._keyed[rid]
             ids = [int(t) for t in (req.prompt_token_ids or [])]
             blocks = _first_block_ids(req.block_ids)
             if rid in self._need_load:
                 start, end = self._need_load.pop(rid)
                 # the chunks that hold tokens start..end-1, as they were stored (a chunk's key covers its tokens)
                 chunk_end = min(len(ids), -(-end // self.store.chunk_tokens) * self.store.chunk_tokens)
-                meta.loads.append(LoadSpec(rid, ids[:chunk_end], blocks, start, end))
+                meta.loads.append(LoadSpec(rid, ids[:chunk_end], blocks, start, end, salt))
             done = int(getattr(req, "num_computed_tokens", 0)) + int(scheduled.get(rid, len(ids)))
-            self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done}
+            self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done, "salt": salt}
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
             new_blocks = getattr(cached, "new_block_ids", None) or []
@@ -354,7 +396,7 @@ class KVCodecConnector(_ConnectorBase):
                 if not self.store.save_partial:
                     ids = ids[: len(ids) // self.store.chunk_tokens * self.store.chunk_tokens]
                 if ids:
-                    meta.saves.append(SaveSpec(rid, ids, st["blocks"]))
+                    meta.saves.append(SaveSpec(rid, ids, st["blocks"], st["salt"]))
                 del self._unsaved[rid]
         return meta
 
@@ -364,6 +406,7 @@ class KVCodecConnector(_ConnectorBase):
         self._unsaved.pop(rid, None)
         self._need_load.pop(rid, None)
         self._matched.pop(rid, None)
+        self._keyed.pop(rid, None)
         return False, None
 
     # ============================== worker side ==============================
@@ -372,7 +415,10 @@ class KVCodecConnector(_ConnectorBase):
         self.layout = detect_layout(self._vllm_config, kv_caches)
         self.kv_caches = dict(kv_caches)
         self.layer_names = _layer_order(list(kv_caches))
-        self.block_size = self.layout.geometry(next(iter(kv_caches.values())))[1]
+        first = next(iter(kv_caches.values()))
+        _, self.block_size, heads, dim = self.layout.geometry(first)
+        # only chunks of exactly this memory's shape are loaded, and their decodes are bounded by its size
+        self.store.shape = ChunkShape(len(kv_caches), heads, dim, dim, str(first.dtype).removeprefix("torch."))
         log.info("kvcodec connector: %d layers, paged layout %r, block size %d", len(kv_caches), self.layout.name,
                  self.block_size)
 
@@ -387,11 +433,11 @@ class KVCodecConnector(_ConnectorBase):
             return
         for spec in meta.loads:
             try:
-                chunks = self.store.fetch(spec.token_ids)
+                chunks = self.store.fetch(spec.token_ids, salt=spec.salt)
             except Exception:
                 log.warning("store fetch failed; request %s recomputes", spec.req_id, exc_info=True)
                 chunks = []
-            load = _Load(spec, chunks, len(self.layer_names))
+            load = _Load(spec, chunks, len(self.layer_names), self.store)
             self._loads.append(load)
             load.thread.start()
 
@@ -423,7 +469,7 @@ class KVCodecConnector(_ConnectorBase):
                 self._apply(load, index, layer_name)
             except Exception:
                 log.warning("writing layer %s of request %s failed", layer_name, load.spec.req_id, exc_info=True)
-                load.good_end = load.spec.start
+                load.fail_write()
 
     def _finish_loads(self) -> None:
         for load in self._loads:
@@ -432,19 +478,20 @@ class KVCodecConnector(_ConnectorBase):
                     self._apply(load, i, name)
                 except Exception:
                     log.warning("writing layer %s of request %s failed", name, load.spec.req_id, exc_info=True)
-                    load.good_end = load.spec.start
+                    load.fail_write()
             load.thread.join()
             bad = load.failed_blocks(self.block_size)
             if bad:
+                why = ("a write into vLLM's memory failed" if load.write_failed else
+                       f"chunk {load.failed[0].key}" if load.failed else "missing")
                 log.warning("kvcodec connector: request %s: tokens %d-%d did not load (%s); their %d blocks are "
                             "reported as load errors and vLLM recomputes them", load.spec.req_id, load.good_end,
-                            load.spec.end, "chunk " + load.failed_key if load.failed_key else "missing", len(bad))
+                            load.spec.end, why, len(bad))
                 self._load_errors |= bad
                 self._failed_reqs.add(load.spec.req_id)
                 self.stats["load_error_blocks"] += len(bad)
-                if load.failed_key is not None:  # evict the damaged chunk so the recomputed KV replaces it
-                    for t in self.store.tiers:
-                        self.store._safe(t, "delete", load.failed_key)
+                if load.failed is not None:  # a bad chunk is evicted, so the recomputed KV replaces it
+                    self.store.discard(*load.failed)
             self.stats["loaded_tokens"] += max(0, min(load.good_end, load.spec.end) - load.spec.start)
         self._loads = []
 
@@ -483,7 +530,7 @@ class KVCodecConnector(_ConnectorBase):
                     layers.append(got[name])
                 kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
                 # chunks the store holds anywhere (the ones just loaded, too) are not encoded again in this pass
-                self.stats["saved_chunks"] += self.store.put(spec.token_ids, kv, replicate=False)
+                self.stats["saved_chunks"] += self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt)
             except Exception:
                 log.warning("saving request %s failed", spec.req_id, exc_info=True)
 

@@ -1,5 +1,6 @@
-"""What the vLLM connector works out once at start-up from vLLM's configuration: its store and tiers, the cachegen
-profile of the served model, and the paged layout of the KV memory vLLM hands it.
+"""What the vLLM connector works out once at start-up from vLLM's configuration: its store and tiers, the identity
+of the caches it keys (model, KV dtype, parallel rank), the cachegen profile of the served model, and the paged
+layout of the KV memory vLLM hands it.
 
 Kept apart from :mod:`kvcodec.engines.vllm_connector` (the per-step protocol) and importable without vLLM.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -20,7 +22,10 @@ from kvcodec.engines.auto_calibration import ensure_model_calibration, load_serv
 from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
 from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
+from kvcodec.errors import InvalidInputError
 from kvcodec.store import DiskTier, GPUTier, KVStore, MemoryTier, PlacementPolicy, RedisTier, StorageTier
+from kvcodec.store.auth import SECRET_ENV, check_secret, secret_from_env
+from kvcodec.store.keys import CacheIdentity, model_digest
 
 
 
@@ -58,12 +63,18 @@ def make_tier(spec: str, *, redis_timeout_s: float = 0.5) -> StorageTier:
     raise ValueError(f"unknown tier {spec!r}: use cpu[:bytes], gpu[:bytes], disk:<folder> or redis://host:port[/db]")
 
 
-def build_store(extra: dict[str, Any] | None, model: str) -> KVStore:
+def build_store(extra: dict[str, Any] | None, model: str, *, identity: CacheIdentity | None = None) -> KVStore:
     """The store a connector uses, from ``kv_connector_extra_config``.  Warns when no tier can be shared between
     vLLM's scheduler and worker processes (only ``cpu`` / ``gpu`` tiers): then nothing saved is ever found.
+    ``identity`` (:func:`cache_identity`) is what the engine's caches depend on; ``extra``'s ``namespace`` is added
+    to it.  The secret that authenticates stored values comes from ``$KVCODEC_STORE_SECRET`` or the file named by
+    ``secret_file`` (never from the configuration itself, which vLLM logs).
     With codec ``kvtc`` and its calibration ``"auto"``, a model (``model``: the folder vLLM serves) with no
     calibration installed is calibrated here, once (``calibration_options`` for kvtc's ``calibrate``)."""
     extra = dict(extra or {})
+    if "secret" in extra:
+        raise InvalidInputError(f"put the store secret in ${SECRET_ENV} or a file named by \"secret_file\", not in "
+                                "kv_connector_extra_config, which vLLM writes to its log")
     timeout = float(extra.get("redis_timeout_s", 0.5))
     specs = list(extra.get("tiers") or ["cpu", "disk:" + os.path.join(tempfile.gettempdir(), "kvcodec-vllm")])
     if extra.get("redis_url") and not any(s.startswith("redis://") for s in specs):
@@ -78,9 +89,69 @@ def build_store(extra: dict[str, Any] | None, model: str) -> KVStore:
     name, codec = str(extra.get("model", model)), extra.get("codec", "cachegen")
     if wants_calibration(codec, extra.get("codec_options")):
         ensure_model_calibration(name, lambda: load_served_model(model, log.info), log.info, extra.get("calibration_options"))
+    identity = dataclasses.replace(identity or cache_identity(model), namespace=str(extra.get("namespace", "")))
     return KVStore(tiers, model=name, codec=codec,
                    codec_options=extra.get("codec_options"), chunk_tokens=int(extra.get("chunk_tokens", 256)),
-                   hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared))
+                   hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared), identity=identity,
+                   secret=_secret(extra))
+
+
+def _secret(extra: dict[str, Any]) -> bytes | None:
+    path = extra.get("secret_file")
+    if path is None:
+        return secret_from_env()
+    try:
+        with open(path, "rb") as f:
+            return check_secret(f.read(4096).strip())
+    except OSError as e:
+        raise InvalidInputError(f"secret_file {path!r} cannot be read: {e}") from None
+
+
+# --- what the caches depend on ---------------------------------------------------------------------
+
+def cache_identity(model: str, *, kv_dtype: str = "", hf_config: Any = None, revision: str | None = None,
+                   tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> CacheIdentity:
+    """The :class:`~kvcodec.store.keys.CacheIdentity` of caches of ``model`` (the folder or name vLLM serves).
+
+    The model digest hashes the folder's ``config.json`` when ``model`` is a folder (any process can read it, so a
+    test or a bench computes the same keys as the engine), else ``hf_config``, and the weights ``revision``."""
+    config = hf_config
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            config = json.loads(f.read(1 << 20))
+    return CacheIdentity(model_digest=model_digest(config, revision) if config is not None or revision else "",
+                         kv_dtype=kv_dtype, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+
+
+def _ranks(vllm_config: Any, is_worker: bool) -> tuple[int, int, int, int]:
+    """``(tp_rank, tp_size, pp_rank, pp_size)`` of this process; the scheduler keys as rank 0 of stage 0 (its
+    lookups answer for that rank: another rank missing its chunk reports a load error and recomputes)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    if not is_worker:
+        return 0, tp_size, 0, pp_size
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return int(get_tp_group().rank_in_group), tp_size, int(get_pp_group().rank_in_group), pp_size
+    except Exception:  # no vLLM, or its groups are not set up in this process: the global rank says it
+        rank = int(getattr(pc, "rank", 0) or 0)
+        return rank % tp_size, tp_size, rank // tp_size % pp_size, pp_size
+
+
+def vllm_identity(vllm_config: Any, is_worker: bool) -> CacheIdentity:
+    """What the caches of this vLLM process depend on: the served model's configuration and revision, the KV
+    cache dtype (``cache_dtype``, or the model's dtype when it is ``auto``) and the parallel rank."""
+    mc, cc = getattr(vllm_config, "model_config", None), getattr(vllm_config, "cache_config", None)
+    kv_dtype = str(getattr(cc, "cache_dtype", None) or "auto")
+    if kv_dtype == "auto":
+        kv_dtype = str(getattr(mc, "dtype", "") or "").removeprefix("torch.")
+    tp_rank, tp_size, pp_rank, pp_size = _ranks(vllm_config, is_worker)
+    return cache_identity(str(getattr(mc, "model", None) or "unknown-model"), kv_dtype=kv_dtype,
+                          hf_config=getattr(mc, "hf_config", None), revision=getattr(mc, "revision", None),
+                          tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
 
 
 # --- the model's profile -------------------------------------------------------------------------------

@@ -112,8 +112,14 @@ def scatter_rows(view: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
 
 def write_paged(paged: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                 layout: PagedLayout | str = FLASH) -> None:
-    """Scatter ``[H, T, D]`` keys and values into one layer's paged tensor at ``slots``."""
+    """Scatter ``[H, T, D]`` keys and values into one layer's paged tensor at ``slots``; tensors of any other shape
+    than the layer's heads and head size, or than one token per slot, are refused (torch would broadcast one
+    head into all of them)."""
     key_view, value_view = paged_layout(layout).views(paged)
+    want = (key_view.shape[2], int(slots.numel()), key_view.shape[3])
+    if tuple(keys.shape) != want or tuple(values.shape) != want:
+        raise InvalidInputError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} do not fit a paged layer "
+                                f"of {want[0]} heads of {want[2]} at {want[1]} slots: [H, T, D] = {want} expected")
     scatter_rows(key_view, slots, keys.transpose(0, 1))
     scatter_rows(value_view, slots, values.transpose(0, 1))
 

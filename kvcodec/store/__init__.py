@@ -8,12 +8,15 @@
 >>> prefix_kv = store.get(token_ids)      # decoded KVCache of the stored prefix (or None)
 """
 
-from kvcodec.store.keys import HASHES, chunk_bounds, chunk_hashes, format_key, namespace
-from kvcodec.store.store import DEFAULT_STORE_CHUNK_TOKENS, FetchedChunk, KVStore, Lookup, PlacementPolicy, concat
+from kvcodec.store.auth import UnauthenticatedError
+from kvcodec.store.keys import HASHES, CacheIdentity, chunk_bounds, chunk_hashes, format_key, model_digest, namespace
+from kvcodec.store.store import (DEFAULT_STORE_CHUNK_TOKENS, ChunkShape, FetchedChunk, KVStore, Lookup, PlacementPolicy,
+                                 concat)
 from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, RedisTier, StorageTier
 
 __all__ = [
-    "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
+    "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "ChunkShape", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
+    "CacheIdentity", "model_digest", "UnauthenticatedError",
     "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier",
     "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",
 ]

@@ -1,20 +1,25 @@
-"""Chunk keys: a chained hash over token chunks, namespaced by model and codec config.
+"""Chunk keys: a chained hash over token chunks, seeded by everything that changes the KV besides the tokens.
 
-``namespace = H("kvcodec-store/1" | model | codec id | canonical codec config JSON | chunk_tokens)``
-``h[-1] = namespace``; ``h[i] = H(h[i-1] | token ids of chunk i as little-endian int64)``.
+``seed = H("kvcodec-store/2" | model | identity | codec id | canonical codec config | chunk_tokens)``;
+a request's own salt (vLLM's ``cache_salt``) gives it a seed of its own, ``H(seed | salt)``;
+``h[i] = H(h[i-1] | token ids of chunk i as little-endian int64)`` with ``h[-1]`` the seed.
 
-Chunk ``i``'s key therefore depends on every token before it (a different earlier chunk
-changes every later key) and on the model and codec, so caches of different models or
-codec settings never collide.  ``H`` is SHA-256 by default (a store shared between
-tenants should not let anyone craft colliding prefixes); ``xxh3-128`` is the fast
-alternative.  A key reads ``kvc@<model>@<hex digest>`` (``@`` in the model id becomes ``_``),
-like LMCache's ``model@world_size@worker_id@<chunk hash>@<dtype>``.
+Chunk ``i``'s key therefore depends on every token before it (a different earlier chunk changes every later
+key), on the model and its :class:`CacheIdentity` (weights, KV dtype, parallel rank, tenant), and on the codec,
+so caches that differ in any of them never share a key.  ``H`` is SHA-256, or HMAC-SHA-256 under the store's
+secret (then nobody without the secret can tell which prompt a key belongs to, or craft one); ``xxh3-128`` is a
+fast, non-cryptographic alternative for a store whose writers and readers all trust each other.  A key reads
+``kvc@<namespace>@<model>@<hex digest>`` (``@`` in the names becomes ``_``), like LMCache's
+``model@world_size@worker_id@<chunk hash>@<dtype>``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import hmac
 import json
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -27,14 +32,75 @@ HASHES: dict[str, Callable[[bytes], bytes]] = {
     "xxh3-128": lambda b: xxhash.xxh3_128_digest(b),
 }
 
+KEY_VERSION = "kvcodec-store/2"
 
-def namespace(model: str, codec_id: str, codec_config: dict[str, Any], chunk_tokens: int, hash_name: str = "sha256") -> bytes:
-    """The hash that seeds the chain: everything that must match for a stored chunk to be reusable."""
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """What, besides the model's name and the tokens, decides a prompt's KV; caches differing in any field never
+    share a key.
+
+    ``model_digest``: a hash of the model's configuration and weights revision (``model_digest(...)``), so that two
+    checkpoints served under one name do not share caches; ``kv_dtype``: the dtype the engine keeps KV in;
+    ``tp_rank``/``tp_size`` and ``pp_rank``/``pp_size``: a tensor-parallel rank holds only its own heads, a
+    pipeline stage only its own layers; ``namespace``: a deployment or tenant whose caches are kept apart (it also
+    leads every key, so a tier can be listed or flushed per namespace).
+    """
+
+    model_digest: str = ""
+    kv_dtype: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    namespace: str = ""
+
+    def __post_init__(self) -> None:
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            r, n = getattr(self, rank), getattr(self, size)
+            if not (isinstance(r, int) and isinstance(n, int) and n >= 1 and 0 <= r < n):
+                raise InvalidInputError(f"{rank} must be in 0..{size}-1 and {size} >= 1, not {rank}={r!r}, {size}={n!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def model_digest(config: Any = None, revision: str | None = None) -> str:
+    """A short hash of a model's configuration (a dict, or an object with ``to_dict()``, such as a HuggingFace
+    config) and its weights revision: what :attr:`CacheIdentity.model_digest` holds."""
+    if config is not None and not isinstance(config, dict):
+        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    text = json.dumps([config, revision], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def hasher(hash_name: str = "sha256", secret: bytes | None = None) -> Callable[[bytes], bytes]:
+    """The ``H`` of the key chain: ``hash_name``, keyed by ``secret`` when there is one."""
     if hash_name not in HASHES:
         raise InvalidInputError(f"hash must be one of {sorted(HASHES)}, not {hash_name!r}")
-    text = json.dumps(["kvcodec-store/1", model, codec_id, codec_config, int(chunk_tokens)], sort_keys=True,
-                      separators=(",", ":"), default=str)
-    return HASHES[hash_name](text.encode())
+    if secret is None:
+        return HASHES[hash_name]
+    if hash_name != "sha256":
+        raise InvalidInputError(f"a store with a secret keys its chunks with HMAC-SHA-256; hash {hash_name!r} is not "
+                                "keyed: use hash='sha256'")
+    return lambda b: hmac.new(secret, b, hashlib.sha256).digest()
+
+
+def namespace(model: str, codec_id: str, codec_config: dict[str, Any], chunk_tokens: int, hash_name: str = "sha256",
+              identity: CacheIdentity | None = None, secret: bytes | None = None) -> bytes:
+    """The hash that seeds the chain: everything that must match for a stored chunk to be reusable."""
+    text = json.dumps([KEY_VERSION, model, (identity or CacheIdentity()).to_dict(), codec_id, codec_config,
+                       int(chunk_tokens)], sort_keys=True, separators=(",", ":"), default=str)
+    return hasher(hash_name, secret)(text.encode())
+
+
+def salted(seed: bytes, salt: str | bytes | None, hash_name: str = "sha256", secret: bytes | None = None) -> bytes:
+    """The seed of a request carrying its own ``salt`` (vLLM's ``cache_salt``): requests share chunks only with
+    requests of the same salt.  No salt: ``seed`` itself."""
+    if salt is None or salt == "" or salt == b"":
+        return seed
+    raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+    return hasher(hash_name, secret)(seed + b"salt:" + raw)
 
 
 def chunk_bounds(num_tokens: int, chunk_tokens: int, partial: bool = True) -> list[tuple[int, int]]:
@@ -46,9 +112,9 @@ def chunk_bounds(num_tokens: int, chunk_tokens: int, partial: bool = True) -> li
 
 
 def chunk_hashes(token_ids: Sequence[int], chunk_tokens: int, seed: bytes, hash_name: str = "sha256",
-                 partial: bool = True) -> list[bytes]:
+                 partial: bool = True, secret: bytes | None = None) -> list[bytes]:
     """The chained digest of every chunk of ``token_ids``."""
-    h = HASHES[hash_name]
+    h = hasher(hash_name, secret)
     ids = np.asarray(list(token_ids), dtype="<i8")
     prev, out = seed, []
     for s, e in chunk_bounds(len(ids), chunk_tokens, partial):
@@ -57,5 +123,6 @@ def chunk_hashes(token_ids: Sequence[int], chunk_tokens: int, seed: bytes, hash_
     return out
 
 
-def format_key(model: str, digest: bytes) -> str:
-    return f"kvc@{model.replace('@', '_')}@{digest.hex()}"
+def format_key(model: str, digest: bytes, namespace: str = "") -> str:
+    name = model.replace("@", "_")
+    return f"kvc@{namespace.replace('@', '_')}@{name}@{digest.hex()}" if namespace else f"kvc@{name}@{digest.hex()}"

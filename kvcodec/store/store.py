@@ -1,4 +1,13 @@
-"""The store front: token prefixes in, KV caches out, across an ordered list of tiers."""
+"""The store front: token prefixes in, KV caches out, across an ordered list of tiers.
+
+A stored value is a single-chunk container whose header names the key it was written for (``meta.store_key``),
+followed, when the store has a secret, by an authentication tag (:mod:`kvcodec.store.auth`).  Before a chunk is
+served it must be intact (every checksum), authentic (with a secret), the chunk asked for (its key, model and
+token count) and, when the store knows what its engine holds (``shape``), of exactly that shape and dtype; and a
+decode never takes more than that shape's bytes.  A value failing any of these is *corrupt*: it is evicted from
+the tier it came from.  Anything else that stops a load on this machine (a missing kvtc calibration, memory, a
+newer format) is a miss that leaves the shared entry alone.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +23,20 @@ from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec, get_codec
 from kvcodec.codecs.kvtc import MissingCalibrationError
-from kvcodec.errors import InvalidInputError, KVCodecError
+from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, LimitExceededError
+from kvcodec.formats.v1 import Header
 from kvcodec.reader import Reader
-from kvcodec.store.keys import chunk_bounds, chunk_hashes, format_key, namespace
+from kvcodec.store.auth import check_secret, seal, unseal
+from kvcodec.store.keys import CacheIdentity, chunk_bounds, chunk_hashes, format_key, namespace, salted
 from kvcodec.store.tiers import StorageTier
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STORE_CHUNK_TOKENS = 256
+# Without a known shape a chunk's decode may still not take more than this (the header limits alone allow one
+# layer tens of gigabytes); a 256-token chunk of a 70B-class model in float16 is 80 MiB.
+DEFAULT_MAX_CHUNK_BYTES = 256 << 20
+STORE_KEY_META = "store_key"
 
 
 class Lookup(NamedTuple):
@@ -29,6 +44,47 @@ class Lookup(NamedTuple):
 
     num_tokens: int
     where: list[str]
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """What the engine's memory holds per token: ``layers`` layers of ``heads`` heads with ``key_dim`` and
+    ``value_dim`` channels in ``dtype`` (a torch dtype name).  A store given one serves only chunks of exactly
+    this shape, and bounds every decode by their size."""
+
+    layers: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(n, int) and n > 0 for n in (self.layers, self.heads, self.key_dim, self.value_dim)):
+            raise InvalidInputError(f"a chunk shape needs positive integer sizes, not {self}")
+        if not isinstance(getattr(torch, str(self.dtype), None), torch.dtype):
+            raise InvalidInputError(f"dtype must name a torch dtype, not {self.dtype!r}")
+
+    def output_bytes(self, tokens: int) -> int:
+        itemsize = getattr(torch, self.dtype).itemsize
+        return self.layers * self.heads * tokens * (self.key_dim + self.value_dim) * itemsize
+
+    def check(self, header: Header, tokens: int) -> None:
+        """Raise :class:`CorruptDataError` unless ``header`` declares ``tokens`` tokens of this shape."""
+        want = (self.heads, tokens, self.key_dim, self.value_dim)
+        got = [(s.heads, s.tokens, s.key_dim, s.value_dim) for s in header.layers]
+        if header.dtype != self.dtype or len(got) != self.layers or any(g != want for g in got):
+            first = got[0] if got else None
+            raise CorruptDataError(f"the chunk holds {len(got)} layers of (heads, tokens, key_dim, value_dim) {first} "
+                                   f"in {header.dtype}; the engine expects {self.layers} of {want} in {self.dtype}")
+
+    @classmethod
+    def of(cls, kv: KVCache) -> ChunkShape:
+        """The shape of ``kv``'s layers (all alike)."""
+        shapes = {(s.heads, s.key_dim, s.value_dim) for s in kv.shapes}
+        if len(shapes) != 1:
+            raise InvalidInputError(f"the layers differ in shape: {sorted(shapes)}")
+        (h, kd, vd), = shapes
+        return cls(kv.num_layers, h, kd, vd, str(kv.dtype).removeprefix("torch."))
 
 
 @dataclass
@@ -51,7 +107,8 @@ class PlacementPolicy:
 
 @dataclass
 class FetchedChunk:
-    """A chunk's container bytes, where they came from, and its token range."""
+    """A chunk's container bytes (checked, authentication tag removed), where they came from, and its token
+    range."""
 
     key: str
     tier: str
@@ -66,13 +123,20 @@ class KVStore:
     ``tiers`` are ordered fastest first.  Chunks hold ``chunk_tokens`` tokens (the last
     chunk of a sequence may be shorter); each is stored as a single-chunk kvcodec
     container encoded with ``codec`` (an id plus ``codec_options``, or a Codec), under a
-    key chained over all earlier tokens (:mod:`kvcodec.store.keys`).
+    key chained over all earlier tokens and seeded by ``model``, ``identity`` and the codec
+    (:mod:`kvcodec.store.keys`).
+
+    ``secret`` (16 bytes or more, shared by the deployment) keys the chain with HMAC and authenticates every
+    value (:mod:`kvcodec.store.auth`); without it, whoever can write a tier must be trusted like the model
+    weights.  ``shape`` (:class:`ChunkShape`) is what the engine holds: chunks of any other shape are corrupt,
+    and a decode takes at most that shape's bytes; without it a decode takes at most ``max_chunk_bytes``.
     """
 
     def __init__(self, tiers: Sequence[StorageTier], *, model: str, codec: str | Codec = "cachegen",
                  codec_options: dict[str, Any] | None = None, chunk_tokens: int = DEFAULT_STORE_CHUNK_TOKENS,
                  hash: str = "sha256", policy: PlacementPolicy | None = None,  # noqa: A002
-                 save_partial: bool = True) -> None:
+                 save_partial: bool = True, identity: CacheIdentity | None = None, secret: bytes | str | None = None,
+                 shape: ChunkShape | None = None, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
         if not tiers:
             raise InvalidInputError("a KVStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -80,6 +144,8 @@ class KVStore:
             raise InvalidInputError(f"tier names must be unique, got {names}")
         if chunk_tokens <= 0:
             raise InvalidInputError("chunk_tokens must be positive")
+        if not (isinstance(max_chunk_bytes, int) and max_chunk_bytes > 0):
+            raise InvalidInputError(f"max_chunk_bytes must be a positive integer, not {max_chunk_bytes!r}")
         self.tiers = list(tiers)
         self.model = model
         self.codec = codec if isinstance(codec, Codec) else get_codec(codec, **(codec_options or {}))
@@ -88,18 +154,25 @@ class KVStore:
         self.hash = hash
         self.policy = policy or PlacementPolicy()
         self.save_partial = save_partial
-        self.seed = namespace(model, self.codec.codec_id, self.codec.get_config(), chunk_tokens, hash)
+        self.identity = identity or CacheIdentity()
+        self.secret = check_secret(secret)
+        self.shape = shape
+        self.max_chunk_bytes = max_chunk_bytes
+        self.seed = namespace(model, self.codec.codec_id, self.codec.get_config(), chunk_tokens, hash, self.identity,
+                              self.secret)
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "promoted": 0, "demoted": 0, "puts": 0}
         self._lock = threading.Lock()
         for i, tier in enumerate(self.tiers):
             tier.on_evict = self._demoter(i)
 
     # keys ------------------------------------------------------------------------------------
-    def keys_for(self, token_ids: Sequence[int]) -> list[tuple[str, int, int]]:
-        """``(key, start, end)`` of every chunk of ``token_ids``."""
+    def keys_for(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> list[tuple[str, int, int]]:
+        """``(key, start, end)`` of every chunk of ``token_ids``; ``salt`` (vLLM's ``cache_salt``) keeps a request's
+        chunks apart from those of requests without the same salt."""
         bounds = chunk_bounds(len(token_ids), self.chunk_tokens, self.save_partial)
-        digests = chunk_hashes(token_ids, self.chunk_tokens, self.seed, self.hash, self.save_partial)
-        return [(format_key(self.model, d), s, e) for d, (s, e) in zip(digests, bounds)]
+        seed = salted(self.seed, salt, self.hash, self.secret)
+        digests = chunk_hashes(token_ids, self.chunk_tokens, seed, self.hash, self.save_partial, self.secret)
+        return [(format_key(self.model, d, self.identity.namespace), s, e) for d, (s, e) in zip(digests, bounds)]
 
     def tier(self, name: str) -> StorageTier:
         for t in self.tiers:
@@ -130,22 +203,26 @@ class KVStore:
             out += [t for t in self.tiers[min(shared):] if t is not self.tiers[0]]
         return out
 
-    def put(self, token_ids: Sequence[int], kv: KVCache, *, replicate: bool = True) -> int:
+    def put(self, token_ids: Sequence[int], kv: KVCache, *, replicate: bool = True,
+            salt: str | bytes | None = None) -> int:
         """Store the chunks of ``kv`` (computed over ``token_ids``) that are not stored yet.
 
         Returns the number of chunks written.  Every layer must hold all ``len(token_ids)``
         tokens (sliding-window layers cannot be split into prefix chunks).  With ``replicate``
         a chunk goes to every put tier that lacks it; without, a chunk that any tier holds is
         left as it is (no encoding: for callers that just loaded part of ``kv`` from the store).
+        The token ids themselves are not stored: a chunk names its key instead.
         """
         token_ids = [int(t) for t in token_ids]
         if any(l.keys.shape[1] != len(token_ids) for l in kv.layers):
             raise InvalidInputError(f"every layer must hold {len(token_ids)} tokens, one per token id")
         if kv.model is not None and kv.model != self.model:
             raise InvalidInputError(f"the cache is of model {kv.model!r}, the store of {self.model!r}")
+        if self.shape is not None and ChunkShape.of(kv) != self.shape:
+            raise InvalidInputError(f"the cache is of shape {ChunkShape.of(kv)}, the store's engine {self.shape}")
         targets = self._put_tiers()
         written = 0
-        for key, s, e in self.keys_for(token_ids):
+        for key, s, e in self.keys_for(token_ids, salt=salt):
             if not replicate and any(self._safe(t, "contains", key, default=False) for t in self.tiers):
                 continue
             missing = [t for t in targets if not self._safe(t, "contains", key, default=False)]
@@ -153,10 +230,10 @@ class KVStore:
                 continue
             positions = kv.positions[s:e] if kv.positions is not None else (
                 range(s, e) if self.codec.uses_positions else None)
-            part = KVCache([(l.keys[:, s:e], l.values[:, s:e]) for l in kv.layers], model=self.model,
-                           token_ids=token_ids[s:e], rope=kv.rope, positions=positions)
-            blob = encode(part, self.codec, chunk_tokens=e - s)
-            if any([self._safe(t, "put", key, blob, default=False) for t in missing]):
+            part = KVCache([(l.keys[:, s:e], l.values[:, s:e]) for l in kv.layers], model=self.model, rope=kv.rope,
+                           positions=positions)
+            value = seal(self.secret, key, encode(part, self.codec, chunk_tokens=e - s, meta={STORE_KEY_META: key}))
+            if any([self._safe(t, "put", key, value, default=False) for t in missing]):
                 written += 1
         if written:
             self._hold_calibration(targets)
@@ -212,41 +289,78 @@ class KVStore:
         return demote
 
     # reading -----------------------------------------------------------------------------------
-    def lookup(self, token_ids: Sequence[int]) -> Lookup:
+    def lookup(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> Lookup:
         """How many leading tokens of ``token_ids`` are stored, and in which tier each chunk is."""
         n, where = 0, []
-        for key, _, e in self.keys_for(token_ids):
+        for key, _, e in self.keys_for(token_ids, salt=salt):
             tier = next((t for t in self.tiers if self._safe(t, "contains", key, default=False)), None)
             if tier is None:
                 break
             n, where = e, where + [tier.name]
         return Lookup(n, where)
 
-    def fetch(self, token_ids: Sequence[int], *, verify: bool = True) -> list[FetchedChunk]:
+    def max_bytes(self, tokens: int) -> int:
+        """The most a decode of a ``tokens``-token chunk may produce (the engine's shape, or ``max_chunk_bytes``)."""
+        return self.shape.output_bytes(tokens) if self.shape is not None else self.max_chunk_bytes
+
+    def check_chunk(self, key: str, value: bytes, tokens: int) -> bytes:
+        """The container of ``value``, read from a tier under ``key`` for a chunk of ``tokens`` tokens, once it is
+        authentic, intact and the chunk asked for, of the engine's shape; raises :class:`CorruptDataError` (or
+        :class:`LimitExceededError`) otherwise.  Nothing is decoded."""
+        container = unseal(self.secret, key, value)
+        with Reader(container, self.max_bytes(tokens)) as r:
+            meta = r.header.meta
+            if r.num_chunks != 1:
+                raise CorruptDataError(f"{key} holds {r.num_chunks} chunks, not one")
+            if meta.get(STORE_KEY_META) != key or meta.get("model") != self.model:
+                raise CorruptDataError(f"{key} holds the chunk written for {meta.get(STORE_KEY_META)!r} "
+                                       f"(model {meta.get('model')!r})")
+            if r.header.max_tokens != tokens:
+                raise CorruptDataError(f"{key} holds {r.header.max_tokens} tokens, not {tokens}")
+            if self.shape is not None:
+                self.shape.check(r.header, tokens)
+            r.verify_checksums()
+        return container
+
+    def discard(self, chunk: FetchedChunk, reason: BaseException) -> None:
+        """Evict ``chunk`` from the tier it came from when ``reason`` says the stored value itself is bad (corrupt,
+        forged, of another shape or over its size); any other failure (a calibration this machine lacks, memory,
+        a newer format) is this machine's and leaves the shared entry alone."""
+        if isinstance(reason, (CorruptDataError, LimitExceededError)):
+            log.warning("chunk %s in tier %s is bad (%s); evicted", chunk.key, chunk.tier, reason)
+            self._count("corrupt")
+            self._safe(self.tier(chunk.tier), "delete", chunk.key)
+        else:
+            log.warning("chunk %s from tier %s could not be loaded here (%s: %s); treated as a miss, left stored",
+                        chunk.key, chunk.tier, type(reason).__name__, reason)
+
+    def fetch(self, token_ids: Sequence[int], *, verify: bool = True,
+              salt: str | bytes | None = None) -> list[FetchedChunk]:
         """The container bytes of the stored prefix of ``token_ids``, chunk by chunk.
 
-        Each chunk comes from the fastest tier that holds it intact: with ``verify`` every
-        checksum is checked (no decoding) and the chunk must be the one asked for; a damaged
-        or wrong chunk is deleted from that tier and the next tier is tried.  The prefix
-        stops at the first chunk no tier holds intact (a miss: the caller recomputes).
-        Hits in slower tiers are promoted as the policy says.
+        Each chunk comes from the fastest tier that holds it intact: with ``verify`` every value is checked as
+        :meth:`check_chunk` says (no decoding); a bad value is deleted from that tier and the next tier is
+        tried.  The prefix stops at the first chunk no tier holds intact (a miss: the caller recomputes).  Hits
+        in slower tiers are promoted as the policy says.  Without ``verify`` only the authentication tag is
+        checked and removed.
         """
         token_ids = [int(t) for t in token_ids]
         out: list[FetchedChunk] = []
-        for key, s, e in self.keys_for(token_ids):
+        for key, s, e in self.keys_for(token_ids, salt=salt):
             found = None
             for i, tier in enumerate(self.tiers):
-                data = self._safe(tier, "get", key)
-                if data is None:
+                value = self._safe(tier, "get", key)
+                if value is None:
                     continue
-                if verify and not self._intact(data, token_ids[s:e]):
-                    log.warning("chunk %s in tier %s is damaged; evicted", key, tier.name)
-                    self._count("corrupt")
-                    self._safe(tier, "delete", key)
+                chunk = FetchedChunk(key, tier.name, s, e, b"")
+                try:
+                    chunk.data = self.check_chunk(key, value, e - s) if verify else unseal(self.secret, key, value)
+                except Exception as err:
+                    self.discard(chunk, err)
                     continue
-                found = FetchedChunk(key, tier.name, s, e, data)
+                found = chunk
                 if self.policy.promote_on_hit and i > self.policy.promote_to:
-                    if self._safe(self.tiers[self.policy.promote_to], "put", key, data, default=False):
+                    if self._safe(self.tiers[self.policy.promote_to], "put", key, value, default=False):
                         self._count("promoted")
                 break
             if found is None:
@@ -256,52 +370,51 @@ class KVStore:
             out.append(found)
         return out
 
-    def _intact(self, data: bytes, token_ids: list[int]) -> bool:
-        try:
-            with Reader(data) as r:
-                if r.num_chunks != 1 or r.header.meta.get("token_ids") != token_ids:
-                    return False
-                if r.header.meta.get("model") != self.model:
-                    return False
-                r._container.read_frame(0)  # checks every section's checksum
-            return True
-        except Exception:
-            return False
+    def decode_chunk(self, chunk: FetchedChunk, *, device: torch.device | str | None = None) -> KVCache:
+        """Decode a fetched chunk within :meth:`max_bytes`; a chunk of another shape than the store's is corrupt."""
+        kv = decode(chunk.data, device=device, max_bytes=self.max_bytes(chunk.end - chunk.start))
+        if self.shape is not None and ChunkShape.of(kv) != self.shape:
+            raise CorruptDataError(f"{chunk.key} decoded to {ChunkShape.of(kv)}, not the engine's {self.shape}")
+        return kv
 
-    def get(self, token_ids: Sequence[int], *, device: torch.device | str | None = None) -> KVCache | None:
+    def get(self, token_ids: Sequence[int], *, device: torch.device | str | None = None,
+            salt: str | bytes | None = None) -> KVCache | None:
         """The decoded KV of the stored prefix of ``token_ids`` (None when nothing is stored).
 
-        A chunk that fails to decode is evicted from the tier it came from, and the prefix
-        ends before it (the caller recomputes from there).
+        The prefix ends before the first chunk that does not decode (the caller recomputes from there); a bad
+        chunk is evicted, as :meth:`discard` says.  Chunks must agree in shape with the first (or with
+        ``shape``).
         """
         token_ids = [int(t) for t in token_ids]
         self._fetch_calibration()
-        parts = []
-        for chunk in self.fetch(token_ids):
+        parts: list[KVCache] = []
+        for chunk in self.fetch(token_ids, salt=salt):
             try:
-                parts.append(decode(chunk.data, device=device))
-            except MissingCalibrationError:
-                raise  # the chunk is fine; this machine lacks what decodes it
-            except Exception:
-                log.warning("chunk %s from tier %s failed to decode; evicted", chunk.key, chunk.tier, exc_info=True)
-                self._count("corrupt")
-                self._safe(self.tier(chunk.tier), "delete", chunk.key)
+                kv = self.decode_chunk(chunk, device=device)
+                if parts and ChunkShape.of(kv) != ChunkShape.of(parts[0]):
+                    raise CorruptDataError(f"{chunk.key} decoded to {ChunkShape.of(kv)}, the chunks before it to "
+                                           f"{ChunkShape.of(parts[0])}")
+            except Exception as err:
+                self.discard(chunk, err)
                 break
+            parts.append(kv)
         if not parts:
             return None
         return concat(parts, model=self.model, token_ids=token_ids[: sum(p.num_tokens for p in parts)])
 
     # management --------------------------------------------------------------------------------
-    def evict(self, token_ids: Sequence[int], *, tiers: Sequence[str] | None = None) -> int:
+    def evict(self, token_ids: Sequence[int], *, tiers: Sequence[str] | None = None,
+              salt: str | bytes | None = None) -> int:
         """Delete the chunks of ``token_ids`` from ``tiers`` (default all); returns deletions."""
         targets = self.tiers if tiers is None else [self.tier(n) for n in tiers]
-        return sum(bool(self._safe(t, "delete", key, default=False)) for key, _, _ in self.keys_for(token_ids) for t in targets)
+        return sum(bool(self._safe(t, "delete", key, default=False))
+                   for key, _, _ in self.keys_for(token_ids, salt=salt) for t in targets)
 
-    def promote(self, token_ids: Sequence[int], *, to: str | None = None) -> int:
+    def promote(self, token_ids: Sequence[int], *, to: str | None = None, salt: str | bytes | None = None) -> int:
         """Copy the stored chunks of ``token_ids`` into tier ``to`` (default the fastest); returns copies."""
         target = self.tiers[0] if to is None else self.tier(to)
         n = 0
-        for key, _, _ in self.keys_for(token_ids):
+        for key, _, _ in self.keys_for(token_ids, salt=salt):
             if self._safe(target, "contains", key, default=False):
                 continue
             data = next((d for t in self.tiers if t is not target and (d := self._safe(t, "get", key)) is not None), None)
