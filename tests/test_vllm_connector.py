@@ -18,7 +18,7 @@ from kvcodec.engines.vllm_connector import (
     build_store,
 )
 from kvcodec.codecs.kvtc import MissingCalibrationError
-from kvcodec.errors import CorruptDataError, UnsupportedError
+from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
 from kvcodec.reader import Reader
 from kvcodec.store import KVStore, MemoryTier
@@ -325,3 +325,115 @@ def test_loadable_by_module_path(caplog):
     assert any("private to each process" in r.getMessage() for r in caplog.records)
     with pytest.raises(UnsupportedError, match="KV cache of attention backend"):  # a layout it does not know
         conn.register_kv_caches({"l0": torch.zeros(NB, 2, BS, H, D)})
+
+
+# --- never serve the wrong KV ----------------------------------------------------------------
+
+def test_a_failed_layer_write_stays_reported_whatever_the_later_layers_do(monkeypatch):
+    """The write of layer 1 into vLLM's memory fails: the request's blocks are load errors even though the loader
+    thread goes on decoding layer 2 correctly afterwards."""
+    store = KVStore([MemoryTier(None)], model="m", codec="cachegen", chunk_tokens=CHUNK)
+    ids, _ = _stored(store)
+    real = vc.write_paged
+
+    def failing(paged, keys, values, slots, layout):
+        if paged.data_ptr() == failing.target:
+            raise RuntimeError("simulated failure writing layer 1")
+        return real(paged, keys, values, slots, layout)
+
+    sched, worker, fresh = _pair(store)
+    failing.target = fresh[NAMES[1]].data_ptr()
+    monkeypatch.setattr(vc, "write_paged", failing)
+    ids2 = ids + _ids(10, seed=7)
+    for attempt in range(5):
+        req = SimpleNamespace(request_id=f"w{attempt}", prompt_token_ids=ids2)
+        ext, _ = sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, None, ext)
+        blocks = _table(len(ids2), seed=2)
+        meta = sched.build_connector_meta(_sched_out(req.request_id, ids2, blocks, computed=ext))
+        assert ext == 96 and _forward(worker, meta, fresh) == set(blocks[: 96 // BS])
+    assert store.lookup(ids).num_tokens == 100  # nothing wrong with the stored chunks: nothing evicted
+
+
+def _parallel_config(rank: int, tp: int = 2) -> SimpleNamespace:
+    cfg = _config({"codec": "raw", "chunk_tokens": CHUNK})
+    cfg.parallel_config = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, rank=rank)
+    cfg.model_config.dtype = torch.float16
+    return cfg
+
+
+def test_tensor_parallel_ranks_keep_their_own_heads(tmp_path):
+    """Rank 1 neither skips its save because rank 0's chunk exists nor loads rank 0's heads."""
+    folder = tmp_path / "kv"
+    extra = {"codec": "raw", "chunk_tokens": CHUNK, "tiers": [f"disk:{folder}"]}
+    stores = []
+    for rank in (0, 1):
+        cfg = _parallel_config(rank)
+        cfg.kv_transfer_config.kv_connector_extra_config = extra
+        worker = KVCodecConnector(cfg, KVConnectorRole.WORKER)
+        assert worker.store.identity.tp_rank == rank and worker.store.identity.tp_size == 2
+        assert worker.store.identity.kv_dtype == "float16"
+        stores.append(worker.store)
+    ids = _ids(100)
+    assert stores[0].put(ids, _kv(100, seed=0)) == 4
+    assert stores[1].lookup(ids).num_tokens == 0
+    assert stores[1].put(ids, _kv(100, seed=1), replicate=False) == 4  # its own heads, saved beside rank 0's
+    got = [s.get(ids) for s in stores]
+    assert torch.equal(got[0].layers[0].keys, _kv(100, seed=0).layers[0].keys)
+    assert torch.equal(got[1].layers[0].keys, _kv(100, seed=1).layers[0].keys)
+
+
+def test_lora_and_multimodal_requests_are_neither_loaded_nor_saved(caplog):
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    ids, _ = _stored(store)
+    sched, _, _ = _pair(store)
+    kinds = [("lora_request", SimpleNamespace(lora_name="a", lora_int_id=1)), ("mm_features", [object()])]
+    with caplog.at_level("WARNING"):
+        for n, (attr, value) in enumerate(kinds * 2):
+            req = SimpleNamespace(request_id=f"r{n}", prompt_token_ids=ids, **{attr: value})
+            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+            sched.update_state_after_alloc(req, None, 0)
+            meta = sched.build_connector_meta(_sched_out(req.request_id, ids, _table(100, seed=3)))
+            assert not meta.loads and not meta.saves
+    said = [r.getMessage() for r in caplog.records if "neither loaded" in r.getMessage()]
+    assert len(said) == 2 and "LoRA" in said[0] and "multimodal" in said[1]  # once per kind
+
+
+def test_cache_salt_keys_requests_apart():
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids, kv = _ids(100), _kv(100)
+    req = SimpleNamespace(request_id="s", prompt_token_ids=ids, cache_salt="tenant-a")
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, None, 0)
+    blocks = _table(100, seed=1)
+    for name, layer in zip(NAMES, kv.layers):
+        write_paged(caches[name], layer.keys, layer.values, slot_mapping(torch.tensor(blocks), 0, 100, BS))
+    _forward(worker, sched.build_connector_meta(_sched_out("s", ids, blocks)), caches)
+    for salt, hit in (("tenant-a", 96), ("tenant-b", 0), (None, 0)):
+        other = SimpleNamespace(request_id=f"t-{salt}", prompt_token_ids=ids + [5], cache_salt=salt)
+        assert sched.get_num_new_matched_tokens(other, 0) == (hit, False)
+
+
+def test_a_chunk_of_another_head_count_is_a_load_error_not_broadcast():
+    """A chunk declaring one KV head where the engine has two: refused, evicted, and vLLM's memory untouched."""
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    ids, _ = _stored(store)
+    one_head = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    kv1 = KVCache([(l.keys[:1], l.values[:1]) for l in _kv(100).layers], model="m", rope="post")
+    one_head.put(ids, kv1)
+    key = store.keys_for(ids)[1][0]
+    store.tiers[0].put(key, one_head.tiers[0].get(key))
+    errors, blocks, fresh, ext, _ = _load(store, ids)
+    assert ext == 96 and errors == set(blocks[32 // BS: 96 // BS])
+    slots = slot_mapping(torch.tensor(blocks), 32, 64, BS)
+    assert not any(read_paged(fresh[name], slots)[0].any() for name in NAMES)
+    assert not store.tiers[0].contains(key)
+
+
+def test_write_paged_refuses_what_it_would_broadcast():
+    paged = torch.zeros(2, NB, BS, H, D, dtype=torch.float16)
+    one = torch.ones(1, 8, D, dtype=torch.float16)
+    with pytest.raises(InvalidInputError, match="heads"):
+        write_paged(paged, one, one, slot_mapping(torch.tensor([0]), 0, 8, BS))
+    assert not paged.any()
