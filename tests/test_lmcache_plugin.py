@@ -165,3 +165,42 @@ def test_adapter_takes_the_plugin_url_of_remote_storage_plugins():
         adapter.create_connector(SimpleNamespace(url="plugin://kvcodec", plugin_name="kvcodec", loop=None,
                                                  local_cpu_backend=None, metadata=None,
                                                  config=SimpleNamespace(extra_config={})))
+
+
+# --- never serve the wrong KV ----------------------------------------------------------------
+
+def _connector(tier_heads: int = H):
+    return lp.KVCodecConnectorAdapter().create_connector(SimpleNamespace(
+        url=f"kvcodec://local/?backend=memory&codec=raw&num_heads={tier_heads}", loop=None,
+        local_cpu_backend=FakeCPUBackend(), config=SimpleNamespace(extra_config={}),
+        metadata=SimpleNamespace(kv_shape=(L, 2, T, H, D), model_name="m")))
+
+
+def test_a_chunk_of_another_shape_than_lmcaches_is_a_miss_and_deleted():
+    """Same element count, other heads and head size ([2, L, T, 1*48] where LMCache holds 3 heads of 16)."""
+    conn = _connector()
+    other = lp.LMCacheChunkCodec("raw", num_heads=1)
+    conn.tier.put("k", other.encode(_chunk()))
+    assert _run(conn.get(Key("k"))) is None and not conn.exists_sync(Key("k")) and conn.stats["corrupt"] == 1
+
+
+def test_a_local_decode_fault_is_a_miss_that_keeps_the_entry(monkeypatch):
+    conn = _connector()
+    _run(conn.put(Key("k"), FakeMemoryObj(_chunk())))
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(lp.LMCacheChunkCodec, "decode", staticmethod(out_of_memory))
+    assert _run(conn.get(Key("k"))) is None and conn.exists_sync(Key("k")) and conn.stats["corrupt"] == 0
+
+
+def test_deserializer_refuses_a_chunk_of_another_shape_with_the_same_element_count():
+    ser, de = lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": 4})
+    chunk = torch.randn(2, 4, 8, 4 * 4).half()  # [2, L=4, T=8, H*D=16]
+    buf = FakeMemoryObj(torch.zeros(ser.estimate_serialized_size(chunk.shape), dtype=torch.uint8))
+    ser.serialize(FakeMemoryObj(chunk), buf, None)
+    out = FakeMemoryObj(torch.zeros(2, 8, 4, 16, dtype=torch.float16))  # 8 layers of 4 tokens: same count
+    with pytest.raises(kvcodec.CorruptDataError, match="buffer"):
+        de.deserialize(buf, out, None)
+    assert not out.tensor.any()

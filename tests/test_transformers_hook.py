@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvcodec.engines.transformers_hook import LayerwiseLoader, LoadError, TransformersKVHook, streamed_cache
+from kvcodec.errors import CorruptDataError
 from kvcodec.store import KVStore, MemoryTier
 
 NEW_TOKENS = 32
@@ -61,7 +62,10 @@ def test_layers_arrive_in_order_and_overlap(smollm2, prompts):
     assert cache.get_seq_length() == 200  # known before anything is decoded
 
 
-def test_failed_load_is_recomputed(smollm2, prompts, monkeypatch):
+@pytest.mark.parametrize("fault, evicted", [(CorruptDataError("simulated bad section in layer 7"), True),
+                                             (RuntimeError("simulated local failure in layer 7"), False)])
+def test_failed_load_is_recomputed(smollm2, prompts, monkeypatch, fault, evicted):
+    """Either way the request is recomputed; only a chunk that is itself bad is evicted from the shared store."""
     first, second = prompts
     store = KVStore([MemoryTier(None)], model=smollm2.model_id, codec="raw")
     hook = TransformersKVHook(smollm2, store, save=False)
@@ -72,7 +76,7 @@ def test_failed_load_is_recomputed(smollm2, prompts, monkeypatch):
 
     def broken(self, i, *, layers=None, device=None):
         if layers == [7]:
-            raise RuntimeError("simulated decode failure in layer 7")
+            raise fault
         return real(self, i, layers=layers, device=device)
 
     monkeypatch.setattr(reader.Reader, "read_chunk", broken)
@@ -80,7 +84,7 @@ def test_failed_load_is_recomputed(smollm2, prompts, monkeypatch):
         LayerwiseLoader(store.fetch(first)).wait_for_layer(7)
     out = hook.generate(second, max_new_tokens=4)
     assert out.recomputed and out.loaded_tokens == 0
-    assert store.lookup(second).num_tokens == 0  # the prefix that failed was evicted
+    assert store.lookup(second).num_tokens == (0 if evicted else 256)
     monkeypatch.undo()
     assert out.tokens == _in_memory(smollm2, second[:256], second[256:], 4)
 

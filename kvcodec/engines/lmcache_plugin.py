@@ -64,7 +64,7 @@ from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec, get_codec
 from kvcodec.engines.auto_calibration import ensure_model_calibration, load_served_model, wants_calibration
-from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.errors import CorruptDataError, InvalidInputError, LimitExceededError
 from kvcodec.reader import Reader
 from kvcodec.store import DiskTier, MemoryTier, RedisTier, StorageTier
 
@@ -138,9 +138,20 @@ class LMCacheChunkCodec:
         return encode(kv, self.codec, chunk_tokens=max(1, chunk.shape[2]))
 
     @staticmethod
-    def decode(data: bytes | bytearray | memoryview, *, device: Any = None) -> torch.Tensor:
-        """The ``[2, L, T, H*D]`` chunk of ``data`` (raises on damaged or undecodable data)."""
-        return decode(bytes(data), device=device).to_lmcache()
+    def decode(data: bytes | bytearray | memoryview, *, device: Any = None, expect: Any = None) -> torch.Tensor:
+        """The ``[2, L, T, H*D]`` chunk of ``data`` (raises on damaged or undecodable data).  ``expect``, LMCache's
+        ``kv_shape`` ``(L, 2, chunk_size, H, D)``, bounds the decode to that size and makes a chunk of any other
+        layer count, head count or head size :class:`CorruptDataError`."""
+        if expect is None:
+            return decode(bytes(data), device=device).to_lmcache()
+        layers, _, most, heads, dim = (int(x) for x in expect)
+        with Reader(bytes(data), 2 * layers * most * heads * dim * 4) as r:  # up to float32: bounded before decoding
+            got = [(s.heads, s.key_dim, s.value_dim) for s in r.header.layers]
+            if got != [(heads, dim, dim)] * layers or not 0 < r.header.max_tokens <= most:
+                raise CorruptDataError(f"the chunk holds {len(got)} layers of (heads, key_dim, value_dim) "
+                                       f"{got[0] if got else None} over {r.header.max_tokens} tokens; LMCache expects "
+                                       f"{layers} of {(heads, dim, dim)} over at most {most}")
+            return r.decode(device=device).to_lmcache()
 
     @staticmethod
     def intact(data: bytes) -> bool:
@@ -235,12 +246,16 @@ class KVCodecRemoteConnector(RemoteConnector):
             self.stats["misses"] += 1
             return None
         try:
-            chunk = self.codec.decode(data)
-        except Exception:
-            log.warning("kvcodec chunk %s is damaged or does not decode; deleted (LMCache recomputes it)", k,
-                        exc_info=True)
+            chunk = self.codec.decode(data, expect=getattr(self.metadata, "kv_shape", None))
+        except (CorruptDataError, LimitExceededError):
+            log.warning("kvcodec chunk %s is damaged or not of this engine's shape; deleted (LMCache recomputes it)",
+                        k, exc_info=True)
             self.stats["corrupt"] += 1
             self._delete(k)
+            return None
+        except Exception:  # this machine's fault (memory, a calibration it lacks): a miss, the entry stays
+            log.warning("kvcodec chunk %s could not be decoded here; treated as a miss", k, exc_info=True)
+            self.stats["misses"] += 1
             return None
         self.stats["bytes_in"] += len(data)
         return chunk
@@ -459,11 +474,12 @@ class KVCodecDeserializer(Deserializer):
         (n,) = SERIALIZED_LENGTH.unpack(raw[: SERIALIZED_LENGTH.size].tobytes())
         if n > raw.size - SERIALIZED_LENGTH.size:
             raise CorruptDataError(f"the serialized chunk claims {n} bytes; its {raw.size}-byte buffer holds fewer")
-        chunk = LMCacheChunkCodec.decode(raw[SERIALIZED_LENGTH.size: SERIALIZED_LENGTH.size + n].tobytes())
         out = _tensor(dst)
-        if out.numel() != chunk.numel():
-            raise InvalidInputError(f"the chunk holds {tuple(chunk.shape)}, the buffer {tuple(out.shape)}")
-        out.copy_(chunk.reshape(out.shape).to(out.dtype))
+        with Reader(raw[SERIALIZED_LENGTH.size: SERIALIZED_LENGTH.size + n].tobytes(), out.numel() * 4) as r:
+            chunk = r.decode().to_lmcache()  # bounded by the buffer's elements (up to float32) before decoding
+        if tuple(chunk.shape) != tuple(out.shape):
+            raise CorruptDataError(f"the chunk holds {tuple(chunk.shape)}, the buffer {tuple(out.shape)}")
+        out.copy_(chunk.to(out.dtype))
 
 
 def make_serde(config: dict[str, Any] | None = None) -> Any:

@@ -20,11 +20,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from kvcodec.errors import KVCodecError
+from kvcodec.errors import CorruptDataError, KVCodecError
 from kvcodec.engines.auto_calibration import ensure_model_calibration, wants_calibration
 from kvcodec.reader import Reader, iter_chunk_layers
 from kvcodec.store import FetchedChunk, KVStore, StorageTier
@@ -37,15 +37,34 @@ class LoadError(KVCodecError):
 
 
 class LayerwiseLoader:
-    """Decodes the first ``num_tokens`` tokens of fetched chunks, one layer at a time, in a background thread."""
+    """Decodes the first ``num_tokens`` tokens of fetched chunks, one layer at a time, in a background thread.
+
+    ``max_bytes(tokens)`` bounds each chunk's decode (a store's :meth:`~kvcodec.store.KVStore.max_bytes`); chunks
+    must agree in their layers' shapes and dtype.  A chunk that does not open ends the prefix before it;
+    :attr:`failed` names the chunk that failed to open or decode, and why."""
 
     def __init__(self, chunks: Sequence[FetchedChunk], num_tokens: int | None = None, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> None:
-        self.chunks = list(chunks)
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 max_bytes: Callable[[int], int | None] = lambda tokens: None) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+        self.failed: tuple[FetchedChunk, BaseException] | None = None
+        self.readers: list[Reader] = []
+        for c in chunks:
+            try:
+                r = Reader(c.data, max_bytes(c.end - c.start))
+            except Exception as e:
+                self.failed = (c, e)
+                break
+            first = (self.readers[0] if self.readers else r).header
+            if [(s.heads, s.key_dim, s.value_dim) for s in first.layers] != \
+                    [(s.heads, s.key_dim, s.value_dim) for s in r.header.layers] or first.dtype != r.header.dtype:
+                r.close()
+                self.failed = (c, CorruptDataError(f"chunk {c.key} holds layers of other shapes or dtype than the first"))
+                break
+            self.readers.append(r)
+        self.chunks = list(chunks)[: len(self.readers)]
         total = sum(c.end - c.start for c in self.chunks)
         self.num_tokens = total if num_tokens is None else min(num_tokens, total)
-        self.device, self.dtype = torch.device(device), dtype
-        self.readers = [Reader(c.data) for c in self.chunks]
         self.num_layers = len(self.readers[0].header.layers) if self.readers else 0
         self._done = [threading.Event() for _ in range(self.num_layers)]
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
@@ -66,8 +85,12 @@ class LayerwiseLoader:
             sources = [iter_chunk_layers(r, 0, device=self.device) for r in self.readers]
             for i in range(self.num_layers):
                 ks, vs = [], []
-                for source in sources:
-                    layer = next(source)
+                for chunk, source in zip(self.chunks, sources):
+                    try:
+                        layer = next(source)
+                    except Exception as e:
+                        self.failed = (chunk, e)
+                        raise
                     ks.append(layer.keys)
                     vs.append(layer.values)
                 k = torch.cat(ks, 1)[:, : self.num_tokens]
@@ -195,12 +218,13 @@ class TransformersKVHook:
         n = min(sum(c.end - c.start for c in chunks), len(token_ids) - 1)
         if n <= 0:
             return None, []
-        try:
-            loader = LayerwiseLoader(chunks, n, device=self.model.device, dtype=self.model.dtype)
-        except Exception:
-            log.warning("stored prefix could not be opened; recomputing", exc_info=True)
+        loader = LayerwiseLoader(chunks, n, device=self.model.device, dtype=self.model.dtype,
+                                 max_bytes=self.store.max_bytes)
+        if loader.failed is not None:
+            self.store.discard(*loader.failed)
+        if loader.num_tokens <= 0:
             return None, []
-        return loader.start_load(), [c.tier for c in chunks]
+        return loader.start_load(), [c.tier for c in loader.chunks]
 
     @torch.no_grad()
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 32) -> Generation:
@@ -218,8 +242,9 @@ class TransformersKVHook:
                 cache = streamed_cache(loader, self.model.config)
                 logits = self._forward(token_ids[n:], cache)
             except LoadError:
-                log.warning("loading the stored prefix failed; evicting it and recomputing", exc_info=True)
-                self.store.evict(token_ids[:n])
+                log.warning("loading the stored prefix failed; recomputing", exc_info=True)
+                if loader.failed is not None:  # evicted only when the chunk itself is bad
+                    self.store.discard(*loader.failed)
                 cache, n, where, recomputed = None, 0, [], True
         if cache is None:
             cache = DynamicCache(config=self.model.config)
