@@ -335,9 +335,10 @@ class DiskTier(StorageTier):
         total = 0
         for k in self.keys():
             try:
-                total += os.lstat(self._file(k)).st_size
+                st = os.lstat(self._file(k))
             except OSError:
-                pass
+                continue
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
         return total
 
 
