@@ -11,9 +11,10 @@
 from kvcodec.store.keys import HASHES, chunk_bounds, chunk_hashes, format_key, namespace
 from kvcodec.store.store import DEFAULT_STORE_CHUNK_TOKENS, FetchedChunk, KVStore, Lookup, PlacementPolicy, concat
 from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, RedisTier, StorageTier
+from kvcodec.store.urls import tier_from_url
 
 __all__ = [
     "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
-    "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier",
+    "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier", "tier_from_url",
     "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",
 ]
