@@ -37,7 +37,7 @@ def test_every_file_gets_the_umask_mode(tmp_path, umask, capsys):
     kv.save_safetensors(tmp_path / "dump.safetensors")
     assert main(["encode", str(tmp_path / "dump.safetensors"), "-o", str(tmp_path / "cli.kvc"), "-q"]) == 0
     assert main(["decode", str(tmp_path / "cli.kvc"), "-o", str(tmp_path / "back.safetensors"), "-q"]) == 0
-    tier = DiskTier(tmp_path / "tier")
+    tier = DiskTier(tmp_path / "tier", shared=True)  # a private tier makes its files 0600 (tests/test_disk_safety.py)
     assert tier.put("model@0@0@abc@float16", kvcodec.encode(kv))
     written = ["api.kvc", "dump.safetensors", "cli.kvc", "back.safetensors"]
     written += [os.path.join("tier", n) for n in os.listdir(tmp_path / "tier")]

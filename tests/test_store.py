@@ -299,10 +299,10 @@ def test_redis_tier_layout(redis_server):
     assert tier.put("kvc@m@01", b"payload") and tier.contains("kvc@m@01")
     assert tier.get("kvc@m@01") == b"payload" and tier.keys() == ["kvc@m@01"] and tier.size() == 7
     raw = redis.Redis(port=redis_server.port)
-    assert raw.get("kvc@m@01kv_bytes") == b"payload" and len(raw.get("kvc@m@01metadata")) == 28
-    raw.set("kvc@m@01kv_bytes", b"payloaX")  # a payload that does not match its metadata is a miss
+    assert raw.get("kvcodec:kvc@m@01:data") == b"payload" and len(raw.get("kvcodec:kvc@m@01:meta")) == 28
+    raw.set("kvcodec:kvc@m@01:data", b"payloaX")  # a payload that does not match its metadata is a miss
     assert tier.get("kvc@m@01") is None
-    raw.delete("kvc@m@01metadata")
+    raw.delete("kvcodec:kvc@m@01:meta")
     assert not tier.contains("kvc@m@01") and tier.get("kvc@m@01") is None
     assert tier.delete("kvc@m@01") and tier.keys() == []
 

@@ -7,24 +7,29 @@ codec into a single-chunk container (checksummed, self-describing: shapes, dtype
 settings travel with it), and back with :meth:`KVCache.to_lmcache`.  Two ways in:
 
 **1. A remote storage connector** (``remote_storage_plugins``, LMCache's ``RemoteConnector`` /
-``ConnectorAdapter`` interface).  The compressed chunks go to Redis (LMCache's ``<key>kv_bytes`` /
-``<key>metadata`` layout, through :class:`kvcodec.store.RedisTier`), a folder (atomic writes,
-:class:`kvcodec.store.DiskTier`) or process memory::
+``ConnectorAdapter`` interface).  The compressed chunks go to Redis (:class:`kvcodec.store.RedisTier`: kvcodec's
+own ``kvcodec:<key>:data`` / ``:meta`` names, which LMCache's own Redis connector never reads), a folder (atomic
+writes, :class:`kvcodec.store.DiskTier`) or process memory::
 
     # lmcache.yaml
     chunk_size: 256
     local_cpu: true
     max_local_cpu_size: 5
     remote_url: "kvcodec://127.0.0.1:6379/?backend=redis&codec=cachegen"
-    #   or "kvcodec:///var/cache/kvcodec?backend=disk&codec=kivi&bits=4"   (a folder)
-    #   or "kvcodec://local/?backend=memory&codec=raw"
+    #   or "kvcodec://:PASSWORD@redis.internal:6379/0?backend=rediss&ssl_ca_certs=/etc/ca.pem&ttl=86400&codec=raw"
+    #   or "kvcodec:///var/cache/kvcodec?backend=disk&capacity=20GiB&codec=kivi&bits=4"   (a folder)
+    #   or "kvcodec://local/?backend=memory&capacity=2GiB&codec=raw"
     remote_storage_plugins: ["kvcodec"]
     extra_config:
       remote_storage_plugin.kvcodec.module_path: kvcodec.engines.lmcache_plugin
       remote_storage_plugin.kvcodec.class_name: KVCodecConnectorAdapter
 
-   Query parameters other than ``backend``, ``codec``, ``num_heads`` and ``timeout`` are the codec's
-   settings (numbers are parsed: ``level=2``, ``bits=4``).  ``num_heads`` defaults to LMCache's
+   The user name, password, host, port and database, and the tier options of :mod:`kvcodec.store.urls` (Redis:
+   ``ttl``, ``timeout``, ``prefix``, ``max_value`` and with ``backend=rediss`` (TLS) ``ssl_ca_certs``,
+   ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``; a folder: ``capacity`` (default
+   10 GiB), ``shared``, ``max_value``; memory: ``capacity`` (default 1 GiB)) make the tier, as they would in the
+   vLLM connector's ``tiers``.  Query parameters other than those, ``backend``, ``codec``, ``num_heads`` and
+   ``workers`` are the codec's settings (numbers are parsed: ``level=2``, ``bits=4``).  ``num_heads`` defaults to LMCache's
    ``metadata.kv_shape[3]`` (the KV heads of this worker).  A chunk that is missing, damaged
    (checksum) or fails to decode is a miss (``get`` returns None, and it is deleted), so LMCache
    recomputes it; no exception reaches the engine.  With ``codec=kvtc`` the calibration is found by
@@ -56,7 +61,7 @@ import logging
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import torch
 
@@ -66,7 +71,9 @@ from kvcodec.codecs import Codec, get_codec
 from kvcodec.engines.auto_calibration import ensure_model_calibration, load_served_model, wants_calibration
 from kvcodec.errors import CorruptDataError, InvalidInputError, LimitExceededError
 from kvcodec.reader import Reader
-from kvcodec.store import DiskTier, MemoryTier, RedisTier, StorageTier
+from kvcodec.store import StorageTier
+from kvcodec.store.urls import OPTIONS as TIER_OPTIONS
+from kvcodec.store.urls import redact, tier_from_url
 
 log = logging.getLogger(__name__)
 
@@ -366,34 +373,43 @@ class _TensorObj:
 def connector_from_url(url: str, *, local_cpu_backend: Any = None, loop: Any = None, metadata: Any = None,
                        extra: dict[str, Any] | None = None, config: Any = None,
                        plugin: str = "kvcodec") -> KVCodecRemoteConnector:
-    """``kvcodec://host:port/?backend=redis&codec=cachegen&level=2``, ``kvcodec:///folder?backend=disk`` or
-    ``kvcodec://local/?backend=memory``; codec settings from the query and from ``extra``
-    (``remote_storage_plugin.<plugin>.codec_options``); ``workers`` (default 2) threads do the storage and codec
-    work off LMCache's event loop.  With ``codec=kvtc`` and no ``calibration``, a model (LMCache's
+    """``kvcodec://[[user]:password@]host:port[/db]?backend=redis&codec=cachegen&level=2`` (``backend=rediss``: TLS),
+    ``kvcodec:///folder?backend=disk`` or ``kvcodec://local/?backend=memory``.  The tier's own options
+    (:mod:`kvcodec.store.urls`: ``ttl``, ``timeout``, ``prefix``, ``ssl_*`` for Redis, ``capacity``, ``shared`` for a
+    folder, ``capacity`` for memory, ``max_value``) are taken out of the query; the rest, and ``extra``'s
+    ``remote_storage_plugin.<plugin>.codec_options``, are codec settings.  ``workers`` (default 2) threads do the
+    storage and codec work off LMCache's event loop.  With ``codec=kvtc`` and no ``calibration``, a model (LMCache's
     ``model_name``: a folder, GGUF file or ``smollm2``) with no calibration installed is calibrated once, at
     start-up; ``calibrate.<option>=value`` settings (``calibrate.max_tokens=4096``) are kvtc calibrate's."""
-    parsed = urlparse(url)
+    parsed = urlsplit(url)
     if parsed.scheme != "kvcodec":
-        raise InvalidInputError(f"not a kvcodec:// url: {url!r}")
-    q = {k: _parse_value(v[-1]) for k, v in parse_qs(parsed.query).items()}
-    backend = str(q.pop("backend", "redis" if parsed.port else "disk" if parsed.path not in ("", "/") else "memory"))
+        raise InvalidInputError(f"not a kvcodec:// url: {redact(url)!r}")
+    raw = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    try:
+        port = parsed.port
+    except ValueError:
+        raise InvalidInputError(f"{redact(url)!r}: the port is not a number from 1 to 65535") from None
+    backend = raw.pop("backend", "redis" if port else "disk" if parsed.path not in ("", "/") else "memory")
+    kind = {"redis": "redis", "rediss": "rediss", "disk": "disk", "memory": "memory"}.get(backend)
+    if kind is None:
+        raise InvalidInputError(f"backend must be redis, rediss, disk or memory, not {backend!r}")
+    tier_query = urlencode({k: raw.pop(k) for k in list(raw) if k in TIER_OPTIONS[kind]})
+    if kind in ("redis", "rediss"):
+        tier_url = f"{kind}://{parsed.netloc or '127.0.0.1'}{parsed.path}?{tier_query}"
+    elif kind == "disk":
+        if parsed.path in ("", "/"):
+            raise InvalidInputError("backend=disk needs a folder: kvcodec:///path/to/folder?backend=disk")
+        tier_url = f"file://{parsed.path}?{tier_query}"
+    else:
+        tier_url = f"memory://?{tier_query}"
+    tier = tier_from_url(tier_url)
+    q = {k: _parse_value(v) for k, v in raw.items()}
     codec = str(q.pop("codec", "cachegen"))
     num_heads = q.pop("num_heads", None)
-    timeout = float(q.pop("timeout", 0.5))
     workers = int(q.pop("workers", 2))
     calibration = {k.removeprefix("calibrate."): q.pop(k) for k in list(q) if k.startswith("calibrate.")}
     options = dict((extra or {}).get(f"remote_storage_plugin.{plugin}.codec_options", {}) or {})
     options.update(q)
-    if backend == "redis":
-        tier: StorageTier = RedisTier(parsed.hostname or "127.0.0.1", parsed.port or 6379, timeout_s=timeout)
-    elif backend == "disk":
-        if parsed.path in ("", "/"):
-            raise InvalidInputError("backend=disk needs a folder: kvcodec:///path/to/folder?backend=disk")
-        tier = DiskTier(parsed.path)
-    elif backend == "memory":
-        tier = MemoryTier(None)
-    else:
-        raise InvalidInputError(f"backend must be redis, disk or memory, not {backend!r}")
     model = getattr(metadata, "model_name", None)
     codec_obj = LMCacheChunkCodec(codec, num_heads=int(num_heads) if num_heads else None, model=model,
                                   calibration_options=calibration, **options)

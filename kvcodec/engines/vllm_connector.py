@@ -11,9 +11,12 @@ Load it with::
 
 - ``codec`` (default ``cachegen``) and ``codec_options`` (a dict of the codec's settings);
 - ``chunk_tokens`` (default 256): tokens per stored chunk; ``hash`` (``sha256`` or ``xxh3-128``);
-- ``tiers``: fastest first, each ``cpu[:bytes]``, ``gpu[:bytes]``, ``disk:<folder>`` or
-  ``redis://host:port[/db]`` (default ``["cpu", "disk:<tmp>/kvcodec-vllm"]``); ``redis_url`` adds a Redis tier;
-  ``redis_timeout_s`` (default 0.5);
+- ``tiers``: fastest first, each a tier URL (:mod:`kvcodec.store.urls`): ``cpu[:SIZE]`` (default 1 GiB),
+  ``gpu[:SIZE]``, ``disk[:FOLDER][?capacity=SIZE&shared=true]`` (default 10 GiB; a bare ``disk`` is the private
+  ``~/.cache/kvcodec/vllm``, and a folder another user owns or may write is refused unless ``shared=true``),
+  ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?ttl=SECONDS&prefix=P&timeout=S]`` or ``rediss://...`` (TLS,
+  ``ssl_ca_certs=PATH``...) (default ``["cpu", "disk"]``); ``redis_url`` adds a Redis tier; ``redis_timeout_s``
+  (default 0.5);
 - ``model``: the model id in the keys (default ``model_config.model``, the path or name vLLM was given);
 - ``calibration_options``: for ``codec`` ``kvtc`` with its calibration ``"auto"`` (the default), the settings of
   the calibration made when none is installed for the model (:func:`kvcodec.codecs.kvtc.calibrate`'s options, e.g.

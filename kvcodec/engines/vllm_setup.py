@@ -12,20 +12,18 @@ import importlib.util
 import json
 import logging
 import os
-import re
-import tempfile
 from typing import Any
 
 import torch
 
 from kvcodec.engines.auto_calibration import ensure_model_calibration, load_served_model, wants_calibration
-from kvcodec.errors import UnsupportedError
+from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
 from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
-from kvcodec.errors import InvalidInputError
-from kvcodec.store import DiskTier, GPUTier, KVStore, MemoryTier, PlacementPolicy, RedisTier, StorageTier
+from kvcodec.store import KVStore, MemoryTier, PlacementPolicy, StorageTier
 from kvcodec.store.auth import SECRET_ENV, check_secret, secret_from_env
 from kvcodec.store.keys import CacheIdentity, model_digest
+from kvcodec.store.urls import default_disk_folder, tier_from_url
 
 
 
@@ -47,20 +45,10 @@ GPU_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION
 # --- tiers and the store ---------------------------------------------------------------------------
 
 def make_tier(spec: str, *, redis_timeout_s: float = 0.5) -> StorageTier:
-    """One tier from ``cpu[:bytes]``, ``gpu[:bytes]``, ``disk:<folder>`` or ``redis://host:port[/db]``."""
-    if spec.startswith("redis://"):
-        m = re.fullmatch(r"redis://([^:/]+)(?::(\d+))?(?:/(\d+))?/?", spec)
-        if not m:
-            raise ValueError(f"bad redis url {spec!r}")
-        return RedisTier(m.group(1), int(m.group(2) or 6379), db=int(m.group(3) or 0), timeout_s=redis_timeout_s)
-    kind, _, arg = spec.partition(":")
-    if kind == "cpu":
-        return MemoryTier(int(arg) if arg else 1 << 30)
-    if kind == "gpu":
-        return GPUTier(int(arg) if arg else 1 << 30)
-    if kind == "disk":
-        return DiskTier(arg or os.path.join(tempfile.gettempdir(), "kvcodec-vllm"))
-    raise ValueError(f"unknown tier {spec!r}: use cpu[:bytes], gpu[:bytes], disk:<folder> or redis://host:port[/db]")
+    """One tier from a tier URL (:mod:`kvcodec.store.urls`: ``cpu[:SIZE]``, ``gpu[:SIZE]``, ``disk[:FOLDER][?...]``,
+    ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?...]``, ``rediss://...``); a bare ``disk`` is the private
+    per-user folder ``~/.cache/kvcodec/vllm``."""
+    return tier_from_url(spec, timeout_s=redis_timeout_s, disk_folder=default_disk_folder("vllm"))
 
 
 def build_store(extra: dict[str, Any] | None, model: str, *, identity: CacheIdentity | None = None) -> KVStore:
@@ -76,8 +64,8 @@ def build_store(extra: dict[str, Any] | None, model: str, *, identity: CacheIden
         raise InvalidInputError(f"put the store secret in ${SECRET_ENV} or a file named by \"secret_file\", not in "
                                 "kv_connector_extra_config, which vLLM writes to its log")
     timeout = float(extra.get("redis_timeout_s", 0.5))
-    specs = list(extra.get("tiers") or ["cpu", "disk:" + os.path.join(tempfile.gettempdir(), "kvcodec-vllm")])
-    if extra.get("redis_url") and not any(s.startswith("redis://") for s in specs):
+    specs = list(extra.get("tiers") or ["cpu", "disk"])
+    if extra.get("redis_url") and not any(s.startswith(("redis://", "rediss://")) for s in specs):
         specs.append(extra["redis_url"])
     tiers = [make_tier(s, redis_timeout_s=timeout) for s in specs]
     # private (in-process) tiers are caches; every other tier is shared between the scheduler and workers

@@ -13,10 +13,11 @@ from kvcodec.store.keys import HASHES, CacheIdentity, chunk_bounds, chunk_hashes
 from kvcodec.store.store import (DEFAULT_STORE_CHUNK_TOKENS, ChunkShape, FetchedChunk, KVStore, Lookup, PlacementPolicy,
                                  concat)
 from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, RedisTier, StorageTier
+from kvcodec.store.urls import tier_from_url
 
 __all__ = [
     "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "ChunkShape", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
     "CacheIdentity", "model_digest", "UnauthenticatedError",
-    "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier",
+    "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier", "tier_from_url",
     "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",
 ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import stat
 import struct
 import threading
 import time
@@ -23,6 +25,10 @@ from kvcodec.files import atomic_writer
 log = logging.getLogger(__name__)
 
 EvictFn = Callable[[str, bytes], None]
+
+# A stored value is one chunk's container, a few MB; a value past this is not one of ours, and reading it whole would
+# be an allocation chosen by whoever wrote it.
+DEFAULT_MAX_VALUE_BYTES = 1 << 30
 
 
 class StorageTier:
@@ -178,22 +184,33 @@ class DiskTier(StorageTier):
     the old value, the new value, or nothing, never a partial file, even after a kill in
     mid-write.  Temporary files are never served; those older than ``stale_tmp_s`` are
     removed when the tier opens.  ``capacity_bytes`` (None: unbounded) evicts the least
-    recently used files, as this process saw them.  Files get the mode a plain ``open()`` would
-    give them under the process umask, so other users or services can share the folder.
+    recently used files, as this process saw them.
+
+    Whoever can write the folder chooses the KV an engine loads, and the files hold prompts' token ids.  So by
+    default the folder is private: created 0700, refused when another user owns it or its group or others may write
+    it, and files are created 0600.  ``shared=True`` is for a folder deliberately shared with other trusted users or
+    services: no ownership or mode check, and files get the mode a plain ``open()`` gives under the umask.  Files
+    are opened without following symlinks, and a file larger than ``max_value_bytes`` is a miss (with a warning)
+    rather than an allocation of its size.
     """
 
     name = "disk"
     SUFFIX = ".kvc"
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int | None = None, *, name: str | None = None,
-                 fsync: bool = True, stale_tmp_s: float = 3600.0) -> None:
+                 fsync: bool = True, stale_tmp_s: float = 3600.0, shared: bool = False,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.shared = shared
+        self.max_value_bytes = max_value_bytes
         if name:
             self.name = name
-        os.makedirs(self.path, exist_ok=True)
+        os.makedirs(self.path, mode=0o777 if shared else 0o700, exist_ok=True)
+        if not shared:
+            _check_private_folder(self.path)
         self._lock = threading.RLock()
         self._index: OrderedDict[str, int] = OrderedDict()
         now = time.time()
@@ -201,15 +218,18 @@ class DiskTier(StorageTier):
         for entry in os.scandir(self.path):
             if entry.name.startswith(".tmp-"):
                 try:
-                    if now - entry.stat().st_mtime > stale_tmp_s:
+                    if now - entry.stat(follow_symlinks=False).st_mtime > stale_tmp_s:
                         os.unlink(entry.path)
                 except OSError:
                     pass
-            elif entry.name.endswith(self.SUFFIX) and entry.is_file():
-                st = entry.stat()
+            elif entry.name.endswith(self.SUFFIX) and entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
                 entries.append((st.st_mtime, self._key(entry.name), st.st_size))
         for _, key, size in sorted(entries):
             self._index[key] = size
+
+    def __repr__(self) -> str:
+        return f"DiskTier(name={self.name!r}, path={self.path!r}, shared={self.shared})"
 
     def _file(self, key: str) -> str:
         return os.path.join(self.path, urllib.parse.quote(key, safe="@-_") + self.SUFFIX)
@@ -223,7 +243,10 @@ class DiskTier(StorageTier):
             return False
         target = self._file(key)
         try:
+            # the rename replaces a symlink planted at the final name; it never writes through it
             with atomic_writer(target, prefix=".tmp-", fsync=self.fsync) as f:
+                if not self.shared:
+                    os.fchmod(f.fileno(), 0o600)
                 f.write(value)
             if self.fsync:
                 dfd = os.open(self.path, os.O_RDONLY)
@@ -255,10 +278,23 @@ class DiskTier(StorageTier):
 
     def _read(self, key: str) -> bytes | None:
         try:
-            with open(self._file(key), "rb") as f:
-                return f.read()
-        except OSError:
+            fd = os.open(self._file(key), os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:  # missing, or a symlink (ELOOP)
             return None
+        with os.fdopen(fd, "rb") as f:
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                if st.st_size > self.max_value_bytes:
+                    log.warning("disk tier %s: %s holds %d bytes, more than max_value_bytes=%d; treated as a miss",
+                                self.path, key, st.st_size, self.max_value_bytes)
+                    return None
+                data = f.read(st.st_size + 1)
+            except OSError:
+                return None
+        # values are replaced by rename, never rewritten in place: a file that changed size while read was not ours
+        return data if len(data) == st.st_size else None
 
     def _unlink(self, key: str) -> bool:
         try:
@@ -278,7 +314,10 @@ class DiskTier(StorageTier):
         return data
 
     def contains(self, key: str) -> bool:
-        return os.path.exists(self._file(key))
+        try:
+            return stat.S_ISREG(os.lstat(self._file(key)).st_mode)
+        except OSError:
+            return False
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -296,17 +335,40 @@ class DiskTier(StorageTier):
         total = 0
         for k in self.keys():
             try:
-                total += os.path.getsize(self._file(k))
+                st = os.lstat(self._file(k))
             except OSError:
-                pass
+                continue
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
         return total
 
 
-# LMCache's Redis layout: "<key>kv_bytes" holds the payload, "<key>metadata" 28 bytes (struct "iiiiiii").
-# kvcodec's metadata: format version, payload length, xxh3-64 of the payload (low and high 32 bits), 3 reserved.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _check_private_folder(path: str) -> None:
+    """Refuse a folder that someone other than this process's user can fill with values of their choosing."""
+    me = os.geteuid()
+    fix = ("use a folder of your own (the default is private: ~/.cache/kvcodec/...), or, for a folder deliberately "
+           "shared with other trusted users, pass shared=True (in a tier URL: ?shared=true)")
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != me:
+        raise InvalidInputError(f"disk tier folder {path} is a symlink owned by user {link.st_uid}, not by this "
+                                f"process's user {me}: {fix}")
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidInputError(f"disk tier folder {path} is not a folder")
+    if st.st_uid != me:
+        raise InvalidInputError(f"disk tier folder {path} belongs to user {st.st_uid}, not to this process's user "
+                                f"{me}, who would load whatever KV that user puts there: {fix}")
+    if st.st_mode & 0o022:
+        raise InvalidInputError(f"disk tier folder {path} is writable by its group or by others (mode "
+                                f"{stat.S_IMODE(st.st_mode):04o}), who could replace the KV it serves: chmod 700 it, "
+                                f"or {fix}")
+
+
+# kvcodec's metadata value: format version, payload length, xxh3-64 of the payload (low and high 32 bits), 3 reserved.
 META = struct.Struct("<iiiiiii")
 META_VERSION = 1
-
 
 def _meta(value: bytes) -> bytes:
     import xxhash
@@ -320,32 +382,42 @@ def _meta(value: bytes) -> bytes:
 class RedisTier(StorageTier):
     """A Redis server (or a ``redis.RedisCluster`` passed as ``client``).
 
-    With a cluster client (or ``hash_tag=True``) the key is wrapped in braces,
-    ``{<key>}kv_bytes`` and ``{<key>}metadata``, so that both land in one hash slot.
+    Each value is two keys, ``<prefix><key>:data`` (the container chunk) and ``<prefix><key>:meta`` (28 bytes:
+    version, payload length, payload xxh3-64), written together with one ``MSET`` (atomic: concurrent writers leave
+    one complete pair; with ``ttl_s`` a ``MULTI`` of two ``SET ... EX``) and read together by one ``MULTI`` of
+    ``STRLEN``, ``GETRANGE 0 max_value_bytes`` and ``GET`` (one round trip, a consistent pair): a value larger than
+    ``max_value_bytes`` is a miss, and no more than that is ever sent or allocated for it.  The
+    names are kvcodec's own (default prefix ``kvcodec:``): LMCache's own Redis connector writes ``<key>kv_bytes`` and
+    ``<key>metadata`` with another metadata format, and the two never read each other's values from a shared
+    database.  With a cluster client (or ``hash_tag=True``) the key is wrapped in braces, ``{<key>}:data``, so
+    that both land in one hash slot.
 
-    Each value is two keys, as LMCache lays them out: ``<key>kv_bytes`` (the container
-    chunk) and ``<key>metadata`` (28 bytes: version, payload length, payload xxh3-64),
-    written together with one ``MSET`` (atomic: concurrent writers leave one complete
-    pair) and read together with one ``MGET``.  Every call has a socket timeout
-    (``timeout_s``) and no retries; after a failure the tier reports misses without
-    touching the network for ``down_for_s`` seconds, so a dead or hung Redis costs
-    at most one timeout per ``down_for_s``.  Nothing raises: faults are misses.
+    ``username`` / ``password`` authenticate (AUTH / ACL); ``ssl=True`` speaks TLS, with ``ssl_options`` passed on
+    to redis-py (``ssl_ca_certs``, ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``, ...).  The password is
+    never logged nor shown in the repr.  Every call has a socket timeout (``timeout_s``) and no retries; after a
+    failure the tier reports misses without touching the network for ``down_for_s`` seconds, so a dead or hung
+    Redis costs at most one timeout per ``down_for_s``.  Nothing raises: faults are misses.
     """
 
     name = "redis"
-    PAYLOAD = "kv_bytes"
-    META = "metadata"
+    PAYLOAD = ":data"
+    META = ":meta"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 6379, *, db: int = 0, prefix: str = "",
+    def __init__(self, host: str = "127.0.0.1", port: int = 6379, *, db: int = 0, prefix: str = "kvcodec:",
                  timeout_s: float = 0.2, down_for_s: float = 1.0, client: Any = None, name: str | None = None,
-                 ttl_s: int | None = None, hash_tag: bool | None = None) -> None:
+                 ttl_s: int | None = None, hash_tag: bool | None = None, username: str | None = None,
+                 password: str | None = None, ssl: bool = False, ssl_options: dict[str, Any] | None = None,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES) -> None:
         super().__init__()
         if name:
             self.name = name
+        if ttl_s is not None and ttl_s <= 0:
+            raise InvalidInputError(f"ttl_s must be a positive number of seconds or None, not {ttl_s}")
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.down_for_s = down_for_s
         self.ttl_s = ttl_s
+        self.max_value_bytes = max_value_bytes
         self._down_until = 0.0
         self.failures = 0
         if client is None:
@@ -355,12 +427,20 @@ class RedisTier(StorageTier):
                 from redis.retry import Retry
             except ImportError:
                 raise InvalidInputError("RedisTier needs the redis package: pip install 'kvcodec[redis]'") from None
-            client = redis.Redis(host=host, port=port, db=db, socket_timeout=timeout_s,
-                                 socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
-                                 health_check_interval=0)
+            tls = {"ssl": True, **(ssl_options or {})} if ssl else {}
+            client = redis.Redis(host=host, port=port, db=db, username=username, password=password,
+                                 socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                 retry=Retry(NoBackoff(), 0), health_check_interval=0, **tls)
+            where = f"{'rediss' if ssl else 'redis'}://{username + '@' if username else ''}{host}:{port}/{db}"
+        else:
+            where = type(client).__name__
+        self._where = where
         self.client = client
-        # In a Redis Cluster the two keys of a value must share a hash slot for MSET/MGET: "{<key>}kv_bytes".
+        # In a Redis Cluster the two keys of a value must share a hash slot for MSET and MULTI: "{<key>}:data".
         self.hash_tag = "Cluster" in type(client).__name__ if hash_tag is None else hash_tag
+
+    def __repr__(self) -> str:
+        return f"RedisTier(name={self.name!r}, at={self._where!r}, prefix={self.prefix!r})"
 
     @property
     def available(self) -> bool:
@@ -387,6 +467,8 @@ class RedisTier(StorageTier):
         return k + self.PAYLOAD, k + self.META
 
     def put(self, key: str, value: bytes) -> bool:
+        if len(value) > self.max_value_bytes:
+            return False
         payload, meta = self._k(key)
 
         def write() -> bool:
@@ -403,10 +485,24 @@ class RedisTier(StorageTier):
 
     def get(self, key: str) -> bytes | None:
         payload, meta = self._k(key)
-        got = self._call(lambda: self.client.mget([payload, meta]), None)
-        if not got or got[0] is None or got[1] is None:
+
+        # A Lua script could check the length before sending anything, but it copies the value through Lua: measured
+        # 1.8-2.2x slower than GET on 1-8 MB values.  GETRANGE bounds what an oversized value costs instead.
+        def read() -> list[Any]:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.strlen(payload)
+            pipe.getrange(payload, 0, self.max_value_bytes)
+            pipe.get(meta)
+            return pipe.execute()
+
+        got = self._call(read, None)
+        if not got or got[2] is None:
             return None
-        value, m = got
+        n, value, m = got
+        if n > self.max_value_bytes:
+            log.warning("redis tier %s: %s holds %d bytes, more than max_value_bytes=%d; treated as a miss",
+                        self.name, key, n, self.max_value_bytes)
+            return None
         if len(m) != META.size or m != _meta(value):
             log.warning("redis tier %s: %s has a payload that does not match its metadata", self.name, key)
             return None
@@ -421,7 +517,7 @@ class RedisTier(StorageTier):
         return bool(self._call(lambda: self.client.delete(payload, meta) > 0, False))
 
     def keys(self) -> list[str]:
-        pattern = self.prefix + "*" + self.META
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.prefix) + "*" + self.META
 
         def scan() -> list[str]:
             out = []

@@ -85,9 +85,37 @@ def decoder_caps(gpu: int = 0, bits: int = 8) -> dict[str, Any]:
 # Creating an NVDEC session costs far more than decoding one 256-token section, so finished sessions wait here
 # for the next stream of the same picture geometry and bit depth (a cache's sections share one, and a session
 # kept for its own size needs no reconfiguration).  A session is taken out while it decodes, so threads never
-# share one, and one that failed is dropped rather than returned.
+# share one, and one that failed is dropped rather than returned.  Each idle session holds decoder surfaces in GPU
+# memory and one of the GPU's NVDEC sessions, so at most MAX_IDLE_SESSIONS wait, across geometries: the least
+# recently returned go first (dicts keep insertion order; a geometry moves to the end when a session returns).
+MAX_IDLE_SESSIONS = 8
 _IDLE: dict[tuple[int, ...], list[Any]] = {}
 _IDLE_LOCK = threading.Lock()
+
+
+def _take_idle(key: tuple[int, ...]) -> Any:
+    with _IDLE_LOCK:
+        kept = _IDLE.get(key)
+        if not kept:
+            return None
+        dec = kept.pop()
+        if not kept:
+            del _IDLE[key]
+        return dec
+
+
+def _keep_idle(key: tuple[int, ...], dec: Any) -> None:
+    with _IDLE_LOCK:
+        kept = _IDLE.pop(key, [])
+        kept.append(dec)
+        _IDLE[key] = kept
+        extra = sum(len(v) for v in _IDLE.values()) - MAX_IDLE_SESSIONS
+        while extra > 0:
+            oldest = next(iter(_IDLE))
+            del _IDLE[oldest][0]
+            if not _IDLE[oldest]:
+                del _IDLE[oldest]
+            extra -= 1
 
 
 class NvdecStream:
@@ -99,9 +127,7 @@ class NvdecStream:
         self.nvc = _nvc()
         self.rows, self.cols, self.bits, self.max_frames = rows, cols, bits, max_frames
         self.key, self.reuse = (gpu, stream, bits, rows, cols), reuse
-        with _IDLE_LOCK:
-            kept = _IDLE.get(self.key)
-            self.dec = kept.pop() if reuse and kept else None
+        self.dec = _take_idle(self.key) if reuse else None
         if self.dec is None:
             self.dec = self.nvc.CreateDecoder(gpuid=gpu, codec=self.nvc.cudaVideoCodec.HEVC, cudacontext=0,
                                               cudastream=stream, usedevicememory=True)
@@ -110,8 +136,7 @@ class NvdecStream:
     def release(self) -> None:
         """Hand the session back for the next stream (call only after a clean end of stream)."""
         if self.reuse and self.dec is not None:
-            with _IDLE_LOCK:
-                _IDLE.setdefault(self.key, []).append(self.dec)
+            _keep_idle(self.key, self.dec)
         self.dec = None
 
     def _luma(self, frame: Any) -> torch.Tensor:
