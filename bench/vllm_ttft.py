@@ -30,9 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests" / "engines"), str(REPO / "tests")]
 
 from redis_process import started_redis  # noqa: E402
-from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config  # noqa: E402
+from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store  # noqa: E402
 
-from kvcodec.engines.vllm_setup import build_store  # noqa: E402
 from kvcodec.models import export_hf_folder  # noqa: E402
 from kvcodec.texts import load_text  # noqa: E402
 
@@ -72,7 +71,7 @@ def main() -> None:
 
 
 def measure(engine: Engine, codec: str, extra: dict, model: Path, prompt: list[int], reps: int) -> dict:
-    store = build_store(extra, str(model))  # the connector's keys and tiers, seen from here
+    store = connector_store(extra, model)  # the connector's keys and tiers, seen from here
     miss = engine.generate(prompt, 1)
     assert miss["num_cached_tokens"] == 0, miss
     chunks = store.fetch(prompt)

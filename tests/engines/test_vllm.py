@@ -26,9 +26,7 @@ from pathlib import Path
 
 import pytest
 from redis_process import free_port, started_redis
-from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config
-
-from kvcodec.engines.vllm_setup import build_store
+from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store
 
 PROMPT = 599  # tokens: two whole 256-token chunks (512 tokens, four 128-token vLLM blocks) and a partial chunk
 HIT = 512
@@ -74,7 +72,7 @@ def _same(got: dict, want: dict) -> None:
 
 def _store(extra: dict, model: Path):
     """A store with the connector's settings, seen from the test (same keys, same tiers)."""
-    return build_store(extra, str(model))
+    return connector_store(extra, model)
 
 
 # --- engine 2: save, then load -----------------------------------------------------------------------

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_engine import Engine, connector_config
+from vllm_engine import Engine, connector_config, connector_store
 
 import kvcodec
-from kvcodec.engines.vllm_setup import build_store
 
 PROMPT, HIT, MAX_TOKENS = 599, 512, 16
 SMALL_CALIBRATION = {"max_tokens": 256, "segment_tokens": 128, "group_layers": 1}
@@ -47,7 +46,7 @@ def test_kvtc_calibrates_on_first_use_saves_and_loads(kvtc_engine, texts, smollm
     from kvcodec.models import load_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    store = build_store(extra, str(smollm2_hf))  # finds the calibration the engine installed
+    store = connector_store(extra, smollm2_hf)  # finds the calibration the engine installed
     assert store.codec.calibration == installed[0].stem
     chunks = store.fetch(prompt[:HIT])
     assert len(chunks) == 2

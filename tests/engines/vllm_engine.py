@@ -37,6 +37,14 @@ def connector_config(**extra: Any) -> dict[str, Any]:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
+def connector_store(extra: dict[str, Any], model: str | os.PathLike[str], dtype: str = DTYPE) -> Any:
+    """The store of a connector with ``extra`` serving ``model`` in ``dtype``, seen from outside the engine: the same
+    tiers and the same keys (its cache identity: the folder's config, the KV dtype, rank 0 of 1)."""
+    from kvcodec.engines.vllm_setup import build_store, cache_identity
+
+    return build_store(extra, str(model), identity=cache_identity(str(model), kv_dtype=dtype))
+
+
 class Engine:
     """A running ``vllm_engine.py`` process: :meth:`generate` sends a prompt and waits for its reply."""
 
