@@ -18,6 +18,9 @@ Load it with::
   ``ssl_ca_certs=PATH``...) (default ``["cpu", "disk"]``); ``redis_url`` adds a Redis tier; ``redis_timeout_s``
   (default 0.5);
 - ``model``: the model id in the keys (default ``model_config.model``, the path or name vLLM was given);
+- ``namespace``: a deployment or tenant whose caches are kept apart from every other's (it leads every key);
+  ``secret_file``: a file holding the secret that authenticates stored values (default ``$KVCODEC_STORE_SECRET``;
+  never the secret itself here, since vLLM logs this configuration);
 - ``calibration_options``: for ``codec`` ``kvtc`` with its calibration ``"auto"`` (the default), the settings of
   the calibration made when none is installed for the model (:func:`kvcodec.codecs.kvtc.calibrate`'s options, e.g.
   ``{"max_tokens": 4096}``): the connector then loads the served folder with transformers on the CPU, calibrates
@@ -45,9 +48,13 @@ What it does:
 - worker side: ``start_load_kv`` fetches the chunks' container bytes (checksums verified) and starts a
   thread that decodes them layer by layer; ``wait_for_layer_load(layer)`` waits for that layer and
   scatters it into vLLM's paged tensor through the block table
-  (:func:`kvcodec.layouts.paged.slot_mapping` / ``write_paged``).  A chunk that is missing or does not
-  decode is never raised into vLLM: the blocks from its first token on are reported by
-  ``get_block_ids_with_load_errors()`` so vLLM recomputes them, and the chunk is evicted.
+  (:func:`kvcodec.layouts.paged.slot_mapping` / ``write_paged``).  A chunk that is missing, not of the paged
+  memory's shape or does not decode, or a layer whose write fails, is never raised into vLLM: the blocks from its
+  first token on (all the request's, for a failed write) are reported by ``get_block_ids_with_load_errors()`` so
+  vLLM recomputes them, and a bad chunk is evicted (a fault of this machine leaves it stored).
+- keys: the store's chains are seeded by the served model's identity (its folder's ``config.json``, the KV dtype,
+  this process's tensor- and pipeline-parallel rank; :func:`kvcodec.engines.vllm_setup.vllm_identity`) and each
+  request's ``cache_salt``.  Requests with a LoRA adapter or multimodal inputs are neither loaded nor saved.
   ``save_kv_layer`` gathers each layer's prompt tokens out of the paged tensor (``read_paged``),
   ``wait_for_save`` assembles them into a :class:`~kvcodec.cache.KVCache` and ``put``s it (only chunks
   not stored yet are encoded).  Loads and saves finish within the forward pass, so ``get_finished``
