@@ -204,3 +204,15 @@ def test_deserializer_refuses_a_chunk_of_another_shape_with_the_same_element_cou
     with pytest.raises(kvcodec.CorruptDataError, match="buffer"):
         de.deserialize(buf, out, None)
     assert not out.tensor.any()
+
+
+def test_with_a_deployment_secret_values_are_authenticated(monkeypatch):
+    from kvcodec.store.auth import SECRET_ENV
+
+    monkeypatch.setenv(SECRET_ENV, "s" * 32)
+    conn = _connector()
+    chunk = _chunk()
+    _run(conn.put(Key("k"), FakeMemoryObj(chunk)))
+    assert torch.equal(_run(conn.get(Key("k"))).tensor, chunk)
+    conn.tier.put("k", lp.LMCacheChunkCodec("raw", num_heads=H).encode(_chunk(seed=9)))  # valid KV, no tag
+    assert _run(conn.get(Key("k"))) is None and not conn.exists_sync(Key("k")) and conn.stats["corrupt"] == 1

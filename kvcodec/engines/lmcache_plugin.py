@@ -72,6 +72,7 @@ from kvcodec.engines.auto_calibration import ensure_model_calibration, load_serv
 from kvcodec.errors import CorruptDataError, InvalidInputError, LimitExceededError
 from kvcodec.reader import Reader
 from kvcodec.store import StorageTier
+from kvcodec.store.auth import seal, secret_from_env, unseal
 from kvcodec.store.urls import OPTIONS as TIER_OPTIONS
 from kvcodec.store.urls import redact, tier_from_url
 
@@ -217,6 +218,7 @@ class KVCodecRemoteConnector(RemoteConnector):
         if self.codec.num_heads is None and metadata is not None and getattr(metadata, "kv_shape", None):
             self.codec.num_heads = int(metadata.kv_shape[3])
         self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "bytes_in": 0, "bytes_out": 0}
+        self.secret = secret_from_env()  # authenticates every value when the deployment has a secret
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvcodec-lmcache")
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
@@ -253,10 +255,10 @@ class KVCodecRemoteConnector(RemoteConnector):
             self.stats["misses"] += 1
             return None
         try:
-            chunk = self.codec.decode(data, expect=getattr(self.metadata, "kv_shape", None))
+            chunk = self.codec.decode(unseal(self.secret, k, data), expect=getattr(self.metadata, "kv_shape", None))
         except (CorruptDataError, LimitExceededError):
-            log.warning("kvcodec chunk %s is damaged or not of this engine's shape; deleted (LMCache recomputes it)",
-                        k, exc_info=True)
+            log.warning("kvcodec chunk %s is damaged, not authentic or not of this engine's shape; deleted (LMCache "
+                        "recomputes it)", k, exc_info=True)
             self.stats["corrupt"] += 1
             self._delete(k)
             return None
@@ -277,7 +279,7 @@ class KVCodecRemoteConnector(RemoteConnector):
 
     def _store(self, key: Any, chunk: torch.Tensor) -> bool:
         try:
-            data = self.codec.encode(chunk)
+            data = seal(self.secret, _key_str(key), self.codec.encode(chunk))
             ok = bool(self.tier.put(_key_str(key), data))
             if ok:
                 self.stats["puts"] += 1

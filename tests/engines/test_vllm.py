@@ -226,3 +226,13 @@ def test_vllm_serve_with_cachegen_over_http(server, reference, prompts, smollm2_
     assert tokens[1] == reference["A"]["token_ids"]  # 16 greedy tokens from cachegen's lossy KV
     text = log.read_text()
     assert "uses the channel profile of SmolLM2-135M-Instruct" in text, text[-3000:]
+
+
+def test_cache_salt_keeps_tenants_apart_over_http(server, prompts, smollm2_hf):
+    """The same prompt under another tenant's cache_salt hits nothing of what the unsalted requests saved, then
+    hits its own."""
+    port, _ = server
+    body = {"model": str(smollm2_hf), "prompt": prompts["A"], "max_tokens": 1, "temperature": 0}
+    cached = [(_post(port, body | salt)["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+              for salt in ({"cache_salt": "tenant-b"}, {"cache_salt": "tenant-b"}, {})]
+    assert cached == [0, HIT, HIT]
