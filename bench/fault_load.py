@@ -499,6 +499,7 @@ def inject(r: Run, kind: str, prep: dict[str, Any], rng: random.Random, tool) ->
         # whatever a load meets under it belongs to this injection.
         for tier in tool.tiers:
             tier.put(c["key"], prep["blobs"][c["key"]])
+        t = time.monotonic()  # before the bad value lands: a load may meet it at once
         if where == "redis":
             stored = tool.tier("redis").put(c["key"], bad)
             tool.tier("disk").delete(c["key"])
@@ -508,7 +509,7 @@ def inject(r: Run, kind: str, prep: dict[str, Any], rng: random.Random, tool) ->
             fp = fingerprint([(l.keys, l.values) for l in decode(bad).layers])
         except Exception:  # a value that cannot decode cannot be served as a wrong chunk either
             fp = None
-        out.append({"fault": kind, "t": time.monotonic(), "where": where, "key": c["key"], "seq": c["seq"],
+        out.append({"fault": kind, "t": t, "where": where, "key": c["key"], "seq": c["seq"],
                     "start": c["start"], "end": c["end"], "what": what, "stored": bool(stored), "fp": fp})
     return out
 
@@ -579,12 +580,13 @@ def tally(r: Run, events: list[dict[str, Any]], chunks: list[dict[str, Any]], st
     """Assign each load to a fault and count misses, reported load errors and wrong chunks.
 
     A wrong chunk belongs to the injected value it decodes to (by fingerprint), else to the latest value
-    injected under its key; a reported error stopping at a key, to the latest value injected under it; a miss
-    at a key, to a value injected under it while that key has not been served correctly since.  Other loads
+    injected under its key.  A reported error belongs to a value injected under one of the load's keys and not
+    read since, else to the latest value injected under the key it stopped at; a miss at a key, to a value
+    injected under it while that key has not been served correctly since.  Other loads
     belong to the window fault (writer kill, Redis restart, full disk) acting when they ended, else to
     ``none``, the quiet baseline."""
     rows = {name: {"injected": 0, "loads": 0, "misses": 0, "load_errors": 0, "wrong_chunks": 0, "ops": 0,
-                   "seconds": 0.0, "values_served_wrong": 0, "values_detected": 0}
+                   "seconds": 0.0, "values_served_wrong": 0, "values_detected": 0, "values_unread": 0}
             for name in ("none", *[f for f in ALL_FAULTS if f in r.cfg.faults])}
     where = {c["key"]: c for c in chunks}
     windows = [f for f in r.faults if "t_end" in f and "skipped" not in f]
@@ -624,7 +626,12 @@ def tally(r: Run, events: list[dict[str, Any]], chunks: list[dict[str, Any]], st
                                  "exact": bool(inj and inj["fp"] and inj["fp"] == w.get("fp")),
                                  "t_run": round(ev["t"] - start, 2)})
         failed = bool(ev["reported"] or ev.get("error"))
-        inj = (latest if failed else unread).get(ev["stop"]) if ev["stop"] else None
+        # A damaged copy in one tier can be evicted and the chunk served from the next: the load completes with
+        # an error reported, at a key that is then among those served.
+        if failed:
+            inj = next((unread[k] for k in [ev["stop"], *ev["ok"]] if k in unread), None) or latest.get(ev["stop"])
+        else:
+            inj = unread.get(ev["stop"])
         if inj:
             row = inj["fault"]
             inj["detected"] += failed
@@ -636,6 +643,7 @@ def tally(r: Run, events: list[dict[str, Any]], chunks: list[dict[str, Any]], st
     for inj in done:
         rows[inj["fault"]]["values_served_wrong"] += inj["served_wrong"] > 0
         rows[inj["fault"]]["values_detected"] += inj["detected"] > 0
+        rows[inj["fault"]]["values_unread"] += not inj["served_wrong"] and not inj["detected"]
     return {"rows": rows, "wrong": wrong_detail}
 
 
@@ -736,8 +744,8 @@ def markdown(rep: dict[str, Any]) -> str:
         f"{rep['counts']['chunks_written']}.",
         "",
         "| fault | injected | ops/s while it acted | loads | misses | reported load errors "
-        "| bad values detected | bad values served | wrong chunks served |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| bad values detected | bad values served | bad values never read | wrong chunks served |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rep["faults"].items():
         rate = f"{row['ops'] / row['seconds']:.1f}" if row["seconds"] else "-"
@@ -745,13 +753,15 @@ def markdown(rep: dict[str, Any]) -> str:
         lines.append(f"| {name} | {row['injected'] if name != 'none' else '-'} | {rate} | {row['loads']} "
                      f"| {row['misses']} | {row['load_errors']} "
                      f"| {row['values_detected'] if targeted else '-'} | {row['values_served_wrong'] if targeted else '-'} "
-                     f"| {row['wrong_chunks']} |")
-    lines += ["", "A load belongs to a targeted fault (corrupt, foreign-*) when it reads the injected key before "
-              "that key is next served correctly; otherwise to the window fault acting when it ended (writer-kill: "
+                     f"| {row['values_unread'] if targeted else '-'} | {row['wrong_chunks']} |")
+    lines += ["", "A load belongs to a targeted fault (corrupt, foreign-*) when it meets the injected value (a wrong "
+              "chunk that decodes to it, an error or miss at its key before that key is next served correctly); "
+              "otherwise to the window fault acting when it ended (writer-kill: "
               "the kill and a few seconds after; redis-restart: the outage and recovery; disk-full: while the "
               "ballast fills the tmpfs), else to `none`. A miss is a load that returned fewer chunks than the "
               "prompt has, without an error; a reported load error is a damaged chunk the store counted and "
-              "evicted (or an exception). Foreign values: "
+              "evicted (or an exception). A bad value is never read when a good copy was written over it or "
+              "served before it from a faster tier. Foreign values: "
               + "; ".join(f"{k}: {json.dumps(foreign_config(k, c['codec']))}" for k in FOREIGN if k in c["faults"])
               + "."]
     f = rep["final"]
