@@ -390,8 +390,9 @@ def worker(spec_file: Path, wid: int) -> None:
                 emit({"op": "evict", "deleted": store.evict(ids[:upto])})
                 continue
             SLOT.pack_into(board, wid * SLOT.size, n, LOADING)
+            t0 = time.monotonic()
             ev = load_and_check(store, ids, data["expected"], rng.choice(("get", "fetch")))
-            ev.update(seq=i, L=L)
+            ev.update(seq=i, L=L, t0=t0)
             emit(ev)
             # An engine saves what it computed: put() encodes and writes only the chunks some tier lacks.
             SLOT.pack_into(board, wid * SLOT.size, n, SAVING)
@@ -419,6 +420,7 @@ class Run:
     faults: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     tmpfs: bool = False
+    used: dict[str, int] = field(default_factory=dict)  # injections per key
     board: mmap.mmap | None = None
 
     def spawn(self) -> int:
@@ -470,9 +472,14 @@ def kill_writer(r: Run, rng: random.Random, until: float) -> dict[str, Any] | No
     return None
 
 
-def pick_key(rng: random.Random, chunks: list[dict[str, Any]], chunk_tokens: int) -> dict[str, Any]:
-    """A chunk that most loads read: one of the first two of a sequence."""
-    return rng.choice([c for c in chunks if c["start"] < 2 * chunk_tokens and c["end"] - c["start"] == chunk_tokens])
+def pick_key(rng: random.Random, chunks: list[dict[str, Any]], chunk_tokens: int, used: dict[str, int]) -> dict[str, Any]:
+    """A chunk that most loads read (one of the first two of a sequence), the least used for injections so far,
+    so that two injections rarely share a key and each outcome is told apart."""
+    hot = [c for c in chunks if c["start"] < 2 * chunk_tokens and c["end"] - c["start"] == chunk_tokens]
+    least = min(used.get(c["key"], 0) for c in hot)
+    c = rng.choice([c for c in hot if used.get(c["key"], 0) == least])
+    used[c["key"]] = least + 1
+    return c
 
 
 def flip(data: bytes, rng: random.Random, count: int) -> bytes:
@@ -489,7 +496,7 @@ def inject(r: Run, kind: str, prep: dict[str, Any], rng: random.Random, tool) ->
 
     out = []
     for where in ("redis", "disk"):
-        c = pick_key(rng, prep["chunks"], r.cfg.chunk_tokens)
+        c = pick_key(rng, prep["chunks"], r.cfg.chunk_tokens, r.used)
         if kind == "corrupt":
             count = rng.choice((1, 4, 16))
             bad, what = flip(prep["blobs"][c["key"]], rng, count), f"{count} byte(s) flipped"
@@ -627,9 +634,11 @@ def tally(r: Run, events: list[dict[str, Any]], chunks: list[dict[str, Any]], st
                                  "t_run": round(ev["t"] - start, 2)})
         failed = bool(ev["reported"] or ev.get("error"))
         # A damaged copy in one tier can be evicted and the chunk served from the next: the load completes with
-        # an error reported, at a key that is then among those served.
+        # an error reported, at a key that is then among those served.  Of several candidates the value that
+        # landed first is the likeliest one the load met.
         if failed:
-            inj = next((unread[k] for k in [ev["stop"], *ev["ok"]] if k in unread), None) or latest.get(ev["stop"])
+            met = sorted((unread[k] for k in {ev["stop"], *ev["ok"]} if k in unread), key=lambda i: i["t"])
+            inj = met[0] if met else latest.get(ev["stop"])
         else:
             inj = unread.get(ev["stop"])
         if inj:
@@ -639,7 +648,8 @@ def tally(r: Run, events: list[dict[str, Any]], chunks: list[dict[str, Any]], st
         rows[row]["load_errors"] += failed
         rows[row]["misses"] += not failed and ev["served"] < ev["chunks"]
         for key in ev["ok"]:
-            unread.pop(key, None)
+            if key in unread and ev["t0"] >= unread[key]["t"]:  # a load that began earlier may have read the old value
+                unread.pop(key)
     for inj in done:
         rows[inj["fault"]]["values_served_wrong"] += inj["served_wrong"] > 0
         rows[inj["fault"]]["values_detected"] += inj["detected"] > 0
