@@ -266,12 +266,6 @@ def prepare(cfg: Config, kv_paths: list[Path], run: Path) -> dict[str, Any]:
 
 # --- the checker -----------------------------------------------------------------------------------------
 
-def same_bits(a, b) -> bool:
-    from kvcodec.cache import same_bits as bits
-
-    return bits(a, b)
-
-
 def fingerprint(layers: list[tuple[Any, Any]]) -> str:
     """A digest of a decoded chunk's bits: which injected value a wrong chunk was."""
     import hashlib
@@ -287,6 +281,8 @@ def fingerprint(layers: list[tuple[Any, Any]]) -> str:
 
 def check_chunk(layers: list[tuple[Any, Any]], want: list[tuple[Any, Any]]) -> str | None:
     """None when ``layers`` are bit for bit the expected decode, else what differs."""
+    from kvcodec.cache import same_bits
+
     if len(layers) != len(want):
         return f"{len(layers)} layers, expected {len(want)}"
     for i, ((k, v), (wk, wv)) in enumerate(zip(layers, want)):
