@@ -150,7 +150,8 @@ def test_golden_reencode_is_deterministic_here_and_close_everywhere(name):
     float32 rounding where the bytes are the same)."""
     blob, kv, again = _reencode(name)
     assert _reencode(name)[2] == again
-    assert kvcodec.open(again).info.version == "1.1"
+    with kvcodec.open(again) as r:
+        assert r.info.version == "1.1"
     decoded = kvcodec.decode(again)
     if again == blob:
         assert_within_kvtc_tolerance(again, decoded, kv)
