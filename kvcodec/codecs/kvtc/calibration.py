@@ -284,19 +284,29 @@ def _model_file(model: str) -> str:
 
 
 def find_calibration(digest: str, paths: Sequence[str | os.PathLike[str]] = ()) -> Calibration:
-    """The calibration named ``digest``, from the process registry or the search path (``paths`` first)."""
+    """The calibration named ``digest``, from the process registry or the search path (``paths`` first).
+
+    A file of that name that does not hash to it, or is larger than :data:`MAX_FILE_BYTES`, is passed over (the
+    search goes on) and named in the ``MissingCalibrationError`` raised when nothing else is found: it is this
+    machine's fault, not the container's, so it must not read as corrupt data (a store evicts corrupt chunks
+    from shared tiers, and fetches a missing calibration from them)."""
     cal = _registered.get(digest)
     if cal is not None:
         return cal if digest in _pinned else _remember_found(cal)
+    passed_over = []
     for folder in search_dirs(paths):
         path = os.path.join(folder, digest + SUFFIX)
         if os.path.isfile(path):
-            return _remember_found(Calibration.load(path, digest))
+            try:
+                return _remember_found(Calibration.load(path, digest))
+            except (CorruptDataError, LimitExceededError) as e:
+                passed_over.append(f"{path}: {e}")
     raise MissingCalibrationError(
         f"kvtc calibration {digest} is not available. Get the file from whoever wrote the container (or run "
         f"`kvcodec calibrate --model MODEL -o FILE` with the same model and settings) and put it in "
         f"{cache_dir()} as {digest}{SUFFIX}, in a folder of ${ENV_PATH}, or register it with "
-        f"kvcodec.codecs.kvtc.register_calibration(FILE)")
+        f"kvcodec.codecs.kvtc.register_calibration(FILE)"
+        + "".join(f"; passed over {p}" for p in passed_over))
 
 
 def calibration_for_model(model: str | None, paths: Sequence[str | os.PathLike[str]] = ()) -> Calibration | None:
