@@ -146,15 +146,12 @@ def test_golden_reencodes_identically(name):
 def test_golden_reencode_is_deterministic_here_and_close_everywhere(name):
     """kvtc's encode rounds by the machine's float32 matrix products: on one machine it gives the same bytes every
     time; on another a coefficient within rounding of a half-step may land on the neighbouring step, so the
-    re-encode's decode differs from the golden decode by a sliver of the codec's own error (and by nothing but
-    float32 rounding where the bytes are the same)."""
-    blob, kv, again = _reencode(name)
+    re-encode's decode differs from the golden decode by a sliver of the codec's own error."""
+    _, kv, again = _reencode(name)
     assert _reencode(name)[2] == again
     with kvcodec.open(again) as r:
         assert r.info.version == "1.1"
     decoded = kvcodec.decode(again)
-    if again == blob:
-        assert_within_kvtc_tolerance(again, decoded, kv)
     for a, b, s in zip(decoded.layers, kv.layers, _source(name).layers):
         for x, y, z in zip(a, b, s):
             moved = float((x.float() - y.float()).pow(2).mean())
