@@ -1,4 +1,11 @@
-"""The golden containers in formats/golden decode to the recorded tensors, and re-encoding is byte-identical."""
+"""The golden containers in formats/golden decode to the recorded tensors, and re-encoding reproduces them.
+
+What holds on every x86-64 machine (SPEC.md §10.8 and "Determinism"): every codec but kvtc decodes to the
+recorded digest and re-encodes the recorded source to the recorded bytes.  kvtc's matrix products round by the
+machine's BLAS path, so its decode is compared with a stored reference decode within SPEC's stated tolerance,
+and its re-encode is checked for what is promised: the same bytes twice in one process, and a decode within a
+sliver of the codec's own error of the golden decode.  tests/test_determinism.py runs this file under other
+MKL instruction paths."""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import json
 from importlib.resources import files
 
 import pytest
+import torch
 
 import kvcodec
 from kvcodec.cli import parse_codec
@@ -24,9 +32,66 @@ def _golden_calibration():
     register_calibration(Calibration.from_bytes((GOLDEN / "kvtc-calibration.kvtc").read_bytes()))
 
 
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of ``x``'s dtype at ``|x|``, as float32."""
+    a = x.abs()
+    return (torch.nextafter(a, torch.full_like(a, float("inf"))) - a).float()
+
+
+def kvtc_tolerance(blob: bytes, decoded: kvcodec.KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per element of each layer's keys and values, SPEC §10.8's bound on how far two conforming decodes of the
+    kvtc container ``blob`` may be apart before the conversion to the header dtype, computed from one of them:
+    ``(K + 2) * 2**-22 * (|c_t| / weight_f + |mean_f|)`` per feature, summed over each rotary pair for keys.
+    ``|c_t|``, the norm of the token's coefficients, is ``|basis^T z_t| <= |z_t|`` with ``z_t = (x_t - mean) *
+    weight``; the ``2**-10`` term covers ``decoded``'s own rounding to float16."""
+    from kvcodec.codecs.kvtc import KVTC
+
+    with kvcodec.open(blob) as r:
+        codec = KVTC.from_file_config(r.info.config)
+        assert "positions" not in r.header.meta  # the features below are taken at positions 0..T-1
+    cal = codec.calibration_data()
+    t = decoded.num_tokens
+    positions = torch.arange(t)
+    out: dict[int, list[torch.Tensor]] = {}
+    for g, members in enumerate(cal.groups):
+        for side, (basis, coded) in enumerate(zip((cal.keys[g], cal.values[g]), codec.coded_components()[g])):
+            feats = []
+            for l in members:
+                x = (decoded.layers[l].keys, decoded.layers[l].values)[side].float()
+                if side == 0 and cal.layers[l].rotary is not None:
+                    x = cal.layers[l].rotary.rotate(x, positions, inverse=True)
+                feats.append(x.permute(1, 0, 2).reshape(t, -1))
+            x = torch.cat(feats, 1).double()
+            w, mean = basis.weight.double(), basis.mean.double()
+            norm = ((x - mean) * w).norm(dim=1, keepdim=True) + (w * x.abs()).norm(dim=1, keepdim=True) * 2 ** -10
+            bound = (coded + 2) * 2.0 ** -22 * (norm / w + mean.abs())
+            start = 0
+            for l in members:
+                h, _, d = (decoded.layers[l].keys, decoded.layers[l].values)[side].shape
+                b = bound[:, start:start + h * d].reshape(t, h, d).permute(1, 0, 2)
+                start += h * d
+                rot = cal.layers[l].rotary
+                if side == 0 and rot is not None:  # a rotated key mixes its pair's two features
+                    half = rot.dims // 2
+                    pair = (b[..., :half] + b[..., half:2 * half]) * rot.scaling
+                    b = torch.cat([pair, pair, b[..., 2 * half:]], -1)
+                out.setdefault(l, []).append(b.float())
+    return [tuple(out[l]) for l in range(decoded.num_layers)]
+
+
+def assert_within_kvtc_tolerance(blob: bytes, got: kvcodec.KVCache, reference: kvcodec.KVCache) -> None:
+    for i, (tols, a, b) in enumerate(zip(kvtc_tolerance(blob, reference), got.layers, reference.layers)):
+        for tol, x, y in zip(tols, a, b):
+            allowed = tol + _ulp(torch.maximum(x.abs(), y.abs()))
+            excess = (x.float() - y.float()).abs() - allowed
+            assert float(excess.max()) <= 0, f"layer {i}: a decode differs from the reference by more than SPEC allows"
+
+
 def test_every_golden_file_is_listed():
     on_disk = {p.name for p in GOLDEN.iterdir() if p.name.endswith(".kvc")}
-    assert on_disk == set(EXPECTED) and len(on_disk) >= 6
+    references = {e["reference"] for e in EXPECTED.values() if "reference" in e}
+    assert on_disk == set(EXPECTED) | references and len(on_disk) >= 6
+    assert all(not e.get("decoded_exact", True) for e in EXPECTED.values() if "reference" in e)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -37,13 +102,10 @@ def test_golden_decodes_to_recorded_tensors(name):
     kv = kvcodec.decode(blob)
     if exp.get("decoded_exact", True):
         assert decoded_digest(kv) == exp["decoded_sha256"]
-    else:  # a transform codec's decode is exact only up to the platform's float32 sums: compare with the source
-        source = kvcodec.decode((GOLDEN / "raw-f16.kvc").read_bytes())
-        assert decoded_digest(source) == exp["source_sha256"]
-        for a, b in zip(kv.layers, source.layers):
-            for x, y in zip(a, b):
-                err = float((x.float() - y.float()).pow(2).mean() / y.float().pow(2).mean())
-                assert 0 < err < 0.1
+    else:  # a transform codec's decode is exact only up to the platform's float32 sums: compare with the reference
+        reference = kvcodec.decode((GOLDEN / exp["reference"]).read_bytes())
+        assert decoded_digest(reference) == exp["decoded_sha256"]
+        assert_within_kvtc_tolerance(blob, kv, reference)
     assert kv.model == "SmolLM2-135M-Instruct" and kv.rope == "post" and len(kv.token_ids) == 40
     if exp["codec"] == "raw":
         assert exp["decoded_sha256"] == exp["source_sha256"]
@@ -51,23 +113,50 @@ def test_golden_decodes_to_recorded_tensors(name):
         assert exp["decoded_sha256"] != exp["source_sha256"]
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_golden_reencodes_identically(name):
-    """Encoding is deterministic across versions: the same codec and grid reproduce the file from its own
-    decode for lossless codecs, and a lossy decode re-quantizes to the same bytes."""
+def _source(name: str) -> kvcodec.KVCache:
+    """The cache golden file ``name`` was encoded from."""
+    source = kvcodec.decode((GOLDEN / "raw-f16.kvc").read_bytes())
+    assert decoded_digest(source) == EXPECTED[name]["source_sha256"]
+    return source
+
+
+def _reencode(name: str) -> tuple[bytes, kvcodec.KVCache, bytes]:
+    """Golden file ``name``, its decode, and the cache it was made from encoded again as it was."""
     blob = (GOLDEN / name).read_bytes()
     with kvcodec.open(blob) as r:
         info = r.info
         kv = r.decode()
-    if info.codec == "raw":
-        again = kvcodec.encode(kv, parse_codec(EXPECTED[name]["codec"]), chunk_tokens=info.chunk_tokens,
-                               chunk_layers=info.chunk_layers)
-        assert again == blob
-    if info.codec == "kvtc":  # the source and the calibration give the same bytes
-        source = kvcodec.decode((GOLDEN / "raw-f16.kvc").read_bytes())
-        codec = parse_codec(EXPECTED[name]["codec"], [f"calibration={info.config['calibration']}"])
-        assert kvcodec.encode(source, codec, chunk_tokens=info.chunk_tokens) == blob
-        assert info.version == "1.1"
+    spec = EXPECTED[name]["codec"]
+    grid = dict(chunk_tokens=info.chunk_tokens, chunk_layers=info.chunk_layers)
+    if info.codec == "raw":  # lossless: the file's own decode is its source
+        return blob, kv, kvcodec.encode(kv, parse_codec(spec), **grid)
+    extra = [f"calibration={info.config['calibration']}"] if info.codec == "kvtc" else []
+    return blob, kv, kvcodec.encode(_source(name), parse_codec(spec, extra), **grid)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in EXPECTED.items() if e.get("decoded_exact", True)))
+def test_golden_reencodes_identically(name):
+    """Encoding with these codecs does the same float operations in the same order on every machine (SPEC
+    "Determinism"): the same codec and grid reproduce the file, lossless or not."""
+    blob, _, again = _reencode(name)
+    assert again == blob
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in EXPECTED.items() if not e.get("decoded_exact", True)))
+def test_golden_reencode_is_deterministic_here_and_close_everywhere(name):
+    """kvtc's encode rounds by the machine's float32 matrix products: on one machine it gives the same bytes every
+    time; on another a coefficient within rounding of a half-step may land on the neighbouring step, so the
+    re-encode's decode differs from the golden decode by a sliver of the codec's own error."""
+    _, kv, again = _reencode(name)
+    assert _reencode(name)[2] == again
+    with kvcodec.open(again) as r:
+        assert r.info.version == "1.1"
+    decoded = kvcodec.decode(again)
+    for a, b, s in zip(decoded.layers, kv.layers, _source(name).layers):
+        for x, y, z in zip(a, b, s):
+            moved = float((x.float() - y.float()).pow(2).mean())
+            own = float((y.float() - z.float()).pow(2).mean())
+            assert 0 < own and moved <= 1e-3 * own
 
 
 def test_golden_window_layer_is_right_aligned():

@@ -4,7 +4,8 @@ A calibration is computed once per model from calibration text (never the text a
 saved as a safetensors file.  Its SHA-256 (of the file's bytes) is its name: containers record it in their
 config, and a decoder looks it up, in order, among the calibrations registered in this process
 (:func:`register_calibration`), the folders of ``$KVCODEC_CALIBRATIONS`` (``os.pathsep``-separated) and the
-cache folder (:func:`cache_dir`).  A ``KVStore`` keeps the calibrations its chunks need beside them.
+cache folder (:func:`cache_dir`); never in the working directory unless a caller names it.  A file found by
+its hash is checked against it before use.  A ``KVStore`` keeps the calibrations its chunks need beside them.
 
 Features.  Layers are pooled in groups (layers of one kind: shape, rotary setting, window); a token's feature vector in a group
 is the concatenation of its layers' ``[heads, dim]`` keys (or values).  Keys are first rotated back to
@@ -42,6 +43,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -49,7 +51,7 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.kvtc.rope import Rotary
-from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError
+from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, LimitExceededError
 from kvcodec.files import write_atomically
 
 FORMAT = "kvcodec-kvtc-calibration-1"
@@ -64,6 +66,12 @@ SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
 # (|c| >= step/2 needs a 3.3-sigma excursion), so the basis drops it.
 TRUNCATE_FRACTION = 0.15
 WEIGHT_FLOOR = 1e-3
+# Larger than any calibration a model of up to ~10B parameters needs with its layers pooled (SmolLM2's, all
+# 30 layers in one group, is 85 MB), small enough that a file of junk cannot exhaust a serving machine's memory.
+MAX_FILE_BYTES = 4 << 30
+# Calibrations a decoder found by their hash stay loaded for the next chunk that names them; a process decoding
+# containers of many models keeps only the most recently used few.
+MAX_FOUND = 4
 
 
 class MissingCalibrationError(KVCodecError):
@@ -171,9 +179,19 @@ class Calibration:
         return cal
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], expect_digest: str | None = None) -> Calibration:
+    def load(cls, path: str | os.PathLike[str], expect_digest: str | None = None,
+             max_bytes: int | None = None) -> Calibration:
+        """The calibration in file ``path``; ``LimitExceededError`` (before reading it) when the file is larger
+        than ``max_bytes`` (default :data:`MAX_FILE_BYTES`), ``CorruptDataError`` when it does not hash to
+        ``expect_digest``."""
+        max_bytes = MAX_FILE_BYTES if max_bytes is None else max_bytes
         with open(path, "rb") as f:
-            return cls.from_bytes(f.read(), expect_digest)
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(max_bytes + 1) if size <= max_bytes else b""
+        if len(data) > max_bytes or size > max_bytes:  # the second: grown since fstat
+            raise LimitExceededError(f"kvtc calibration file {os.fspath(path)!r} is {max(size, len(data))} bytes, "
+                                     f"over the limit of {max_bytes}")
+        return cls.from_bytes(data, expect_digest)
 
     def _check(self) -> None:
         seen = [l for g in self.groups for l in g]
@@ -207,12 +225,20 @@ def _safetensors_metadata(data: bytes) -> dict[str, str]:
 
 # --- the search path -------------------------------------------------------------------
 
+# Calibrations by digest: those registered explicitly (pinned, kept until the process ends: the caller chose
+# them) and those a lookup found (at most MAX_FOUND, least recently used first).
 _registered: dict[str, Calibration] = {}
+_pinned: set[str] = set()
+_lock = threading.Lock()
 
 
 def cache_dir() -> str:
-    """The folder where calibrations are installed: ``$XDG_CACHE_HOME/kvcodec/calibrations``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """The folder where calibrations are installed: ``$XDG_CACHE_HOME/kvcodec/calibrations`` (a relative
+    ``XDG_CACHE_HOME`` is ignored, as the XDG specification says: it would name a folder of the working
+    directory)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvcodec", "calibrations")
 
 
@@ -225,7 +251,19 @@ def register_calibration(cal: Calibration | str | os.PathLike[str]) -> Calibrati
     """Make a calibration (or a calibration file) findable by its hash and its model in this process."""
     if not isinstance(cal, Calibration):
         cal = Calibration.load(cal)
-    _registered[cal.digest] = cal
+    with _lock:
+        _registered[cal.digest] = cal
+        _pinned.add(cal.digest)
+    return cal
+
+
+def _remember_found(cal: Calibration) -> Calibration:
+    with _lock:
+        _registered.pop(cal.digest, None)
+        _registered[cal.digest] = cal
+        found = [d for d in _registered if d not in _pinned]
+        for digest in found[:max(0, len(found) - MAX_FOUND)]:
+            del _registered[digest]
     return cal
 
 
@@ -246,18 +284,29 @@ def _model_file(model: str) -> str:
 
 
 def find_calibration(digest: str, paths: Sequence[str | os.PathLike[str]] = ()) -> Calibration:
-    """The calibration named ``digest``, from the process registry or the search path (``paths`` first)."""
-    if digest in _registered:
-        return _registered[digest]
+    """The calibration named ``digest``, from the process registry or the search path (``paths`` first).
+
+    A file of that name that does not hash to it, or is larger than :data:`MAX_FILE_BYTES`, is passed over (the
+    search goes on) and named in the ``MissingCalibrationError`` raised when nothing else is found: it is this
+    machine's fault, not the container's, so it must not read as corrupt data (a store evicts corrupt chunks
+    from shared tiers, and fetches a missing calibration from them)."""
+    cal = _registered.get(digest)
+    if cal is not None:
+        return cal if digest in _pinned else _remember_found(cal)
+    passed_over = []
     for folder in search_dirs(paths):
         path = os.path.join(folder, digest + SUFFIX)
         if os.path.isfile(path):
-            return register_calibration(Calibration.load(path, digest))
+            try:
+                return _remember_found(Calibration.load(path, digest))
+            except (CorruptDataError, LimitExceededError) as e:
+                passed_over.append(f"{path}: {e}")
     raise MissingCalibrationError(
         f"kvtc calibration {digest} is not available. Get the file from whoever wrote the container (or run "
         f"`kvcodec calibrate --model MODEL -o FILE` with the same model and settings) and put it in "
         f"{cache_dir()} as {digest}{SUFFIX}, in a folder of ${ENV_PATH}, or register it with "
-        f"kvcodec.codecs.kvtc.register_calibration(FILE)")
+        f"kvcodec.codecs.kvtc.register_calibration(FILE)"
+        + "".join(f"; passed over {p}" for p in passed_over))
 
 
 def calibration_for_model(model: str | None, paths: Sequence[str | os.PathLike[str]] = ()) -> Calibration | None:
@@ -265,7 +314,9 @@ def calibration_for_model(model: str | None, paths: Sequence[str | os.PathLike[s
     installed for it in the search path."""
     if not model:
         return None
-    for cal in reversed(list(_registered.values())):
+    with _lock:
+        known = list(_registered.values())
+    for cal in reversed(known):
         if cal.model == model:
             return cal
     for folder in search_dirs(paths):

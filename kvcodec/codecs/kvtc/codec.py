@@ -66,7 +66,11 @@ class KVTC(Codec):
         if isinstance(calibration, Calibration):
             self._cal = register_calibration(calibration)
             calibration = self._cal.digest
-        elif isinstance(calibration, os.PathLike) or (isinstance(calibration, str) and os.path.isfile(calibration)):
+        elif isinstance(calibration, os.PathLike) or (isinstance(calibration, str) and calibration != "auto"
+                                                       and not DIGEST.fullmatch(calibration)
+                                                       and os.path.isfile(calibration)):
+            # a hash always names a calibration, never a file: a container's config names one by hash, and a
+            # file of that name in the working directory must not stand in for it unchecked
             self._cal = register_calibration(calibration)
             calibration = self._cal.digest
         elif not (isinstance(calibration, str) and (calibration == "auto" or DIGEST.fullmatch(calibration))):
