@@ -795,9 +795,13 @@ def markdown(rep: dict[str, Any]) -> str:
 def run(cfg: Config, kv_paths: list[Path], out: Path | None, folder: Path | None = None,
         log=print) -> dict[str, Any]:
     """The whole run; returns the report (also written to ``out``.md/.json when ``out`` is given)."""
-    import torch
+    from kvcodec.threads import torch_threads
 
-    torch.set_num_threads(1)  # the references must come from the same one-thread code path as the workers'
+    with torch_threads(1):  # the references must come from the same one-thread code path as the workers'
+        return _run(cfg, kv_paths, out, folder, log)
+
+
+def _run(cfg: Config, kv_paths: list[Path], out: Path | None, folder: Path | None, log) -> dict[str, Any]:
     if cfg.workers < 1 or cfg.rounds < 1:
         raise ValueError("workers and rounds must be positive")
     unknown = set(cfg.faults) - set(ALL_FAULTS)

@@ -18,20 +18,15 @@ def cache() -> kvcodec.KVCache:
 @pytest.mark.parametrize("codec", ["kivi", "cachegen", "kvfetcher"])
 def test_threads_do_not_change_bytes_and_are_restored(codec):
     kv = cache()
-    before = torch.get_num_threads()
-    seen = []
-
-    def progress(items, total):
-        for item in items:
+    with torch_threads(3):  # the caller's own setting: neither 1 nor 2, nor whatever an earlier test left
+        one = kvcodec.encode(kv, codec, threads=1)
+        seen, pieces = [], []
+        for piece in kvcodec.iter_encode(kv, codec, threads=2):
             seen.append(torch.get_num_threads())
-            yield item
-
-    one = kvcodec.encode(kv, codec, threads=1)
-    two = kvcodec.encode(kv, codec, threads=2, progress=progress)
-    assert one == two and torch.get_num_threads() == before
-    assert set(seen) == {before}  # between pieces, the caller's own setting is in force
-    assert kvcodec.decode(one, threads=2).equal(kvcodec.decode(one, threads=1))
-    assert torch.get_num_threads() == before
+            pieces.append(piece)
+        assert one == b"".join(pieces) and set(seen) == {3}  # between pieces, the caller's own setting is in force
+        assert kvcodec.decode(one, threads=2).equal(kvcodec.decode(one, threads=1))
+        assert torch.get_num_threads() == 3
 
 
 def test_torch_threads_restores_after_an_error():
