@@ -124,19 +124,6 @@ def check_output(header: Header, layers: Iterable[int], token_start: int, token_
     check_limit(output_bytes(header, layers, token_start, token_count), max_bytes, "the decoded output")
 
 
-def check_layers(header: Header, layers: Sequence[int] | None) -> None:
-    """Reject a layer selection that is empty or names layers the container does not have."""
-    if layers is None:
-        return
-    n = len(header.layers)
-    if not list(layers):
-        raise InvalidInputError("no layers selected")
-    bad = [l for l in layers if not (isinstance(l, int) and 0 <= l < n)]
-    if bad:
-        raise InvalidInputError(f"layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} "
-                                f"{'do' if len(bad) > 1 else 'does'} not exist: the container has {n} layers (0-{n - 1})")
-
-
 @dataclass(frozen=True)
 class DecodeRequest:
     """One decode's arguments, each checked once, in the step that has what it is checked against.
@@ -313,6 +300,19 @@ class Assembler:
                 seq = meta[key][self.token_start:self.token_end]
                 meta[key] = seq[len(seq) - kv.num_tokens:]
         return KVCache(kv.layers, **meta)
+
+
+def check_layers(header: Header, layers: Sequence[int] | None) -> None:
+    """Reject a layer selection that is empty or names layers the container does not have."""
+    if layers is None:
+        return
+    n = len(header.layers)
+    if not list(layers):
+        raise InvalidInputError("no layers selected")
+    bad = [l for l in layers if not (isinstance(l, int) and 0 <= l < n)]
+    if bad:
+        raise InvalidInputError(f"layer{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} "
+                                f"{'do' if len(bad) > 1 else 'does'} not exist: the container has {n} layers (0-{n - 1})")
 
 
 def decode_all(request: DecodeRequest, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]]) -> KVCache:
