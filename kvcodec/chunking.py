@@ -129,10 +129,10 @@ class DecodeRequest:
     """One decode's arguments, each checked once, in the step that has what it is checked against.
 
     Every decode entry point (:func:`kvcodec.decode` of bytes, a path, a file or a stream, :meth:`Reader.decode`,
-    :meth:`Reader.read_chunk`, :func:`iter_chunk_layers`) builds one with :meth:`make` (the device and
-    ``threads``: before anything is read), :meth:`bind` s it to the container (``backend`` against its codecs,
-    ``layers`` against its header) and :meth:`select` s the token range it decodes (``positions`` against the
-    range, the declared output against ``max_bytes``); the decode code below takes it and checks nothing again.
+    :meth:`Reader.read_chunk`, :func:`iter_chunk_layers`) builds one in three steps: :meth:`make` checks the
+    device and ``threads`` before anything is read, :meth:`bind` the ``backend`` against the container's codecs and
+    the ``layers`` against its header, :meth:`select` the ``positions`` against the token range decoded and the
+    declared output against ``max_bytes``.  The decode code below takes it and checks none of these again.
     """
 
     device: torch.device
@@ -173,6 +173,7 @@ class DecodeRequest:
         return replace(self, token_range=(token_start, token_end), wanted=wanted)
 
     def context(self, layer: int, token_range: tuple[int, int]) -> LayerContext:
+        """The context, threads included, in which a codec decodes ``layer``'s section covering ``token_range``."""
         assert self.header is not None
         return layer_context(self.header, layer, token_range, self.device, self.backend, self.threads)
 
