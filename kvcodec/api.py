@@ -8,15 +8,14 @@ from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.cache import KVCache
-from kvcodec.chunking import DEFAULT_CHUNK_TOKENS, decode_all, encode_frames, make_header
+from kvcodec.chunking import DEFAULT_CHUNK_TOKENS, DecodeRequest, decode_all, encode_frames, make_header
 from kvcodec.codecs import Codec, get_codec
 from kvcodec.codecs.base import check_backend
 from kvcodec.container import iter_frames, write_container
-from kvcodec.devices import resolve_device
 from kvcodec.errors import InvalidInputError
 from kvcodec.files import atomic_writer
 from kvcodec.reader import ProgressFn, Reader, build_codecs
-from kvcodec.threads import DEFAULT_THREADS, check_threads, iter_with_threads, torch_threads
+from kvcodec.threads import DEFAULT_THREADS, check_threads
 
 
 def _codecs(codec: str | Codec | Sequence[Codec], config: dict[str, Any]) -> list[Codec]:
@@ -57,10 +56,10 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     codecs = [c.for_cache(kv) for c in _codecs(codec, config)]
     check_backend(codecs, backend)
     header = make_header(kv, codecs, chunk_tokens, chunk_layers, meta)
-    frames: Iterable[Any] = encode_frames(kv, header, codecs, backend)
+    frames: Iterable[Any] = encode_frames(kv, header, codecs, backend, threads)
     if progress:
         frames = progress(frames, header.num_slots * len(codecs))
-    return iter_with_threads(write_container(header, frames), threads)
+    return write_container(header, frames)
 
 
 def encode(kv: KVCache, codec: str | Codec = "raw", **options: Any) -> bytes:
@@ -111,25 +110,18 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
         with Reader(data, max_bytes) as reader:
             return reader.decode(layers=layers, chunks=chunks, device=device, progress=progress, backend=backend,
                                  threads=threads, positions=positions)
-    if positions is not None:
-        from kvcodec.codecs.kvtc import reposition
-
-        return reposition(decode(data, device=device, layers=layers, chunks=chunks, progress=progress,
-                                 backend=backend, threads=threads, max_bytes=max_bytes), positions, layers=layers)
-    dev = resolve_device(device)
-    check_threads(threads)
+    request = DecodeRequest.make(device=device, threads=threads, backend=backend, layers=layers, positions=positions,
+                                 max_bytes=max_bytes)
     if chunks is not None:
         raise InvalidInputError("chunk selection needs random access; pass bytes, a path or a seekable file")
     header, frames = iter_frames(data, max_bytes)
-    codecs = build_codecs(header)
-    check_backend(codecs, backend)
+    request = request.bind(header, build_codecs(header)).select(0, header.max_tokens, range(len(header.layers)))
     rows: Iterable[Any] = ((h.variant, h.token_start, h.token_count, h.layer_start,
                             {h.layer_start + j: s for j, s in enumerate(sections)})
                            for h, sections in _best(frames, len(header.variants)))
     if progress:
         rows = progress(rows, header.num_slots)
-    with torch_threads(threads):
-        return decode_all(header, rows, codecs, layers, (0, header.max_tokens), dev, backend, max_bytes)
+    return decode_all(request, rows)
 
 
 def _best(frames: Iterable[Any], num_variants: int) -> Iterator[Any]:

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
 from kvcodec.cache import SUPPORTED_DTYPES, KVCache
 from kvcodec.codecs import Codec, LayerContext
+from kvcodec.codecs.base import check_backend
+from kvcodec.codecs.kvtc import reposition
 from kvcodec.container import Frame
 from kvcodec.container.frames import check_limit
+from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError
 from kvcodec.formats.v1 import Header, Variant
+from kvcodec.threads import DEFAULT_THREADS, check_threads, torch_threads
 
 DEFAULT_CHUNK_TOKENS = 256
+T = TypeVar("T")
 
 
 def make_header(kv: KVCache, codecs: Sequence[Codec], chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
@@ -41,17 +47,21 @@ def make_header(kv: KVCache, codecs: Sequence[Codec], chunk_tokens: int = DEFAUL
     return header
 
 
+def header_positions(header: Header) -> Sequence[int]:
+    """The position id of each token of the longest layer: the ``positions`` metadata, else the token's index."""
+    return header.meta.get("positions") or range(header.max_tokens)
+
+
 def layer_context(header: Header, layer: int, token_range: tuple[int, int], device: torch.device,
-                  backend: str = "auto") -> LayerContext:
+                  backend: str = "auto", threads: int = DEFAULT_THREADS) -> LayerContext:
     """The context of ``layer``'s section covering ``token_range`` of its own token axis."""
     s = header.layers[layer]
     lo, hi = token_range
     shape = type(s)(s.heads, hi - lo, s.key_dim, s.value_dim)
     shift = header.max_tokens - s.tokens
-    positions = header.meta.get("positions") or range(header.max_tokens)
     return LayerContext(layer, len(header.layers), shape, getattr(torch, header.dtype), device,
                         header.meta.get("model"), lo, backend, header.meta.get("rope"),
-                        tuple(positions[lo + shift:hi + shift]))
+                        tuple(header_positions(header)[lo + shift:hi + shift]), threads)
 
 
 def filled_layers(header: Header, token_start: int, token_count: int, layer_start: int) -> list[int]:
@@ -71,19 +81,29 @@ def sections_to_read(codec: Codec, header: Header, token_start: int, token_count
     return filled[:1] if filled and any(l in filled for l in layers) else []
 
 
-def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend: str = "auto") -> Iterator[Frame]:
-    """Encode every chunk of ``kv`` with every codec, in file order."""
+def coding(threads: int, fn: Callable[[], T]) -> T:
+    """``fn()``, a codec's encode or decode call, with torch on ``threads`` threads (:mod:`kvcodec.threads`): the
+    one place a call's ``threads`` reaches torch; codecs get it in their :class:`LayerContext`."""
+    with torch_threads(threads):
+        return fn()
+
+
+def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend: str = "auto",
+                  threads: int = DEFAULT_THREADS) -> Iterator[Frame]:
+    """Encode every chunk of ``kv`` with every codec, in file order, on ``threads`` CPU threads."""
     for t0, tn, l0, lc in header.slots():
         for variant, codec in enumerate(codecs):
             ranges = {layer: header.local_range(layer, t0, tn) for layer in range(l0, l0 + lc)}
             filled = [layer for layer, (lo, hi) in ranges.items() if hi > lo]
             pairs = [(kv.layers[l].keys[:, ranges[l][0]:ranges[l][1]], kv.layers[l].values[:, ranges[l][0]:ranges[l][1]])
                      for l in filled]
-            ctxs = [layer_context(header, l, ranges[l], kv.device, backend) for l in filled]
-            if codec.joint_sections:
-                coded = {filled[0]: codec.encode_frame(pairs, ctxs)} if filled else {}
+            ctxs = [layer_context(header, l, ranges[l], kv.device, backend, threads) for l in filled]
+            if not filled:
+                coded = {}
+            elif codec.joint_sections:
+                coded = {filled[0]: coding(threads, lambda: codec.encode_frame(pairs, ctxs))}
             else:
-                coded = dict(zip(filled, codec.encode_layers(pairs, ctxs) if filled else []))
+                coded = dict(zip(filled, coding(threads, lambda: codec.encode_layers(pairs, ctxs))))
             yield Frame(variant, t0, tn, l0, [coded.get(layer, b"") for layer in range(l0, l0 + lc)])
 
 
@@ -104,14 +124,85 @@ def check_output(header: Header, layers: Iterable[int], token_start: int, token_
     check_limit(output_bytes(header, layers, token_start, token_count), max_bytes, "the decoded output")
 
 
-def decode_sections(codec: Codec, header: Header, token_start: int, token_count: int, sections: dict[int, bytes],
-                    device: torch.device, backend: str = "auto", *, layer_start: int | None = None,
-                    wanted: Sequence[int] | None = None) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+@dataclass(frozen=True)
+class DecodeRequest:
+    """One decode's arguments, each checked once, in the step that has what it is checked against.
+
+    Every decode entry point (:func:`kvcodec.decode` of bytes, a path, a file or a stream, :meth:`Reader.decode`,
+    :meth:`Reader.read_chunk`, :func:`iter_chunk_layers`) builds one in three steps: :meth:`make` checks the
+    device and ``threads`` before anything is read, :meth:`bind` the ``backend`` against the container's codecs and
+    the ``layers`` against its header, :meth:`select` the ``positions`` against the token range decoded and the
+    declared output against ``max_bytes``.  The decode code below takes it and checks none of these again.
+    """
+
+    device: torch.device
+    threads: int
+    backend: str = "auto"
+    layers: tuple[int, ...] | None = None  # as asked; None: every layer the selection holds
+    positions: tuple[int, ...] | None = None
+    max_bytes: int | None = None
+    header: Header | None = None  # from bind
+    codecs: tuple[Codec, ...] = ()
+    token_range: tuple[int, int] = (0, 0)  # from select
+    wanted: tuple[int, ...] = ()  # the layers decoded
+
+    @classmethod
+    def make(cls, *, device: torch.device | str | None = None, threads: int = DEFAULT_THREADS, backend: str = "auto",
+             layers: Sequence[int] | None = None, positions: Sequence[int] | None = None,
+             max_bytes: int | None = None) -> DecodeRequest:
+        """The caller's arguments; a device this machine lacks or a bad ``threads`` is refused here.  ``max_bytes``
+        is the container reader's, which checked it."""
+        return cls(resolve_device(device), check_threads(threads), backend, None if layers is None else tuple(layers),
+                   None if positions is None else tuple(positions), max_bytes)
+
+    def bind(self, header: Header, codecs: Sequence[Codec]) -> DecodeRequest:
+        """This request for the container of ``header``, whose variants ``codecs`` decode."""
+        check_backend(codecs, self.backend)
+        check_layers(header, self.layers)
+        return replace(self, header=header, codecs=tuple(codecs))
+
+    def select(self, token_start: int, token_end: int, held: Sequence[int]) -> DecodeRequest:
+        """This request decoding tokens ``token_start..token_end`` of the layers asked for, else of the ``held``
+        layers the chunks selected hold."""
+        assert self.header is not None, "select a bound request"
+        if self.positions is not None and len(self.positions) != token_end - token_start:
+            raise InvalidInputError(f"{len(self.positions)} positions for the {token_end - token_start} tokens decoded "
+                                    f"(tokens {token_start}..{token_end - 1})")
+        wanted = tuple(held) if self.layers is None else self.layers
+        check_output(self.header, set(wanted), token_start, token_end - token_start, self.max_bytes)
+        return replace(self, token_range=(token_start, token_end), wanted=wanted)
+
+    def context(self, layer: int, token_range: tuple[int, int]) -> LayerContext:
+        """The context, threads included, in which a codec decodes ``layer``'s section covering ``token_range``."""
+        assert self.header is not None
+        return layer_context(self.header, layer, token_range, self.device, self.backend, self.threads)
+
+    def moved(self, kv: KVCache, layers: Sequence[int]) -> KVCache:
+        """``kv``, the decoded model ``layers``, with its keys moved to the request's positions (none asked: ``kv``
+        itself).  The rule, for every entry point: ``positions`` has one id per token of the range, and a decoded
+        layer holds the range's last tokens, so the cache takes the last of them.  A kvtc container's own
+        calibration knows the rotary setting, else the one installed for the model."""
+        if self.positions is None:
+            return kv
+        assert self.header is not None
+        n, end = kv.num_tokens, self.token_range[1]
+        meta = self.header.meta
+        kv = KVCache(kv.layers, model=meta.get("model"), token_ids=kv.token_ids, rope=meta.get("rope"),
+                     positions=header_positions(self.header)[end - n:end])
+        calibration = next((c.calibration_data() for c in self.codecs if c.codec_id == "kvtc"), None)
+        return reposition(kv, self.positions[len(self.positions) - n:], layers=layers, calibration=calibration)
+
+
+def decode_sections(request: DecodeRequest, codec: Codec, token_start: int, token_count: int,
+                    sections: dict[int, bytes], *, layer_start: int,
+                    wanted: Sequence[int]) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
     """Decode a chunk's sections (by layer) together; returns (first local token, keys, values) by layer,
-    leaving out layers that hold no tokens in the chunk.  A codec with joint sections needs the frame's
-    ``layer_start`` and decodes the ``wanted`` layers (default: all) from the one section it reads."""
+    leaving out layers that hold no tokens in the chunk.  A codec with joint sections decodes the ``wanted``
+    layers from the one section it reads of the frame at ``layer_start``."""
+    header = request.header
+    assert header is not None
     if codec.joint_sections:
-        return _decode_joint(codec, header, token_start, token_count, sections, device, backend, layer_start, wanted)
+        return _decode_joint(request, codec, token_start, token_count, sections, layer_start, wanted)
     ctxs = {}
     for layer, data in sections.items():
         lo, hi = header.local_range(layer, token_start, token_count)
@@ -119,37 +210,38 @@ def decode_sections(codec: Codec, header: Header, token_start: int, token_count:
             if data:
                 raise CorruptDataError(f"layer {layer} holds no tokens in chunk at {token_start}, but its section is not empty")
             continue
-        ctxs[layer] = layer_context(header, layer, (lo, hi), device, backend)
+        ctxs[layer] = request.context(layer, (lo, hi))
     if not ctxs:
         return {}
-    decoded = _guarded(codec, token_start, lambda: codec.decode_layers([sections[l] for l in ctxs], list(ctxs.values())))
+    decoded = _guarded(request, codec, token_start,
+                       lambda: codec.decode_layers([sections[l] for l in ctxs], list(ctxs.values())))
     return _checked(codec, ctxs, dict(zip(ctxs, decoded)))
 
 
-def _guarded(codec: Codec, token_start: int, fn: Any) -> Any:
+def _guarded(request: DecodeRequest, codec: Codec, token_start: int, fn: Callable[[], T]) -> T:
     try:
-        return fn()
+        return coding(request.threads, fn)
     except (KVCodecError, MemoryError):  # running out of memory is the machine's state, not the file's
         raise
     except Exception as e:  # a codec's own parsing failing on bad bytes is still bad bytes
         raise CorruptDataError(f"{codec.codec_id} could not decode the chunk at token {token_start}: {e}") from e
 
 
-def _decode_joint(codec: Codec, header: Header, token_start: int, token_count: int, sections: dict[int, bytes],
-                  device: torch.device, backend: str, layer_start: int | None,
-                  wanted: Sequence[int] | None) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
-    if layer_start is None:
-        layer_start = min(sections, default=0)
+def _decode_joint(request: DecodeRequest, codec: Codec, token_start: int, token_count: int, sections: dict[int, bytes],
+                  layer_start: int, wanted: Sequence[int]) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+    header = request.header
+    assert header is not None
     filled = filled_layers(header, token_start, token_count, layer_start)
     if any(data for layer, data in sections.items() if not filled or layer != filled[0]):
         raise CorruptDataError(f"chunk at token {token_start}: a joint frame has data outside its first section")
-    want = set(filled if wanted is None else wanted) & set(filled)
+    want = set(wanted) & set(filled)
     if not want:
         return {}
     if filled[0] not in sections:
         raise InvalidInputError(f"decoding the chunk at token {token_start} needs the section of layer {filled[0]}")
-    ctxs = {l: layer_context(header, l, header.local_range(l, token_start, token_count), device, backend) for l in filled}
-    decoded = _guarded(codec, token_start, lambda: codec.decode_frame(sections[filled[0]], list(ctxs.values()), want))
+    ctxs = {l: request.context(l, header.local_range(l, token_start, token_count)) for l in filled}
+    decoded = _guarded(request, codec, token_start,
+                       lambda: codec.decode_frame(sections[filled[0]], list(ctxs.values()), want))
     if set(decoded) != want:
         raise CorruptDataError(f"{codec.codec_id} did not decode the layers asked for")
     return _checked(codec, {l: ctxs[l] for l in sorted(want)}, decoded)
@@ -224,22 +316,19 @@ def check_layers(header: Header, layers: Sequence[int] | None) -> None:
                                 f"{'do' if len(bad) > 1 else 'does'} not exist: the container has {n} layers (0-{n - 1})")
 
 
-def decode_all(header: Header, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]],
-               codecs: Sequence[Codec], layers: Sequence[int] | None, token_range: tuple[int, int],
-               device: torch.device, backend: str = "auto", max_bytes: int | None = None) -> KVCache:
-    """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into a KVCache
-    (refused before the first frame is read when its declared size exceeds ``max_bytes``)."""
-    check_layers(header, layers)
-    wanted = list(range(len(header.layers))) if layers is None else list(layers)
-    check_output(header, set(wanted), token_range[0], token_range[1] - token_range[0], max_bytes)
-    asm = Assembler(header, wanted, *token_range)
+def decode_all(request: DecodeRequest, frames: Iterable[tuple[int, int, int, int, dict[int, bytes]]]) -> KVCache:
+    """Decode ``(variant, token_start, token_count, layer_start, sections by layer)`` into the KVCache of the
+    ``request``'s layers and token range, its keys moved to the request's positions."""
+    assert request.header is not None
+    asm = Assembler(request.header, request.wanted, *request.token_range)
     for variant, t0, tn, l0, sections in frames:
-        codec = codecs[variant]
+        codec = request.codecs[variant]
         own = sections if codec.joint_sections else {layer: data for layer, data in sections.items() if layer in asm.parts}
-        for layer, decoded in decode_sections(codec, header, t0, tn, own, device, backend, layer_start=l0,
-                                              wanted=list(asm.parts)).items():
+        for layer, decoded in decode_sections(request, codec, t0, tn, own, layer_start=l0,
+                                              wanted=request.wanted).items():
             asm.add(layer, decoded)
     try:
-        return asm.build(device)
+        kv = asm.build(request.device)
     except InvalidInputError as e:
         raise CorruptDataError(f"decoded cache is inconsistent: {e}") from None
+    return request.moved(kv, request.wanted)

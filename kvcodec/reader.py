@@ -9,15 +9,12 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.cache import KVCache, KVLayer
-from kvcodec.chunking import check_layers, check_output, decode_all, decode_sections, sections_to_read
+from kvcodec.chunking import DecodeRequest, decode_all, decode_sections, sections_to_read
 from kvcodec.codecs import Codec, codec_class
-from kvcodec.codecs.base import check_backend
-from kvcodec.codecs.kvtc import reposition
 from kvcodec.container import ContainerReader
-from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.formats.v1 import VERSION_MAJOR, ChunkEntry, Header, LayerShape
-from kvcodec.threads import DEFAULT_THREADS, check_threads, torch_threads
+from kvcodec.threads import DEFAULT_THREADS
 
 ProgressFn = Callable[[Iterable[Any], int], Iterable[Any]]
 
@@ -140,7 +137,6 @@ class Reader:
             self._container = ContainerReader(source, max_bytes)
         except (CorruptDataError, UnsupportedError) as e:
             raise _naming(e, source) from None
-        self.max_bytes = max_bytes
         self.header = self._container.header
         try:
             self.codecs = build_codecs(self.header)
@@ -150,6 +146,10 @@ class Reader:
         except BaseException:
             self._container.close()
             raise
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._container.max_bytes
 
     @property
     def info(self) -> ContainerInfo:
@@ -174,46 +174,38 @@ class Reader:
         """Decode chunk ``i`` (or only ``layers`` of it); ``backend`` and ``threads`` as for :func:`kvcodec.decode`.
         ``positions`` (one per token of the chunk) moves the keys' rotary embedding to those positions, as
         :func:`kvcodec.decode` does."""
-        dev = resolve_device(device)
-        check_backend(self.codecs, backend)
-        check_threads(threads)
-        check_layers(self.header, layers)
+        request = self._chunk_request(i, self._request(layers=layers, device=device, backend=backend, threads=threads,
+                                                       positions=positions))
+        return self._decode_chunk(i, request, request.wanted)
+
+    def _request(self, **arguments: Any) -> DecodeRequest:
+        """The decode request of ``arguments`` (those of :meth:`decode`) for this container."""
+        return DecodeRequest.make(max_bytes=self.max_bytes, **arguments).bind(self.header, self.codecs)
+
+    def _chunk_request(self, i: int, request: DecodeRequest) -> DecodeRequest:
+        """``request`` (bound to this container) selecting chunk ``i``."""
         e = self._container.entry(i)
-        if positions is not None and len(positions) != e.token_count:
-            raise InvalidInputError(f"{len(positions)} positions for chunk {i}'s {e.token_count} tokens")
-        codec = self.codecs[e.variant]
         frame_layers = range(e.layer_start, e.layer_start + e.layer_count)
-        if layers is not None:
-            absent = [l for l in layers if l not in frame_layers]
-            if absent:
-                raise InvalidInputError(f"chunk {i} holds layers {e.layer_start}..{frame_layers[-1]}, not {absent[0]}")
-        wanted = list(frame_layers if layers is None else layers)
-        check_output(self.header, wanted, e.token_start, e.token_count, self.max_bytes)
-        frame = self._container.read_frame(i, None if layers is None else sections_to_read(
-            codec, self.header, e.token_start, e.token_count, e.layer_start, wanted))
-        with torch_threads(threads):
-            decoded = decode_sections(codec, self.header, e.token_start, e.token_count, frame.sections, dev, backend,
-                                      layer_start=e.layer_start, wanted=wanted)
+        absent = [l for l in request.layers or () if l not in frame_layers]
+        if absent:
+            raise InvalidInputError(f"chunk {i} holds layers {e.layer_start}..{frame_layers[-1]}, not {absent[0]}")
+        return request.select(e.token_start, e.token_start + e.token_count, frame_layers)
+
+    def _decode_chunk(self, i: int, request: DecodeRequest, layers: Sequence[int]) -> Chunk:
+        """``layers`` (of the request's) of chunk ``i``, which the ``request`` selects."""
+        e = self._container.entry(i)
+        codec = self.codecs[e.variant]
+        # a whole chunk is read whole, so that a joint frame's sections other than the first are checked empty
+        whole = len(layers) == e.layer_count
+        frame = self._container.read_frame(i, None if whole else sections_to_read(
+            codec, self.header, e.token_start, e.token_count, e.layer_start, layers))
+        decoded = decode_sections(request, codec, e.token_start, e.token_count, frame.sections,
+                                  layer_start=e.layer_start, wanted=layers)
         chunk = Chunk(i, e.token_start, e.token_count, {layer: KVLayer(k, v) for layer, (_, k, v) in decoded.items()})
-        if positions is not None and chunk.layers:
+        if request.positions is not None and chunk.layers:
             names = sorted(chunk.layers)
-            held = max(chunk.layers[l].keys.shape[1] for l in names)  # window layers alone hold the last tokens
-            kv = KVCache([chunk.layers[l] for l in names], **self._meta(e.token_start + e.token_count - held, held))
-            moved = self._moved(kv, list(positions)[e.token_count - held:], names)
-            chunk.layers = dict(zip(names, moved.layers))
+            chunk.layers = dict(zip(names, request.moved(KVCache([chunk.layers[l] for l in names]), names).layers))
         return chunk
-
-    def _meta(self, token_start: int, token_count: int) -> dict[str, Any]:
-        """The header's model and rope, and the positions of the tokens ``token_start..+token_count``."""
-        meta = {k: self.header.meta[k] for k in ("model", "rope") if k in self.header.meta}
-        positions = self.header.meta.get("positions") or range(self.header.max_tokens)
-        return meta | {"positions": positions[token_start:token_start + token_count]}
-
-    def _moved(self, kv: KVCache, positions: Sequence[int], layers: Sequence[int] | None) -> KVCache:
-        """``kv`` (the model ``layers`` of this container) with its keys moved to ``positions``; a kvtc
-        container's own calibration knows the rotary setting."""
-        calibration = next((c.calibration_data() for c in self.codecs if c.codec_id == "kvtc"), None)
-        return reposition(kv, positions, layers=layers, calibration=calibration)
 
     def verify_checksums(self) -> None:
         """Check every section checksum of every chunk, decoding nothing; raises :class:`CorruptDataError` on the
@@ -223,9 +215,11 @@ class Reader:
 
     def verify(self, progress: ProgressFn | None = None, threads: int = DEFAULT_THREADS) -> None:
         """Check every checksum and decode every chunk; raises :class:`CorruptDataError` on the first fault."""
+        request = self._request(threads=threads)
         indices: Iterable[int] = range(self.num_chunks)
         for i in (progress(indices, self.num_chunks) if progress else indices):
-            self.read_chunk(i, threads=threads)
+            chunk = self._chunk_request(i, request)
+            self._decode_chunk(i, chunk, chunk.wanted)
 
     def decode(self, *, layers: Sequence[int] | None = None, chunks: Sequence[int] | None = None,
                device: torch.device | str | None = None, progress: ProgressFn | None = None,
@@ -237,22 +231,19 @@ class Reader:
         up.  Where a chunk is stored in several variants, the highest (best) is used.
         ``backend``, ``threads`` and ``positions`` as for :func:`kvcodec.decode`.
         """
-        dev = resolve_device(device)
-        check_backend(self.codecs, backend)
-        check_threads(threads)
-        check_layers(self.header, layers)
+        request = self._request(layers=layers, device=device, backend=backend, threads=threads, positions=positions)
         entries = self._select(chunks)
-        if layers is None and chunks is not None:
-            layers = sorted({l for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)})
-        wanted = set(range(len(self.header.layers)) if layers is None else layers)
-        held = {(e.token_start, l) for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)}
-        missing = sorted((t, l) for t in {e.token_start for _, e in entries} for l in wanted if (t, l) not in held)
-        if missing:
-            raise InvalidInputError(f"the chunks asked for do not hold layer {missing[0][1]} at token {missing[0][0]}")
+        held = sorted({l for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)})
         if entries:
             token_range = (entries[0][1].token_start, max(e.token_start + e.token_count for _, e in entries))
         else:
             token_range = (0, 0)
+        request = request.select(*token_range, range(len(self.header.layers)) if chunks is None else held)
+        wanted = set(request.wanted)
+        starts = {(e.token_start, l) for _, e in entries for l in range(e.layer_start, e.layer_start + e.layer_count)}
+        missing = sorted((t, l) for t in {e.token_start for _, e in entries} for l in wanted if (t, l) not in starts)
+        if missing:
+            raise InvalidInputError(f"the chunks asked for do not hold layer {missing[0][1]} at token {missing[0][0]}")
 
         def frames() -> Iterator[tuple[int, int, int, int, dict[int, bytes]]]:
             for i, e in (progress(entries, len(entries)) if progress else entries):
@@ -262,13 +253,13 @@ class Reader:
                     data = self._container.read_frame(i, own)
                     yield e.variant, e.token_start, e.token_count, e.layer_start, data.sections
 
-        with torch_threads(threads):
-            kv = decode_all(self.header, frames(), self.codecs, layers, token_range, dev, backend, self.max_bytes)
-        return kv if positions is None else self._moved(kv, positions, layers)
+        return decode_all(request, frames())
 
     def _select(self, chunks: Sequence[int] | None) -> list[tuple[int, ChunkEntry]]:
         entries = self._container.entries
         picked = range(len(entries)) if chunks is None else sorted(set(chunks))
+        if chunks is not None and not picked:
+            raise InvalidInputError("no chunks selected")
         for i in picked:
             self._container.entry(i)
         best: dict[tuple[int, int], tuple[int, ChunkEntry]] = {}
@@ -297,12 +288,11 @@ def iter_chunk_layers(reader: Reader, i: int, *, device: torch.device | str | No
     """Chunk ``i``'s layers one at a time, in order, for engines that overlap loading with the model's layers:
     each layer is decoded on its own, except that a codec with joint sections (kvtc: SPEC.md §6.7) decodes the
     frame once, at the first layer, instead of once per layer."""
-    e = reader.chunks[i]
-    layers = range(e.layer_start, e.layer_start + e.layer_count)
-    if reader.codecs[e.variant].joint_sections:
-        chunk = reader.read_chunk(i, device=device)
-        for l in layers:
+    request = reader._chunk_request(i, reader._request(device=device))
+    if reader.codecs[reader.chunks[i].variant].joint_sections:
+        chunk = reader._decode_chunk(i, request, request.wanted)
+        for l in request.wanted:
             yield chunk.layers.pop(l)
     else:
-        for l in layers:
-            yield reader.read_chunk(i, layers=[l], device=device).layers[l]
+        for l in request.wanted:
+            yield reader._decode_chunk(i, request, [l]).layers[l]

@@ -72,14 +72,14 @@ def test_failed_load_is_recomputed(smollm2, prompts, monkeypatch, fault, evicted
     store.put(first, smollm2.prefill(first))
     from kvcodec import reader
 
-    real = reader.Reader.read_chunk
+    real = reader.Reader._decode_chunk  # what iter_chunk_layers decodes each layer with
 
-    def broken(self, i, *, layers=None, device=None):
-        if layers == [7]:
+    def broken(self, i, request, layers):
+        if list(layers) == [7]:
             raise fault
-        return real(self, i, layers=layers, device=device)
+        return real(self, i, request, layers)
 
-    monkeypatch.setattr(reader.Reader, "read_chunk", broken)
+    monkeypatch.setattr(reader.Reader, "_decode_chunk", broken)
     with pytest.raises(LoadError):
         LayerwiseLoader(store.fetch(first)).wait_for_layer(7)
     out = hook.generate(second, max_new_tokens=4)

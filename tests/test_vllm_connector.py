@@ -258,10 +258,10 @@ def test_chunk_that_fails_to_decode_is_reported_and_evicted_only_when_bad(monkey
             super().__init__(source, max_bytes)
             self._bad = bytes(source) == bad
 
-        def read_chunk(self, i, *, layers=None, **kw):
-            if self._bad and layers == [1]:
+        def _decode_chunk(self, i, request, layers):  # what iter_chunk_layers decodes each layer with
+            if self._bad and list(layers) == [1]:
                 raise fault
-            return super().read_chunk(i, layers=layers, **kw)
+            return super()._decode_chunk(i, request, layers)
 
     monkeypatch.setattr(vc, "Reader", FlakyReader)
     errors, blocks, fresh, ext, _ = _load(store, ids)

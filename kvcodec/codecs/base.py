@@ -11,6 +11,7 @@ import torch
 
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.formats.v1 import LayerShape
+from kvcodec.threads import DEFAULT_THREADS
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class LayerContext:
     CUDA tensors; ``"nvdec"``: kvfetcher's NVDEC decoder or an error).
     ``rope`` is the cache's ``rope`` metadata and ``positions`` the position id of each of the section's tokens
     (from the ``positions`` metadata, else the token's index on the longest layer's axis).
+    ``threads`` is the call's ``threads`` (:mod:`kvcodec.threads`): how many CPU threads the codec may use.  Torch
+    already runs on that many during the call; a codec whose sections code outside the GIL codes that many at once.
     """
 
     layer: int
@@ -37,6 +40,7 @@ class LayerContext:
     backend: str = "auto"
     rope: str | None = None
     positions: tuple[int, ...] = ()
+    threads: int = DEFAULT_THREADS
 
     def positions_tensor(self) -> torch.Tensor:
         return torch.tensor(self.positions, dtype=torch.int64)

@@ -221,14 +221,14 @@ class KVFetcher(Codec):
         return b"".join([head, sc.to_bytes(), *exact, stream])
 
     def encode_layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> list[bytes]:
-        return _in_threads(lambda i: self.encode_layer(*layers[i], ctxs[i]), len(layers))
+        return _in_threads(lambda i: self.encode_layer(*layers[i], ctxs[i]), ctxs)
 
     # ---------------------------------------------------------------------------------------- decode
 
     def decode_layers(self, datas: list[bytes], ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if any(_uses_nvdec(ctx) for ctx in ctxs):  # one NVDEC engine: sections in turn
             return super().decode_layers(datas, ctxs)
-        return _in_threads(lambda i: self.decode_layer(datas[i], ctxs[i]), len(datas))
+        return _in_threads(lambda i: self.decode_layer(datas[i], ctxs[i]), ctxs)
 
     def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
         s = ctx.shape
@@ -260,12 +260,13 @@ class KVFetcher(Codec):
         return decode_codes(data, ctx)
 
 
-def _in_threads(fn: Callable[[int], Any], n: int) -> list[Any]:
-    """``[fn(0), ..., fn(n-1)]`` on up to ``torch.get_num_threads()`` threads (the call's ``threads``, see
+def _in_threads(fn: Callable[[int], Any], ctxs: list[LayerContext]) -> list[Any]:
+    """``[fn(0), ..., fn(n-1)]`` for the ``n`` sections of ``ctxs``, on up to their call's ``threads`` threads (see
     :mod:`kvcodec.threads`): x265 and FFmpeg work without the GIL, and each section is its own stream, so a chunk's
     layers code in parallel (the bytes do not depend on it).  Each worker runs torch on one thread, so that the
     workers do not each fan out again."""
-    workers = min(n, torch.get_num_threads())
+    n = len(ctxs)
+    workers = min(n, ctxs[0].threads) if ctxs else 0
     if workers <= 1:
         return [fn(i) for i in range(n)]
 
