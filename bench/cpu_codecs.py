@@ -24,7 +24,7 @@ import torch
 
 import kvcodec
 from kvcodec.cli import parse_codec
-from kvcodec.evaluate import measure_throughput
+from kvcodec.tools.evaluate import measure_throughput
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CODECS = ["raw", "fp8", "zstd", "kivi:bits=2", "kivi:bits=4", "lmcache-cachegen",
@@ -46,8 +46,8 @@ def load_dump(path: str) -> kvcodec.KVCache:
 def calibrate_for(specs: list[str]) -> None:
     """Install SmolLM2's kvtc calibration (computed once, minutes) when a spec needs it."""
     if any(spec.startswith("kvtc") for spec in specs):
-        from kvcodec.codecs.kvtc import ensure_calibration
-        from kvcodec.models import load_model
+        from kvcodec.tools.kvtc_calibration import ensure_calibration
+        from kvcodec.tools.models import load_model
 
         ensure_calibration(load_model("smollm2", progress=False), log=lambda line: print(line, file=sys.stderr))
 

@@ -4,7 +4,7 @@
 
 Seeds are real containers of every codec (and a multi-level one) made from a slice of a real SmolLM2 cache.
 Each case mutates one seed (header JSON, frame heads, section tables, the index, codec section internals; see
-kvcodec.fuzz.mutate), re-seals it with every checksum recomputed, and decodes it through
+kvcodec.tools.fuzz.mutate), re-seals it with every checksum recomputed, and decodes it through
 ``kvcodec.decode(bytes)``, ``kvcodec.open(...).read_chunk(i)`` and the streaming decode of byte pieces, in a
 child process under an address-space limit with a 10 s limit per decode and ``max_bytes`` as an untrusted-input
 caller would pass.  Prints and writes (bench/results/fuzz_containers.md) the outcomes per seed and path, the
@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 import kvcodec
-from kvcodec.fuzz.runner import FIXED_BYTES, HEADER_FACTOR, INPUT_FACTOR, OUTPUT_FACTOR, Worker, fuzz
-from kvcodec.fuzz.seeds import CHUNK_LAYERS, SEED_CODECS, fuzz_kv, hevc_donors, make_seeds, seed_codecs
-from kvcodec.fuzz.worker import PATHS
+from kvcodec.tools.fuzz.runner import FIXED_BYTES, HEADER_FACTOR, INPUT_FACTOR, OUTPUT_FACTOR, Worker, fuzz
+from kvcodec.tools.fuzz.seeds import CHUNK_LAYERS, SEED_CODECS, fuzz_kv, hevc_donors, make_seeds, seed_codecs
+from kvcodec.tools.fuzz.worker import PATHS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -52,9 +52,9 @@ def real_kv(tokens: int = 512) -> kvcodec.KVCache:
 
 
 def quality() -> list[dict]:
-    from kvcodec.evaluate import evaluate, prepare
-    from kvcodec.models import load_model
-    from kvcodec.texts import DEFAULT_EVAL_TEXTS
+    from kvcodec.tools.evaluate import evaluate, prepare
+    from kvcodec.tools.models import load_model
+    from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
 
     model = load_model("smollm2")
     cases = [prepare(model, t, 1536, 512) for t in DEFAULT_EVAL_TEXTS]

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
-from kvcodec.codecs.kvtc import KVTC, ensure_calibration
-from kvcodec.evaluate import _score, prepare
-from kvcodec.models import load_model
-from kvcodec.texts import DEFAULT_EVAL_TEXTS
+from kvcodec.codecs.kvtc import KVTC
+from kvcodec.tools.kvtc_calibration import ensure_calibration
+from kvcodec.tools.evaluate import _score, prepare
+from kvcodec.tools.models import load_model
+from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

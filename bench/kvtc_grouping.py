@@ -16,11 +16,11 @@ import os
 import time
 from pathlib import Path
 
-from kvcodec.codecs.kvtc import KVTC, calibrate
-from kvcodec.codecs.kvtc.calibration import collect_features
-from kvcodec.evaluate import evaluate, measure_throughput, prepare
-from kvcodec.models import load_model
-from kvcodec.texts import DEFAULT_EVAL_TEXTS
+from kvcodec.codecs.kvtc import KVTC
+from kvcodec.tools.kvtc_calibration import calibrate, collect_features
+from kvcodec.tools.evaluate import evaluate, measure_throughput, prepare
+from kvcodec.tools.models import load_model
+from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -26,10 +26,10 @@ import torch
 from kvcodec.api import decode, encode
 from kvcodec.cli import parse_codec
 from kvcodec.codecs import codec_class, list_codecs
-from kvcodec.evaluate import EvalRow, evaluate, prepare, preset_label
-from kvcodec.models import SMOLLM2, LoadedModel, load_model
-from kvcodec.plot import rate_distortion_plot
-from kvcodec.texts import DEFAULT_EVAL_TEXTS, load_text
+from kvcodec.tools.evaluate import EvalRow, evaluate, prepare, preset_label
+from kvcodec.tools.models import SMOLLM2, LoadedModel, load_model
+from kvcodec.tools.plot import rate_distortion_plot
+from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, load_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # What cachegen's design choices do, at the default level: CacheGen's anchor/delta coding (groups of 2 and of
@@ -65,7 +65,7 @@ def main() -> None:
     model = load_model(args.model)
     calibration = None
     if not args.codec or "kvtc" in args.codec:  # kvtc's levels need the model's calibration (made once, cached)
-        from kvcodec.codecs.kvtc import ensure_calibration
+        from kvcodec.tools.kvtc_calibration import ensure_calibration
 
         calibration = ensure_calibration(model, log=lambda line: print(line, file=sys.stderr))
     t0 = time.time()

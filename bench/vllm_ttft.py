@@ -32,8 +32,8 @@ sys.path[:0] = [str(REPO / "tests" / "engines"), str(REPO / "tests")]
 from redis_process import started_redis  # noqa: E402
 from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store  # noqa: E402
 
-from kvcodec.models import export_hf_folder  # noqa: E402
-from kvcodec.texts import load_text  # noqa: E402
+from kvcodec.tools.models import export_hf_folder  # noqa: E402
+from kvcodec.tools.texts import load_text  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "vllm_ttft"
 CODECS = ["raw", "cachegen", "kvfetcher"]

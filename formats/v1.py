@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import xxhash
 
-from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedVersionError
+from kvcodec.formats.errors import CorruptDataError, InvalidInputError, UnsupportedVersionError
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 VERSION_MAJOR = 1

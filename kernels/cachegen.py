@@ -18,7 +18,7 @@ small int64 tables built on the host (:mod:`kvcodec.codecs.cachegen.device`):
 
 Symbol ``i`` of a lane (decode order) is channel ``order[first + i // width]``
 at token ``t0 + i % width`` (SPEC.md §10.3, ``group = 1``).  The ANS state
-machine is constriction's (``kvcodec/codecs/ans_reference.py``): u64 state,
+machine is constriction's (``kvcodec/tools/ans_reference.py``): u64 state,
 u32 words, 24-bit probabilities, one renormalisation step at most per symbol.
 
 Side information travels as a section stores it (float16 means, one-byte
@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcodec.codecs.cachegen import tables
+from kvcodec.formats import cachegen as fmt
 
 # encode part table columns
 E_IN = tl.constexpr(0)
@@ -68,18 +68,18 @@ L_WIDTH = tl.constexpr(4)
 L_WORDS = tl.constexpr(5)
 L_FIELDS = tl.constexpr(6)
 
-# The coding tables' sizes, from the tables module that builds them (so the two cannot drift apart).
-RADIX = tl.constexpr(tables.RADIX)
-HIST_BINS = tl.constexpr(tables.RADIX + 1)  # symbol magnitudes 0..RADIX; the codebook is symmetric
-NUM_TABLES = tl.constexpr(tables.NUM_TABLES)
+# The coding tables' sizes, from the format's constants that the CPU tables are built from too.
+RADIX = tl.constexpr(fmt.RADIX)
+HIST_BINS = tl.constexpr(fmt.RADIX + 1)  # symbol magnitudes 0..RADIX; the codebook is symmetric
+NUM_TABLES = tl.constexpr(fmt.NUM_TABLES)
 TABLE_GROUP = tl.constexpr(16)
-TABLE_STRIDE = tl.constexpr(tables.ALPHABET + 1)  # cumulative table row: the symbols + the total
-BUCKET_SHIFT = tl.constexpr(tables.PRECISION - tables.BUCKET_BITS)  # slot -> bucket (tables.slot_buckets)
-LUT_STRIDE = tl.constexpr((1 << tables.BUCKET_BITS) + 1)
-PRECISION = tl.constexpr(tables.PRECISION)
+TABLE_STRIDE = tl.constexpr(fmt.ALPHABET + 1)  # cumulative table row: the symbols + the total
+BUCKET_SHIFT = tl.constexpr(fmt.PRECISION - fmt.BUCKET_BITS)  # slot -> bucket (kvcodec.codecs.cachegen.tables.slot_buckets)
+LUT_STRIDE = tl.constexpr((1 << fmt.BUCKET_BITS) + 1)
+PRECISION = tl.constexpr(fmt.PRECISION)
 UNIT_STEP = tl.constexpr(128)  # the step code whose step is exactly 1
-SLOT_MASK = tl.constexpr((1 << tables.PRECISION) - 1)
-RENORM_SHIFT = tl.constexpr(64 - tables.PRECISION)  # a full state keeps its top PRECISION bits below the symbol's frequency
+SLOT_MASK = tl.constexpr((1 << fmt.PRECISION) - 1)
+RENORM_SHIFT = tl.constexpr(64 - fmt.PRECISION)  # a full state keeps its top PRECISION bits below the symbol's frequency
 # Adding and subtracting 1.5 * 2**52 rounds a binary64 of magnitude below 2**51 to the nearest integer,
 # ties to even: the hardware's own rounding, with no libm call that might differ between back ends.
 ROUNDER = tl.constexpr(6755399441055744.0)

@@ -162,7 +162,7 @@ def _timing(nbytes: int, seconds: float, threads: int) -> str:
 
 def _text(spec: str) -> str:
     """The text ``--text spec`` names; a bad name is a usage error, found before any model loads."""
-    from kvcodec.texts import load_text
+    from kvcodec.tools.texts import load_text
 
     try:
         return load_text(spec)
@@ -173,7 +173,7 @@ def _text(spec: str) -> str:
 def cmd_dump(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcodec.models import load_model
+    from kvcodec.tools.models import load_model
 
     text = _text(args.text)
     t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def _original(args: argparse.Namespace) -> Any:
 def _against(args: argparse.Namespace, original: Any, decoded: Any) -> tuple[dict[str, Any], list[str]]:
     """The distortion of ``decoded`` against the ``--against`` dump ``original``, as JSON and as text lines."""
     import kvcodec
-    from kvcodec.distortion import distortion
+    from kvcodec.tools.distortion import distortion
 
     layers = getattr(args, "layers", None)
     if layers is not None:
@@ -338,9 +338,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from kvcodec.codecs import codec_class, list_codecs
-    from kvcodec.evaluate import evaluate, prepare, preset_label
-    from kvcodec.models import load_model
-    from kvcodec.texts import DEFAULT_EVAL_TEXTS
+    from kvcodec.tools.evaluate import evaluate, prepare, preset_label
+    from kvcodec.tools.models import load_model
+    from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
 
     if args.codec:
         codecs, labels = [parse_codec(c) for c in args.codec], list(args.codec)
@@ -353,7 +353,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _text(text)
     model = load_model(args.model, progress=not args.quiet)
     if any(c.codec_id == "kvtc" and c.calibration == "auto" for c in codecs):
-        from kvcodec.codecs.kvtc import ensure_calibration
+        from kvcodec.tools.kvtc_calibration import ensure_calibration
 
         ensure_calibration(model, log=None if args.quiet else lambda line: print(line, file=sys.stderr))
     cases = []
@@ -381,7 +381,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                       f"{r.encode_s_per_cache:.2f}", f"{r.decode_s_per_cache:.2f}", f"{r.encode_MBps:.1f}",
                       f"{r.decode_MBps:.1f}"] for r in rows])
     if args.plot:
-        from kvcodec.plot import rate_distortion_plot
+        from kvcodec.tools.plot import rate_distortion_plot
 
         rate_distortion_plot(rows, args.plot, title=f"{model.model_id}: {', '.join(texts)}")
         lines.append(f"\nwrote {args.plot}")
@@ -391,7 +391,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import kvcodec
-    from kvcodec.evaluate import measure_throughput
+    from kvcodec.tools.evaluate import measure_throughput
 
     codecs = [(spec, parse_codec(spec)) for spec in args.codec or ["raw", "kivi:bits=4"]]
     kv = kvcodec.KVCache.load_safetensors(args.input).to(_device(args.device))
@@ -411,7 +411,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from kvcodec.models import load_model
+    from kvcodec.tools.models import load_model
     from kvcodec.profiles import compute_profile
 
     text = _text(args.text)
@@ -426,9 +426,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from kvcodec.codecs.kvtc import calibrate, install
-    from kvcodec.codecs.kvtc.calibration import DEFAULT_CALIBRATION_TEXTS, collect_features
-    from kvcodec.models import load_model
+    from kvcodec.codecs.kvtc import install
+    from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_features
+    from kvcodec.tools.models import load_model
 
     model = load_model(args.model, progress=not args.quiet)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
@@ -452,7 +452,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from kvcodec.models import export_hf_folder
+    from kvcodec.tools.models import export_hf_folder
 
     import torch
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 constriction = pytest.importorskip("constriction")
 
-from kvcodec.codecs.ans_reference import (  # noqa: E402
+from kvcodec.tools.ans_reference import (  # noqa: E402
     MAX_ALPHABET,
     TOTAL,
     AnsReferenceCoder,

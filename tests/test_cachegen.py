@@ -10,7 +10,7 @@ import torch
 
 import kvcodec
 from kvcodec.chunking import layer_context
-from kvcodec.codecs.ans_reference import reference_decode, reference_encode
+from kvcodec.tools.ans_reference import reference_decode, reference_encode
 from kvcodec.codecs.cachegen import LEVELS, CacheGen
 from kvcodec.codecs.cachegen import tables
 from kvcodec.formats.v1 import Header

@@ -126,7 +126,7 @@ def test_eval_measures_kivi_with_the_real_model(capsys, tmp_path):
 
 
 def test_quiet_silences_the_model_loading_bars(capsys, tmp_path):
-    from kvcodec.models import _load_model
+    from kvcodec.tools.models import _load_model
 
     _load_model.cache_clear()  # a model loaded earlier in this process would show no bar anyway
     code, out, err = run(capsys, "dump", "--text", "license:GPL-3", "--tokens", "16", "-o", str(tmp_path / "d.st"), "-q")

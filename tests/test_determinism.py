@@ -104,7 +104,7 @@ def test_codecs_agree_across_instruction_paths(tmp_path):
     from test_golden import assert_within_kvtc_tolerance
 
     from kvcodec.codecs.kvtc import Calibration, register_calibration
-    from kvcodec.formats.make_golden import GOLDEN
+    from kvcodec.tools.make_golden import GOLDEN
 
     register_calibration(Calibration.from_bytes((GOLDEN / "kvtc-calibration.kvtc").read_bytes()))
     base = tmp_path / "default"

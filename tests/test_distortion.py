@@ -7,7 +7,7 @@ import math
 import torch
 
 import kvcodec
-from kvcodec.distortion import distortion
+from kvcodec.tools.distortion import distortion
 
 
 def test_lossless_is_bit_exact_and_lossy_is_measured(real_kv):

@@ -1,6 +1,6 @@
 """A second real architecture, Gemma 3 270M: sliding-window layers (a window of 512, their own rotary setting),
 one KV head of 256 channels, query/key norms and a norm on the attention's output.  kvtc's calibration, round
-trips and position moves on its real KV.  The model comes from PyPI (228 MB, ``kvcodec.models.GEMMA3_PIP``);
+trips and position moves on its real KV.  The model comes from PyPI (228 MB, ``kvcodec.tools.models.GEMMA3_PIP``);
 CI does not install it, and these tests skip without it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 import kvcodec
 from kvcodec.errors import InvalidInputError
-from kvcodec.models import GEMMA3, GEMMA3_PACKAGE
+from kvcodec.tools.models import GEMMA3, GEMMA3_PACKAGE
 
 needs_gemma = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PACKAGE) is None,
                                  reason=f"Gemma 3 270M is not installed ({GEMMA3_PACKAGE})")
@@ -23,7 +23,7 @@ TOKENS = 600  # past the sliding window: windowed layers hold the last 511 token
 
 
 def test_missing_package_names_the_pip_command(monkeypatch):
-    from kvcodec.models import resolve
+    from kvcodec.tools.models import resolve
 
     monkeypatch.setitem(sys.modules, GEMMA3_PACKAGE, None)  # import fails as if not installed
     with pytest.raises(InvalidInputError, match=r"pip install .kvcodec\[gemma3\]."):
@@ -32,20 +32,21 @@ def test_missing_package_names_the_pip_command(monkeypatch):
 
 @pytest.fixture(scope="module")
 def gemma():
-    from kvcodec.models import load_model
+    from kvcodec.tools.models import load_model
     return load_model(GEMMA3, progress=False)
 
 
 @pytest.fixture(scope="module")
 def ids(gemma):
-    from kvcodec.texts import load_text
+    from kvcodec.tools.texts import load_text
     return gemma.tokenize(load_text(TEXT))[:TOKENS]
 
 
 @pytest.fixture(scope="module")
 def small_cal(gemma):
     """A calibration from one 1024-token segment (a test's budget; `kvcodec calibrate` uses all four texts)."""
-    from kvcodec.codecs.kvtc import calibrate, register_calibration
+    from kvcodec.codecs.kvtc import register_calibration
+    from kvcodec.tools.kvtc_calibration import calibrate
     return register_calibration(calibrate(gemma, segment_tokens=1024, max_tokens=1024))
 
 
@@ -61,7 +62,7 @@ def _kv_at(loaded, ids: list[int], start: int) -> kvcodec.KVCache:
 
 @needs_gemma
 def test_rotary_setting_per_layer_type(gemma):
-    from kvcodec.codecs.kvtc.calibration import model_layers
+    from kvcodec.tools.kvtc_calibration import model_layers
 
     cfg = gemma.model.config
     layers = model_layers(gemma.model)
@@ -77,7 +78,7 @@ def test_rotary_setting_per_layer_type(gemma):
 def test_keys_rotated_back_do_not_depend_on_position(gemma, ids):
     """Rotated back with its layer's own setting, a key is the same whether the text sat at 0.. or at 900..;
     rotating back and forth at the same positions returns the keys."""
-    from kvcodec.codecs.kvtc.calibration import model_layers
+    from kvcodec.tools.kvtc_calibration import model_layers
 
     rot = [l.rotary for l in model_layers(gemma.model)]
     a, b = _kv_at(gemma, ids, 0), _kv_at(gemma, ids, 900)
@@ -110,7 +111,7 @@ def test_raw_decoded_at_new_positions_matches_the_model(gemma, ids, small_cal):
 def test_continuing_from_a_windowed_cache_matches_one_pass(gemma, ids):
     """The model reading more tokens after a kvcodec cache (windowed layers holding only their last 511 tokens)
     gives the logits of one pass over the whole text: the next tokens' positions and masks are right."""
-    from kvcodec.texts import load_text
+    from kvcodec.tools.texts import load_text
 
     more = gemma.tokenize(load_text(TEXT))[len(ids):len(ids) + 32]
     with torch.no_grad():
@@ -157,7 +158,7 @@ def test_kvtc_round_trip_selection_and_positions(gemma, ids, small_cal):
     for a, b in zip(out.layers, kv.layers):  # the sink is stored in float16
         assert torch.equal(a.keys[:, 0], b.keys[:, 0].half().float()) and torch.equal(a.values[:, 0], b.values[:, 0].half().float())
 
-    from kvcodec.texts import load_text
+    from kvcodec.tools.texts import load_text
 
     more = gemma.tokenize(load_text(TEXT))[n:n + 65]
     target = torch.tensor(more[1:])

@@ -18,7 +18,7 @@ import torch
 
 import kvcodec
 from kvcodec.cli import parse_codec
-from kvcodec.formats.make_golden import decoded_digest
+from kvcodec.tools.make_golden import decoded_digest
 
 GOLDEN = files("kvcodec.formats") / "golden"
 EXPECTED = json.loads((GOLDEN / "expected.json").read_text())

@@ -19,10 +19,10 @@ import kvcodec
 from kvcodec import CorruptDataError, InvalidInputError, LimitExceededError
 from kvcodec.codecs.kvfetcher import sps, video
 from kvcodec.formats import v1
-from kvcodec.fuzz.container import FrameParts, seal, unseal
-from kvcodec.fuzz.runner import HEADER_FACTOR, Worker, fuzz, header_length, memory_bound
-from kvcodec.fuzz.seeds import fuzz_kv, hevc_donors, make_seeds
-from kvcodec.fuzz.worker import pieces
+from kvcodec.tools.fuzz.container import FrameParts, seal, unseal
+from kvcodec.tools.fuzz.runner import HEADER_FACTOR, Worker, fuzz, header_length, memory_bound
+from kvcodec.tools.fuzz.seeds import fuzz_kv, hevc_donors, make_seeds
+from kvcodec.tools.fuzz.worker import pieces
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import torch
 import kvcodec
 from kvcodec.codecs.kvtc import KVTC, Calibration, MissingCalibrationError, reposition
 from kvcodec.codecs.kvtc import calibration as calmod
-from kvcodec.codecs.kvtc.calibration import LayerInfo, default_groups, fit_calibration
+from kvcodec.codecs.kvtc.calibration import LayerInfo
+from kvcodec.tools.kvtc_calibration import default_groups, fit_calibration
 from kvcodec.codecs.kvtc.rope import Rotary
 from kvcodec.container import Frame, write_container
 from kvcodec.errors import CorruptDataError, InvalidInputError
@@ -152,7 +153,7 @@ def _kv_at(model, ids: list[int], start: int, name: str) -> kvcodec.KVCache:
 
 def test_reposition_raw_float32_matches_model_at_shifted_positions(smollm2):
     """The KV of a text at positions 0..T moved to P..P+T equals the model's own KV computed at P..P+T."""
-    from kvcodec.codecs.kvtc.calibration import model_layers
+    from kvcodec.tools.kvtc_calibration import model_layers
 
     model = smollm2.model
     ids = smollm2.tokenize("The quick brown fox jumps over the lazy dog. " * 6)[:48]
@@ -171,7 +172,7 @@ def test_read_chunk_moves_keys_to_new_positions(smollm2):
     """read_chunk(i, positions=) gives the model's own KV of that chunk's tokens computed at the new positions:
     float32-close from a raw container (rotary setting from the model's installed calibration), within the
     codec's error from a kvtc container (its own calibration), and nothing installed is an error."""
-    from kvcodec.codecs.kvtc.calibration import model_layers
+    from kvcodec.tools.kvtc_calibration import model_layers
 
     model = smollm2.model
     ids = smollm2.tokenize("The quick brown fox jumps over the lazy dog. " * 6)[:48]

@@ -12,7 +12,8 @@ import torch
 import kvcodec
 from kvcodec.codecs.kvtc import KVTC, Calibration, MissingCalibrationError
 from kvcodec.codecs.kvtc import calibration as calmod
-from kvcodec.codecs.kvtc.calibration import LayerInfo, fit_calibration
+from kvcodec.codecs.kvtc.calibration import LayerInfo
+from kvcodec.tools.kvtc_calibration import fit_calibration
 from kvcodec.errors import LimitExceededError
 
 L, H, D = 2, 1, 4

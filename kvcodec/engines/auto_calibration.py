@@ -2,9 +2,12 @@
 
 An engine hook has the model, so ``codec="kvtc"`` with ``calibration="auto"`` (the default) needs no separate
 ``kvcodec calibrate`` step: the first start finds none installed for the model name its store uses, runs
-:func:`kvcodec.codecs.kvtc.ensure_calibration` on the model (installing the result in the cache folder), and
+:func:`kvcodec.tools.kvtc_calibration.ensure_calibration` on the model (installing the result in the cache folder), and
 says so in the log; later starts find the installed one.  Engines that run several processes at once (vLLM's
 scheduler and workers) take a lock per model, so one of them calibrates and the others wait and find it.
+
+Loading and calibrating a model is tooling (:mod:`kvcodec.tools`): it is imported only at the moment a first start
+calibrates, so a serving process that finds its calibration installed never loads it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import hashlib
 import os
 from typing import Any, Callable, Iterator
 
-from kvcodec.codecs.kvtc import cache_dir, calibration_for_model, ensure_calibration, register_calibration
+from kvcodec.codecs.kvtc import cache_dir, calibration_for_model, register_calibration
 
 
 def wants_calibration(codec: Any, codec_options: dict[str, Any] | None) -> bool:
@@ -27,7 +30,7 @@ def wants_calibration(codec: Any, codec_options: dict[str, Any] | None) -> bool:
 def load_served_model(model: str, log: Callable[[str], None]) -> Any:
     """The model an engine serves (its folder, a GGUF file or ``smollm2``), loaded with transformers on the CPU
     in float32 to calibrate it: the engine's own copy of the weights is in a layout of its own."""
-    from kvcodec.models import load_model
+    from kvcodec.tools.models import load_model
 
     log(f"kvtc: loading {model} with transformers on the CPU (float32) to calibrate it")
     return load_model(model, progress=False)
@@ -49,12 +52,14 @@ def _model_lock(model: str) -> Iterator[None]:
 def ensure_model_calibration(model: str, load: Callable[[], Any], log: Callable[[str], None],
                              options: dict[str, Any] | None = None) -> str:
     """The digest of the kvtc calibration of ``model`` (the name the store's keys and caches carry): the one
-    installed, else one computed now from ``load()`` (a :class:`kvcodec.models.LoadedModel`, loaded only then)
-    with ``options`` for :func:`kvcodec.codecs.kvtc.calibrate`, installed and registered."""
+    installed, else one computed now from ``load()`` (a :class:`kvcodec.tools.models.LoadedModel`, loaded only then)
+    with ``options`` for :func:`kvcodec.tools.kvtc_calibration.calibrate`, installed and registered."""
     with _model_lock(model):
         cal = calibration_for_model(model)
         if cal is not None:
             log(f"kvtc: using the installed calibration {cal.digest} of {model}")
             return register_calibration(cal).digest
+        from kvcodec.tools.kvtc_calibration import ensure_calibration
+
         loaded = dataclasses.replace(load(), model_id=model)  # the calibration is named as the store names the model
         return ensure_calibration(loaded, log=log, **(options or {})).digest

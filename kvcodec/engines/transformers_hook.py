@@ -184,7 +184,7 @@ class Generation:
 
 
 class TransformersKVHook:
-    """Runs a transformers causal LM (or a :class:`kvcodec.models.LoadedModel`) with a KV store.
+    """Runs a transformers causal LM (or a :class:`kvcodec.tools.models.LoadedModel`) with a KV store.
 
     ``save``: after each prefill the prompt's KV is put into the store (in the store's
     codec; ``save_dtype`` converts first, None keeps the model's dtype).
@@ -198,10 +198,10 @@ class TransformersKVHook:
     def with_store(cls, model: Any, tiers: Sequence[StorageTier], *, codec: str = "cachegen",
                    codec_options: dict[str, Any] | None = None, calibration_options: dict[str, Any] | None = None,
                    save: bool = True, save_dtype: torch.dtype | None = None, **store_options: Any) -> TransformersKVHook:
-        """A hook over a new :class:`KVStore` on ``tiers`` for ``model`` (a :class:`kvcodec.models.LoadedModel`),
+        """A hook over a new :class:`KVStore` on ``tiers`` for ``model`` (a :class:`kvcodec.tools.models.LoadedModel`),
         keyed by its ``model_id``; ``store_options`` as for :class:`KVStore`.  With ``codec="kvtc"`` and its
         calibration left ``"auto"``, a model with no calibration installed is calibrated now, once
-        (``calibration_options`` for :func:`kvcodec.codecs.kvtc.calibrate`), and the log says so."""
+        (``calibration_options`` for :func:`kvcodec.tools.kvtc_calibration.calibrate`), and the log says so."""
         if wants_calibration(codec, codec_options):
             ensure_model_calibration(model.model_id, lambda: model, log.info, calibration_options)
         store = KVStore(tiers, model=model.model_id, codec=codec, codec_options=codec_options, **store_options)

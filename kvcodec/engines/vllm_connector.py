@@ -22,7 +22,7 @@ Load it with::
   ``secret_file``: a file holding the secret that authenticates stored values (default ``$KVCODEC_STORE_SECRET``;
   never the secret itself here, since vLLM logs this configuration);
 - ``calibration_options``: for ``codec`` ``kvtc`` with its calibration ``"auto"`` (the default), the settings of
-  the calibration made when none is installed for the model (:func:`kvcodec.codecs.kvtc.calibrate`'s options, e.g.
+  the calibration made when none is installed for the model (:func:`kvcodec.tools.kvtc_calibration.calibrate`'s options, e.g.
   ``{"max_tokens": 4096}``): the connector then loads the served folder with transformers on the CPU, calibrates
   it once into the cache folder and says so in the log; later starts find it installed.
 

@@ -22,8 +22,7 @@ import torch
 from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec, get_codec
-from kvcodec.codecs.kvtc import MissingCalibrationError
-from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, LimitExceededError
+from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, LimitExceededError, MissingCalibrationError
 from kvcodec.formats.v1 import Header
 from kvcodec.reader import Reader
 from kvcodec.store.auth import check_secret, seal, unseal

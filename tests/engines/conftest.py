@@ -1,7 +1,7 @@
 """Fixtures for the tests that run kvcodec inside the real engines: vLLM's CPU build and LMCache.
 
 These tests run in ``.venv-engines`` (``scripts/setup_engines.sh``; ``scripts/test.sh`` runs them).  The model is
-SmolLM2-135M-Instruct as a HuggingFace folder made by kvcodec itself (:func:`kvcodec.models.export_hf_folder`),
+SmolLM2-135M-Instruct as a HuggingFace folder made by kvcodec itself (:func:`kvcodec.tools.models.export_hf_folder`),
 cached in ``.cache/models/`` (``KVCODEC_MODEL_CACHE`` overrides) like the KV dumps in ``.cache/test-kv/``.
 """
 
@@ -28,7 +28,7 @@ for _package in ("vllm", "lmcache"):
 @pytest.fixture(scope="session")
 def smollm2_hf() -> Path:
     """SmolLM2-135M-Instruct as a bfloat16 HuggingFace folder that vLLM loads (made once, then cached)."""
-    from kvcodec.models import export_hf_folder
+    from kvcodec.tools.models import export_hf_folder
 
     return Path(export_hf_folder("smollm2", MODEL_CACHE / "SmolLM2-135M-Instruct"))
 
@@ -43,6 +43,6 @@ def tokenizer(smollm2_hf):
 @pytest.fixture(scope="session")
 def texts(tokenizer) -> dict[str, list[int]]:
     """Token ids of real texts (Debian's license files), long enough for any prompt here."""
-    from kvcodec.texts import load_text
+    from kvcodec.tools.texts import load_text
 
     return {name: tokenizer(load_text(f"license:{name}")).input_ids for name in ("GPL-3", "MPL-2.0", "Apache-2.0")}

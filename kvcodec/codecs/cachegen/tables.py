@@ -17,13 +17,7 @@ from importlib.resources import files
 import numpy as np
 
 from kvcodec.errors import CorruptDataError
-
-RADIX = 255  # symbols are integers in [-RADIX, RADIX]
-ALPHABET = 2 * RADIX + 1
-PRECISION = 24  # bits of probability: frequencies sum to 2**24, as constriction's default coders need
-NUM_TABLES = 48
-CODEBOOK_FILE = "codebook-v1.u32"
-CODEBOOK_SHA256 = "7b2e6cf7998ceea4e20f45f7ccf2e83c588c9037c046d227152d1999a68f0e78"
+from kvcodec.formats.cachegen import ALPHABET, BUCKET_BITS, CODEBOOK_FILE, CODEBOOK_SHA256, NUM_TABLES, PRECISION, RADIX
 
 # 2**(j/8) for j = 0..7, rounded to float32 once and frozen as exact hex so every platform agrees.
 _OCTAVE = np.array([float.fromhex(h) for h in (
@@ -57,7 +51,7 @@ def build_codebook() -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def codebook() -> np.ndarray:
     """The frozen codebook, verified against its recorded hash."""
-    data = (files("kvcodec.formats") / "cachegen" / CODEBOOK_FILE).read_bytes()
+    data = (files("kvcodec.formats.cachegen") / CODEBOOK_FILE).read_bytes()
     if hashlib.sha256(data).hexdigest() != CODEBOOK_SHA256:
         raise CorruptDataError(f"the installed CacheGen codebook {CODEBOOK_FILE} is damaged")
     return np.frombuffer(data, dtype="<u4").reshape(NUM_TABLES, ALPHABET)
@@ -108,9 +102,6 @@ def cumulative() -> np.ndarray:
     what a decoder searches to find the symbol of a slot."""
     cb = codebook().astype(np.int64)
     return np.concatenate([np.zeros((NUM_TABLES, 1), np.int64), np.cumsum(cb, 1)], 1)
-
-
-BUCKET_BITS = 12
 
 
 @functools.lru_cache(maxsize=1)

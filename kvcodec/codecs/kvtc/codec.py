@@ -102,7 +102,7 @@ class KVTC(Codec):
         if cal is None:
             raise InvalidInputError(
                 f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
-                "kvcodec.codecs.kvtc.calibrate) and pass calibration=FILE")
+                "kvcodec.tools.kvtc_calibration.calibrate) and pass calibration=FILE")
         return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std)
 
     def calibration_data(self) -> Calibration:

@@ -1,6 +1,6 @@
 """Structure-aware mutations of a container: header JSON, frame heads, section tables, the index, and the
 fields inside each codec's sections (SPEC.md §10).  Each mutator takes a random source and the parts of a
-valid container and returns mutated parts, which :func:`kvcodec.fuzz.container.seal` turns into a file whose
+valid container and returns mutated parts, which :func:`kvcodec.tools.fuzz.container.seal` turns into a file whose
 checksums all pass."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvcodec.codecs.kvfetcher.codec import HEAD as KVF_HEAD
 from kvcodec.codecs.lmcache_cachegen import LANE_TOKENS
 from kvcodec.codecs.registry import get_codec
 from kvcodec.formats.v1 import Header
-from kvcodec.fuzz.container import ContainerParts, implied_index
+from kvcodec.tools.fuzz.container import ContainerParts, implied_index
 
 # values around every boundary the parsers and decoders check
 INTERESTING = [0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 143, 144, 145, 255, 256, 257, 1023,

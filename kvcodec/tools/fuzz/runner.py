@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import kvcodec
 from kvcodec.formats.v1 import PREAMBLE
-from kvcodec.fuzz.container import seal
-from kvcodec.fuzz.mutate import Seed, mutate
-from kvcodec.fuzz.worker import PATHS, receive, send
+from kvcodec.tools.fuzz.container import seal
+from kvcodec.tools.fuzz.mutate import Seed, mutate
+from kvcodec.tools.fuzz.worker import PATHS, receive, send
 
 OUTCOMES = ("decoded", "KVCodecError", "other", "timeout", "memory", "crash")
 BUGS = OUTCOMES[2:]
@@ -61,11 +61,11 @@ class WorkerDied(Exception):
 
 
 class Worker:
-    """One fuzz child process (see :mod:`kvcodec.fuzz.worker`), restarted after a timeout or a crash."""
+    """One fuzz child process (see :mod:`kvcodec.tools.fuzz.worker`), restarted after a timeout or a crash."""
 
     def __init__(self, seeds: list[bytes], extra_address_space: int) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvcodec.fuzz.worker", str(extra_address_space)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvcodec.tools.fuzz.worker", str(extra_address_space)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         send(self.proc.stdin, (seeds, calibrations_of(seeds)))
         ready = self._receive(600)

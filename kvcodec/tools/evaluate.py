@@ -17,8 +17,8 @@ from kvcodec.cache import KVCache
 from kvcodec.chunking import DEFAULT_CHUNK_TOKENS
 from kvcodec.codecs import Codec
 from kvcodec.errors import InvalidInputError
-from kvcodec.models import LoadedModel
-from kvcodec.texts import load_text
+from kvcodec.tools.models import LoadedModel
+from kvcodec.tools.texts import load_text
 from kvcodec.threads import DEFAULT_THREADS
 
 

@@ -10,11 +10,12 @@ import torch
 import kvcodec
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec
-from kvcodec.codecs.kvtc.calibration import Calibration, LayerInfo, default_groups, fit_calibration
+from kvcodec.codecs.kvtc.calibration import Calibration, LayerInfo
+from kvcodec.tools.kvtc_calibration import default_groups, fit_calibration
 from kvcodec.codecs.kvtc.rope import Rotary
 from kvcodec.formats.v1 import Header
-from kvcodec.fuzz.container import unseal
-from kvcodec.fuzz.mutate import Seed
+from kvcodec.tools.fuzz.container import unseal
+from kvcodec.tools.fuzz.mutate import Seed
 
 # name -> codec (id and options, or a list of codecs for a multi-level container)
 SEED_CODECS: dict[str, Any] = {

@@ -1,6 +1,6 @@
-"""Regenerate the golden containers in ``golden/`` from real SmolLM2 KV.
+"""Regenerate the golden containers in ``formats/golden/`` from real SmolLM2 KV.
 
-    python -m kvcodec.formats.make_golden KV_DUMP.safetensors
+    python -m kvcodec.tools.make_golden KV_DUMP.safetensors
 
 The containers are frozen: regenerate only when the format version changes.
 ``golden/expected.json`` records, per file, the SHA-256 of the container and of
@@ -18,20 +18,23 @@ from pathlib import Path
 import torch
 
 import kvcodec
+from kvcodec import formats
+from kvcodec.codecs.kvtc import Calibration
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(formats.__file__).resolve().parent / "golden"
 LAYERS = (0, 1, 15, 29)
 TOKENS = 40
 KVTC_CALIBRATION = "kvtc-calibration.kvtc"
 SMOLLM2_ROPE_THETA = 100000.0  # SmolLM2-135M's rope_theta, for the golden kvtc calibration only
 
 
-def golden_calibration(source: kvcodec.KVCache) -> "Calibration":
+def golden_calibration(source: kvcodec.KVCache) -> Calibration:
     """A small kvtc calibration of the golden layers, fitted on the dump's tokens after the golden ones (one
     weight per layer, two groups of two layers, coarse truncation to keep the file small)."""
     import numpy as np
 
-    from kvcodec.codecs.kvtc.calibration import LayerInfo, fit_calibration
+    from kvcodec.codecs.kvtc.calibration import LayerInfo
+    from kvcodec.tools.kvtc_calibration import fit_calibration
     from kvcodec.codecs.kvtc.rope import Rotary
 
     h, _, d = source.layers[0].keys.shape
