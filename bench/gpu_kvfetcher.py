@@ -18,8 +18,9 @@ import torch
 
 import kvcodec
 from kvcodec.chunking import layer_context, make_header
-from kvcodec.codecs.kvfetcher.codec import KVFetcher, SectionHead, decode_codes
-from kvcodec.codecs.kvfetcher.paged import restore_paged
+from kvcodec.codecs.kvfetcher.codec import KVFetcher
+from kvcodec.codecs.kvfetcher.restore import restore_paged
+from kvcodec.codecs.kvfetcher.section import SectionHead, decode_codes
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu_kvfetcher.md"

@@ -24,11 +24,12 @@ from kvcodec.adapt import BandwidthTrace
 from kvcodec.chunking import layer_context, make_header
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs import get_codec
-from kvcodec.codecs.kvfetcher import adapt as A
-from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.kvfetcher import pictures as P
+from kvcodec.codecs.kvfetcher import resolution as R
 from kvcodec.codecs.kvfetcher import video
-from kvcodec.codecs.kvfetcher.codec import KVFetcher, SectionHead
-from kvcodec.codecs.kvfetcher.paged import restore_paged
+from kvcodec.codecs.kvfetcher.codec import KVFetcher
+from kvcodec.codecs.kvfetcher.restore import restore_paged
+from kvcodec.codecs.kvfetcher.section import SectionHead
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -88,7 +89,7 @@ def speed(kv: kvcodec.KVCache) -> dict:
     return out
 
 
-def frame_costs(kv: kvcodec.KVCache, heights=A.DEFAULT_LADDER) -> dict:
+def frame_costs(kv: kvcodec.KVCache, heights=R.DEFAULT_LADDER) -> dict:
     """Bytes per frame and PyAV decode (+ restore) seconds per frame, per height, on real KV (layers 0, 10, 20, 29),
     coded by the default codec (4-bit spread codes)."""
     bits = 4
@@ -101,14 +102,14 @@ def frame_costs(kv: kvcodec.KVCache, heights=A.DEFAULT_LADDER) -> dict:
             ctx = LayerContext(li, kv.num_layers, kv.layers[li].shape, kv.dtype, model=kv.model)
             kq, vq, sc = codec.quantize(k, v, ctx)
             for q, columns in ((kq, sc.key_columns), (vq, None)):
-                geo = L.geometry(q.shape[1], 3, 64, 64, h)
-                frs = [L.to_frame(q[:, lo:lo + geo.frame_rows], geo, bits, False, columns)
+                geo = P.geometry(q.shape[1], 3, 64, 64, h)
+                frs = [P.to_frame(q[:, lo:lo + geo.frame_rows], geo, bits, False, columns)
                        for lo in range(0, q.shape[1], geo.frame_rows)]
                 s = video.encode_frames(frs, bits)
                 t = time.perf_counter()
                 for _ in range(3):
                     for f in video.decode_stream([s], geo.rows, geo.cols, bits, len(frs)):
-                        L.from_frame(f, geo.frame_rows, 3, 64, bits, False, columns)
+                        P.from_frame(f, geo.frame_rows, 3, 64, bits, False, columns)
                 secs += (time.perf_counter() - t) / 3
                 nbytes += len(s)
                 frames += len(frs)
@@ -188,7 +189,7 @@ def real_fetch(kv: kvcodec.KVCache, piece_bytes: int = 64 << 10) -> list[dict]:
 def simulation(costs: dict, layers: int = 30) -> dict:
     """Restore time on bandwidth traces for an 8192-token SmolLM2 context (30 layers, K and V frames)."""
     heights = tuple(sorted((int(h) for h in costs), reverse=True))
-    model = A.FrameModel({h: costs[h]["frame_bytes"] for h in heights}, {h: costs[h]["decode_s"] for h in heights},
+    model = R.FrameModel({h: costs[h]["frame_bytes"] for h in heights}, {h: costs[h]["decode_s"] for h in heights},
                          frames_per_block=2 * layers)
     tokens, gop = 8192, 1024
     total = sum(model.frame_bytes[256] * model.gop_frames(256, gop) for _ in range(tokens // gop))
@@ -202,11 +203,11 @@ def simulation(costs: dict, layers: int = 30) -> dict:
     out = {}
     for tr in traces:
         rows = []
-        for pol in [A.ResolutionPolicy(model)] + [A.FixedHeight(h) for h in heights]:
-            r = A.simulate_fetch(model, tr, tokens, gop, pol)
+        for pol in [R.ResolutionPolicy(model)] + [R.FixedHeight(h) for h in heights]:
+            r = R.simulate_fetch(model, tr, tokens, gop, pol)
             rows.append(dict(name=r.name, restored_s=r.restored_s, arrived_s=r.arrived_s, heights=r.heights,
                              peak_frames_held=r.peak_frames_held, mb=r.bytes_sent / 1e6))
-        seq = A.simulate_fetch(model, tr, tokens, gop, A.FixedHeight(256), pipelined=False)
+        seq = R.simulate_fetch(model, tr, tokens, gop, R.FixedHeight(256), pipelined=False)
         rows.append(dict(name=seq.name, restored_s=seq.restored_s, arrived_s=seq.arrived_s, heights=seq.heights,
                          peak_frames_held=seq.peak_frames_held, mb=seq.bytes_sent / 1e6))
         out[tr.name] = rows
@@ -350,7 +351,7 @@ def entropy(kv: kvcodec.KVCache) -> dict:
     def hevc(frames: list[np.ndarray]) -> int:
         return len(video.encode_frames(frames, 4))
 
-    geo = L.geometry(256, 3, 64, 64, 256)
+    geo = P.geometry(256, 3, 64, 64, 256)
     acc: defaultdict[str, list[float]] = defaultdict(list)
     bytes_: Counter[str] = Counter()
     n = 0
@@ -365,15 +366,15 @@ def entropy(kv: kvcodec.KVCache) -> dict:
                 for key, val in ((f"{name}_keys", h_cols(K)), (f"{name}_values", h_cols(V)),
                                  (f"{name}_pooled", (h_pooled(K) + h_pooled(V)) / 2)):
                     acc[key].append(val)
-                plain = hevc([L.to_frame(kq, geo, 4), L.to_frame(vq, geo, 4)])
+                plain = hevc([P.to_frame(kq, geo, 4), P.to_frame(vq, geo, 4)])
                 bytes_[f"{name}_hevc"] += plain
                 if name == "minmax":
                     acc["minmax_delta_keys"].append(h_cols(np.diff(K, axis=0) & 15))
                     acc["minmax_delta_values"].append(h_cols(np.diff(V, axis=0) & 15))
-                    other = hevc([L.to_frame(kq, geo, 4, True), L.to_frame(vq, geo, 4, True)])
+                    other = hevc([P.to_frame(kq, geo, 4, True), P.to_frame(vq, geo, 4, True)])
                     bytes_["minmax_hevc_delta"] += other
                 else:
-                    other = hevc([L.to_frame(kq, geo, 4, False, sc.key_columns), L.to_frame(vq, geo, 4)])
+                    other = hevc([P.to_frame(kq, geo, 4, False, sc.key_columns), P.to_frame(vq, geo, 4)])
                     bytes_["spread_hevc_ordered"] += other
             n += kq.size + vq.size
     out = {k: statistics.fmean(v) for k, v in acc.items()}

@@ -9,6 +9,7 @@ import torch
 
 from kvcodec.errors import InvalidInputError
 from kvcodec.formats.v1 import DTYPES, ROPE_STATES, LayerShape
+from kvcodec.layouts import dump, hf, lmcache, paged
 
 if TYPE_CHECKING:
     from os import PathLike
@@ -152,54 +153,48 @@ class KVCache:
         return (f"KVCache(layers={self.num_layers}, tokens={self.num_tokens}, dtype={SUPPORTED_DTYPES[self.dtype]}, "
                 f"heads={self.layers[0].keys.shape[0]}, head_dim={self.layers[0].keys.shape[2]}, model={self.model!r})")
 
-    # Conversions live in kvcodec.layouts; these methods are the discoverable entry points.
+    # Conversions live in kvcodec.layouts, which deal in tensors only; these methods are the discoverable entry
+    # points and make the caches.
 
     @classmethod
     def from_hf(cls, cache: Any, *, batch_index: int = 0, **meta: Any) -> KVCache:
         """From a transformers ``DynamicCache`` (``cache.layers[i].keys``, ``[B, H, T, D]``)."""
-        from kvcodec.layouts.hf import from_hf
-        return from_hf(cache, batch_index=batch_index, **meta)
+        return cls(hf.hf_pairs(cache, batch_index=batch_index), **meta)
 
     def to_hf(self, config: Any = None) -> Any:
         """To a transformers ``DynamicCache`` with batch size 1."""
-        from kvcodec.layouts.hf import to_hf
-        return to_hf(self, config=config)
+        return hf.to_hf(self, config=config)
 
     def save_safetensors(self, path: str | PathLike[str]) -> None:
         """Write a safetensors dump: ``layers.{i}.keys``, ``layers.{i}.values`` and string metadata."""
-        from kvcodec.layouts.dump import save_safetensors
-        save_safetensors(self, path)
+        dump.save_safetensors(self, path)
 
     @classmethod
     def load_safetensors(cls, path: str | PathLike[str]) -> KVCache:
         """Read a dump written by :meth:`save_safetensors`."""
-        from kvcodec.layouts.dump import load_safetensors
-        return load_safetensors(path)
+        layers, meta = dump.read_safetensors(path)
+        return cls(layers, **meta)
 
     def to_paged(self, block_size: int = 16, num_blocks: int | None = None,
                  layout: Any = "flash") -> tuple[list[torch.Tensor], torch.Tensor]:
         """To vLLM's paged layout (``"flash"``: per layer ``(2, num_blocks, block_size, H, D)``; ``"cpu"``: its CPU
         backend's, see :class:`kvcodec.layouts.paged.PagedLayout`) plus a block table."""
-        from kvcodec.layouts.paged import to_paged
-        return to_paged(self, block_size=block_size, num_blocks=num_blocks, layout=layout)
+        return paged.to_paged(self, block_size=block_size, num_blocks=num_blocks, layout=layout)
 
     @classmethod
     def from_paged(cls, kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num_tokens: int,
                    layout: Any = "flash", **meta: Any) -> KVCache:
         """From vLLM's paged layout (``"flash"`` or ``"cpu"``) and the block table of one sequence."""
-        from kvcodec.layouts.paged import from_paged
-        return from_paged(kv_caches, block_table, num_tokens, layout, **meta)
+        return cls(paged.paged_pairs(kv_caches, block_table, num_tokens, layout), **meta)
 
     def to_lmcache(self) -> torch.Tensor:
         """To LMCache's chunk layout ``[2, L, T, H*D]``."""
-        from kvcodec.layouts.lmcache import to_lmcache
-        return to_lmcache(self)
+        return lmcache.to_lmcache(self)
 
     @classmethod
     def from_lmcache(cls, chunk: torch.Tensor, num_heads: int, **meta: Any) -> KVCache:
         """From LMCache's chunk layout ``[2, L, T, H*D]``."""
-        from kvcodec.layouts.lmcache import from_lmcache
-        return from_lmcache(chunk, num_heads, **meta)
+        return cls(lmcache.lmcache_pairs(chunk, num_heads), **meta)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -14,13 +14,14 @@ from kvcodec.adapt import BandwidthTrace
 from kvcodec.chunking import layer_context
 from kvcodec.codecs import get_codec
 from kvcodec.codecs.base import LayerContext
-from kvcodec.codecs.kvfetcher import adapt as A
-from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.kvfetcher import pictures as P
+from kvcodec.codecs.kvfetcher import resolution as R
 from kvcodec.codecs.kvfetcher import video
-from kvcodec.codecs.kvfetcher.codec import HEAD, KVFetcher, SectionHead, decode_codes
-from kvcodec.codecs.kvfetcher.paged import restore_paged
+from kvcodec.codecs.kvfetcher.codec import KVFetcher
+from kvcodec.codecs.kvfetcher.restore import restore_paged
+from kvcodec.codecs.kvfetcher.section import HEAD, SectionHead, decode_codes
 from kvcodec.codecs.quantize import dequantize
-from kvcodec.layouts.paged import from_paged, slot_mapping
+from kvcodec.layouts.paged import slot_mapping
 
 av = pytest.importorskip("av")
 
@@ -111,7 +112,7 @@ def test_paged_restoration_equals_contiguous(kv3):
             peaks.append(restore_paged(data, ctx, paged, table))
             # the Codec API's paged decode (what engine adapters call) takes the same frame-wise path
             codec.decode_layer_paged(data, ctx, by_slots, slot_mapping(table, c0, 256, block))
-        got = from_paged([paged], table, 512)
+        got = kvcodec.KVCache.from_paged([paged], table, 512)
         assert torch.equal(got.layers[0].keys, contiguous.layers[layer].keys)
         assert torch.equal(got.layers[0].values, contiguous.layers[layer].values)
         assert torch.equal(by_slots, paged)
@@ -122,23 +123,23 @@ def test_paged_restoration_equals_contiguous(kv3):
 
 
 def test_geometry_and_padding():
-    g = L.geometry(200, 3, 64, 64, 256)
+    g = P.geometry(200, 3, 64, 64, 256)
     assert (g.frame_rows, g.rows, g.cols, g.blocks) == (208, 208, 192, 1)
-    g = L.geometry(20, 1, 32, 16, 256)
+    g = P.geometry(20, 1, 32, 16, 256)
     assert (g.rows, g.cols) == (video.MIN_SIDE, video.MIN_SIDE)  # never below NVDEC's minimum
     with pytest.raises(kvcodec.InvalidInputError):
-        L.geometry(100, 3, 64, 64, 100)
+        P.geometry(100, 3, 64, 64, 100)
     rng = np.random.default_rng(1)
     for bits in (2, 4, 8, 10):
         q = rng.integers(0, 1 << bits, (3, 37, 5)).astype(np.int32)
-        g = L.geometry(37, 3, 5, 5, 48)
+        g = P.geometry(37, 3, 5, 5, 48)
         for delta in (False, True):
-            f = L.to_frame(q, g, bits, delta)
+            f = P.to_frame(q, g, bits, delta)
             assert f.shape == (g.rows, g.cols) and int(f.max()) < (1 << bits)
             if not delta:  # padding rows and columns hold the centre code
                 assert (f[37:] == 1 << (bits - 1)).all() and (f[:, 15:] == 1 << (bits - 1)).all()
-            assert np.array_equal(L.from_frame(f, 37, 3, 5, bits, delta), q)
-            t = L.frame_to_torch(torch.from_numpy(f.astype(np.int32)), 37, 3, 5, bits, delta)
+            assert np.array_equal(P.from_frame(f, 37, 3, 5, bits, delta), q)
+            t = P.frame_to_torch(torch.from_numpy(f.astype(np.int32)), 37, 3, 5, bits, delta)
             assert np.array_equal(t.numpy(), q)
 
 
@@ -257,37 +258,37 @@ def test_corrupt_sections_rejected(kv3, scale):
 
 
 def test_resolution_policy_on_traces():
-    model = A.FrameModel.linear(A.DEFAULT_LADDER, bytes_per_row=90.0, header_bytes=220.0, decode_fixed_s=1e-4,
+    model = R.FrameModel.linear(R.DEFAULT_LADDER, bytes_per_row=90.0, header_bytes=220.0, decode_fixed_s=1e-4,
                                 decode_row_s=9e-6, frames_per_block=60)
     steady = BandwidthTrace.steady(200e6)
-    pol = A.ResolutionPolicy(model)
-    res = {p.name: A.simulate_fetch(model, steady, 4096, 1024, p) for p in [pol] + [A.FixedHeight(h) for h in A.DEFAULT_LADDER]}
+    pol = R.ResolutionPolicy(model)
+    res = {p.name: R.simulate_fetch(model, steady, 4096, 1024, p) for p in [pol] + [R.FixedHeight(h) for h in R.DEFAULT_LADDER]}
     best_fixed = min(r.restored_s for n, r in res.items() if n.startswith("fixed"))
     assert res["adaptive ladder"].restored_s <= best_fixed * 1.001
     # deterministic
-    again = A.simulate_fetch(model, steady, 4096, 1024, A.ResolutionPolicy(model))
+    again = R.simulate_fetch(model, steady, 4096, 1024, R.ResolutionPolicy(model))
     assert again.heights == res["adaptive ladder"].heights and again.restored_s == res["adaptive ladder"].restored_s
     # a jittery trace: still never worse than the worst fixed height, and pipelining beats sequential
     jit = BandwidthTrace.jittery(20e6, 30.0, 0.02, sigma=1.0, seed=3)
-    ad = A.simulate_fetch(model, jit, 4096, 1024, A.ResolutionPolicy(model))
-    worst = max(A.simulate_fetch(model, jit, 4096, 1024, A.FixedHeight(h)).restored_s for h in A.DEFAULT_LADDER)
+    ad = R.simulate_fetch(model, jit, 4096, 1024, R.ResolutionPolicy(model))
+    worst = max(R.simulate_fetch(model, jit, 4096, 1024, R.FixedHeight(h)).restored_s for h in R.DEFAULT_LADDER)
     assert ad.restored_s < worst
-    seq = A.simulate_fetch(model, jit, 4096, 1024, A.FixedHeight(256), pipelined=False)
-    pip = A.simulate_fetch(model, jit, 4096, 1024, A.FixedHeight(256))
+    seq = R.simulate_fetch(model, jit, 4096, 1024, R.FixedHeight(256), pipelined=False)
+    pip = R.simulate_fetch(model, jit, 4096, 1024, R.FixedHeight(256))
     assert pip.restored_s < seq.restored_s and pip.arrived_s == pytest.approx(seq.arrived_s)
     # hand-made situations, two frames (K, V) per token block: on the last GOP, a link about as fast as the
     # decoder -> small frames (a short pipeline tail costs fewer seconds than their extra headers); a fast link
     # with the decoder the bottleneck -> large frames (fewer per-frame costs)
-    two = A.FrameModel.linear(A.DEFAULT_LADDER, bytes_per_row=90.0, header_bytes=220.0, decode_fixed_s=1e-4,
+    two = R.FrameModel.linear(R.DEFAULT_LADDER, bytes_per_row=90.0, header_bytes=220.0, decode_fixed_s=1e-4,
                               decode_row_s=9e-6, frames_per_block=2)
-    pol2 = A.ResolutionPolicy(two)
+    pol2 = R.ResolutionPolicy(two)
     assert pol2.decide(3, 4, 1024, 0.0, 0.0, kvcodec.adapt.BandwidthEstimator(prior_bps=50e6)) <= 256
     assert pol2.decide(0, 4, 1024, 0.0, 0.0, kvcodec.adapt.BandwidthEstimator(prior_bps=1e10)) == 1024
     # jitter makes the policy plan with a slower link
     est = kvcodec.adapt.BandwidthEstimator()
     for r in (1e6, 9e6, 1e6):
         est.observe(r, 1.0)
-    assert A.ResolutionPolicy.jitter(est) > 0.5
+    assert R.ResolutionPolicy.jitter(est) > 0.5
 
 
 class _FakeNvc:
@@ -386,16 +387,16 @@ def test_nvdec_restoration_matches_ffmpeg_with_a_fake_decoder(kv3, fake_nvdec):
 def test_auto_backend_picks_nvdec_only_for_a_cuda_device_with_pynvvideocodec(monkeypatch):
     from dataclasses import replace
 
-    from kvcodec.codecs.kvfetcher import codec as kvf
     from kvcodec.codecs.kvfetcher import nvdec
+    from kvcodec.codecs.kvfetcher.restore import uses_nvdec
     ctx = replace(_ctx(torch.zeros(1, 4, 8)), backend="auto")
     cuda = replace(ctx, device=torch.device("cuda"))
     for has_nvc in (True, False):
         monkeypatch.setattr(nvdec, "available", lambda: has_nvc)
-        assert kvf._uses_nvdec(cuda) is has_nvc
-        assert not kvf._uses_nvdec(ctx)
-        assert not kvf._uses_nvdec(replace(cuda, backend="cpu"))
-        assert kvf._uses_nvdec(replace(ctx, backend="nvdec"))
+        assert uses_nvdec(cuda) is has_nvc
+        assert not uses_nvdec(ctx)
+        assert not uses_nvdec(replace(cuda, backend="cpu"))
+        assert uses_nvdec(replace(ctx, backend="nvdec"))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

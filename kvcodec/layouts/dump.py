@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from kvcodec.cache import KVCache
+import torch
+
 from kvcodec.errors import CorruptDataError
 from kvcodec.files import write_atomically
+
+if TYPE_CHECKING:
+    from kvcodec.cache import KVCache
 
 FORMAT_TAG = "kvcodec-kv-dump"
 _NAME = re.compile(r"layers\.(\d+)\.(keys|values)")
@@ -31,8 +35,9 @@ def save_safetensors(kv: KVCache, path: str | os.PathLike[str]) -> None:
     write_atomically(path, save(tensors, metadata=meta))
 
 
-def load_safetensors(path: str | os.PathLike[str]) -> KVCache:
-    """Read a dump; the layer numbering must be complete (0..L-1, keys and values)."""
+def read_safetensors(path: str | os.PathLike[str]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]:
+    """Read a dump as ``(keys, values)`` per layer and the cache's metadata; the layer numbering must be complete
+    (0..L-1, keys and values)."""
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -54,4 +59,4 @@ def load_safetensors(path: str | os.PathLike[str]) -> KVCache:
                 kwargs[k] = json.loads(meta[k]) if k in _JSON_FIELDS else meta[k]
             except ValueError:
                 raise CorruptDataError(f"{path}: metadata {k!r} is not valid JSON") from None
-    return KVCache([(found[i]["keys"], found[i]["values"]) for i in range(len(found))], **kwargs)
+    return [(found[i]["keys"], found[i]["values"]) for i in range(len(found))], kwargs

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvcodec.cache import KVCache
+import torch
+
 from kvcodec.errors import InvalidInputError
 
+if TYPE_CHECKING:
+    from kvcodec.cache import KVCache
 
-def from_hf(cache: Any, *, batch_index: int = 0, **meta: Any) -> KVCache:
-    """Take one sequence of the batch out of a transformers cache.
+
+def hf_pairs(cache: Any, *, batch_index: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Take one sequence of the batch out of a transformers cache, as ``(keys, values)`` per layer
+    (:meth:`kvcodec.KVCache.from_hf` makes them a cache).
 
     Accepts a ``DynamicCache`` (or any object with ``.layers[i].keys/.values``) and
     the legacy tuple-of-``(keys, values)`` form.
@@ -20,7 +25,7 @@ def from_hf(cache: Any, *, batch_index: int = 0, **meta: Any) -> KVCache:
         pairs = [(k, v) for k, v in cache]
     if any(k is None or k.dim() != 4 for k, _ in pairs):
         raise InvalidInputError("every layer of the transformers cache must hold [B, H, T, D] tensors (is it empty?)")
-    return KVCache([(k[batch_index], v[batch_index]) for k, v in pairs], **meta)
+    return [(k[batch_index], v[batch_index]) for k, v in pairs]
 
 
 def to_hf(kv: KVCache, config: Any = None) -> Any:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvcodec.cache import KVCache
 from kvcodec.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from kvcodec.cache import KVCache
 
 
 def to_lmcache(kv: KVCache) -> torch.Tensor:
@@ -22,11 +24,11 @@ def to_lmcache(kv: KVCache) -> torch.Tensor:
     return torch.stack([torch.stack([flat(l.keys) for l in kv.layers]), torch.stack([flat(l.values) for l in kv.layers])])
 
 
-def from_lmcache(chunk: torch.Tensor, num_heads: int, **meta: Any) -> KVCache:
-    """Split ``[2, L, T, H*D]`` back into layers of ``[H, T, D]``."""
+def lmcache_pairs(chunk: torch.Tensor, num_heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split ``[2, L, T, H*D]`` back into ``(keys, values)`` layers of ``[H, T, D]``."""
     if num_heads < 1 or chunk.dim() != 4 or chunk.shape[0] != 2 or chunk.shape[3] % num_heads:
         raise InvalidInputError(f"expected [2, L, T, H*D] with H={num_heads}, got {tuple(chunk.shape)}")
     _, layers, t, hd = chunk.shape
     def unflat(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(t, num_heads, hd // num_heads).transpose(0, 1).contiguous()
-    return KVCache([(unflat(chunk[0, i]), unflat(chunk[1, i])) for i in range(layers)], **meta)
+    return [(unflat(chunk[0, i]), unflat(chunk[1, i])) for i in range(layers)]

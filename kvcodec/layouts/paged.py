@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from kvcodec.cache import KVCache
 from kvcodec.errors import InvalidInputError
 from kvcodec.formats.v1 import LayerShape
+
+if TYPE_CHECKING:
+    from kvcodec.cache import KVCache
 
 
 def slot_mapping(block_table: torch.Tensor, start: int, count: int, block_size: int) -> torch.Tensor:
@@ -168,9 +170,10 @@ def empty_shape(layout: PagedLayout | str, num_blocks: int, block_size: int, hea
     return 2, num_blocks, block_size, heads, dim
 
 
-def from_paged(kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num_tokens: int,
-               layout: PagedLayout | str = FLASH, **meta: Any) -> KVCache:
-    """Gather one sequence of ``num_tokens`` tokens out of per-layer paged tensors of ``layout``."""
+def paged_pairs(kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num_tokens: int,
+                layout: PagedLayout | str = FLASH) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Gather one sequence of ``num_tokens`` tokens out of per-layer paged tensors of ``layout``, as
+    ``(keys, values)`` per layer."""
     if not kv_caches:
         raise InvalidInputError("no paged layers given")
     layout = paged_layout(layout)
@@ -181,4 +184,4 @@ def from_paged(kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num
         if num_tokens and int(slots.max()) >= num_blocks * block_size:
             raise InvalidInputError(f"layer {i}: block table points past the {num_blocks} blocks")
         layers.append(read_paged(paged, slots, layout))
-    return KVCache(layers, **meta)
+    return layers

@@ -28,26 +28,23 @@ How the encoder picks the steps (config ``scale``; the decoder only reads the sc
 from __future__ import annotations
 
 import math
-import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
-import xxhash
 
 from kvcodec.codecs.base import Codec, LayerContext
-from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.kvfetcher import pictures as P
 from kvcodec.codecs.kvfetcher import scales as S
 from kvcodec.codecs.kvfetcher import video
-from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
+from kvcodec.codecs.kvfetcher.restore import restore_on, scatter_frames, uses_nvdec
+from kvcodec.codecs.kvfetcher.section import FLAG_DELTA, HEAD, MAGIC, codes_digest, decode_codes
+from kvcodec.codecs.raw import tensor_bytes
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.threads import torch_threads
 
-MAGIC = b"KVF1"
-HEAD = struct.Struct("<4sBBHHHHIQH")
-FLAG_DELTA = 1  # bit 1 (S.FLAG_STEP_CODES) says which scale block follows the head
 SCALES = ("minmax", "spread")
 # Measured on SmolLM2 (bench/results/kvfetcher.md): 2.61 bits/element, perplexity +0.68%.
 DEFAULT_KEY_STEP = 2.0  # attention-logit units (per query RMS)
@@ -55,62 +52,6 @@ DEFAULT_VALUE_SPREAD = 1.0  # RMS deviations of the token's values from their ch
 MAX_STEP = 64.0
 SINK_TOKENS = 1  # spread keeps the sequence's first token exactly, as cachegen's default does
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
-
-
-class SectionHead:
-    """The parsed, validated head and scale block of one section."""
-
-    def __init__(self, data: bytes | memoryview, ctx: LayerContext) -> None:
-        s = ctx.shape
-        if len(data) < HEAD.size:
-            raise CorruptDataError(f"kvfetcher section of {len(data)} bytes is shorter than its head")
-        magic, bits, flags, frame_rows, rows, cols, nframes, stream_len, digest, exact = HEAD.unpack_from(data)
-        if magic != MAGIC:
-            raise CorruptDataError("kvfetcher section has a bad magic")
-        if not 2 <= bits <= 10 or flags & ~(FLAG_DELTA | S.FLAG_STEP_CODES):
-            raise CorruptDataError(f"kvfetcher section has bits={bits}, flags={flags}")
-        try:
-            geo = L.geometry(s.tokens, s.heads, s.key_dim, s.value_dim, frame_rows)
-        except InvalidInputError as e:
-            raise CorruptDataError(f"kvfetcher section: {e}") from None
-        if (geo.frame_rows, geo.rows, geo.cols, geo.num_frames) != (frame_rows, rows, cols, nframes):
-            raise CorruptDataError("kvfetcher section's frame geometry does not match its shape")
-        if exact > s.tokens:
-            raise CorruptDataError(f"kvfetcher section has {exact} exact tokens of {s.tokens}")
-        self.bits, self.delta, self.geo, self.digest = bits, bool(flags & FLAG_DELTA), geo, digest
-        dims = (s.heads, s.tokens, s.key_dim, s.value_dim)
-        scale_end = HEAD.size + S.size(flags, *dims)
-        self.stream_start = scale_end + 2 * s.heads * exact * (s.key_dim + s.value_dim)
-        if len(data) != self.stream_start + stream_len:
-            raise CorruptDataError(f"kvfetcher section is {len(data)} bytes; its head says {self.stream_start + stream_len}")
-        mv = memoryview(data)
-        self.scales = S.parse(mv[HEAD.size:scale_end], flags, *dims, bits)
-        o = scale_end + 2 * s.heads * exact * s.key_dim
-        self.exact = (tensor_from_bytes(mv[scale_end:o], torch.float16, (s.heads, exact, s.key_dim)),
-                      tensor_from_bytes(mv[o:self.stream_start], torch.float16, (s.heads, exact, s.value_dim)))
-        self.stream = mv[self.stream_start:]
-
-    def dequantize(self, q: torch.Tensor, lo: int, hi: int, is_value: bool,
-                   scales: S.FloatScales | S.StepScales | None = None) -> torch.Tensor:
-        """The values of block ``[lo, hi)`` from its codes ``q``, with the section's exact tokens put back;
-        ``scales`` is this section's scale block moved to ``q``'s device (default: as parsed, on the CPU)."""
-        sc = self.scales if scales is None else scales
-        x = sc.values(q, lo, hi) if is_value else sc.keys(q)
-        exact = self.exact[is_value]
-        if lo < exact.shape[1]:
-            x[:, :exact.shape[1] - lo] = exact[:, lo:hi].to(x.device, x.dtype)
-        return x
-
-
-def _codes_digest(kq: np.ndarray, vq: np.ndarray, geo: L.FrameGeometry) -> int:
-    """xxh3-64 of the codes in frame order: for each block, its key codes ``[H, t, Dk]`` then its value
-    codes ``[H, t, Dv]``, as int32 little-endian."""
-    h = xxhash.xxh3_64()
-    for b in range(geo.blocks):
-        lo, hi = geo.block(b)
-        h.update(np.ascontiguousarray(kq[:, lo:hi], "<i4").tobytes())
-        h.update(np.ascontiguousarray(vq[:, lo:hi], "<i4").tobytes())
-    return h.intdigest()
 
 
 @register_codec
@@ -132,8 +73,8 @@ class KVFetcher(Codec):
                  scale: str = "spread", key_step: float | None = None, value_spread: float | None = None) -> None:
         if not (isinstance(bits, int) and not isinstance(bits, bool) and 2 <= bits <= 10):
             raise InvalidInputError(f"kvfetcher bits must be an integer in 2..10, not {bits!r}")
-        if not (isinstance(frame_tokens, int) and frame_tokens % L.PAGE == 0 and L.PAGE <= frame_tokens <= video.MAX_SIDE):
-            raise InvalidInputError(f"kvfetcher frame_tokens must be a multiple of {L.PAGE} in {L.PAGE}..{video.MAX_SIDE}, "
+        if not (isinstance(frame_tokens, int) and frame_tokens % P.PAGE == 0 and P.PAGE <= frame_tokens <= video.MAX_SIDE):
+            raise InvalidInputError(f"kvfetcher frame_tokens must be a multiple of {P.PAGE} in {P.PAGE}..{video.MAX_SIDE}, "
                                     f"not {frame_tokens!r}")
         if preset not in PRESETS:
             raise InvalidInputError(f"kvfetcher preset must be one of {PRESETS}, not {preset!r}")
@@ -206,18 +147,18 @@ class KVFetcher(Codec):
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
         h, t, dk = keys.shape
         dv = values.shape[2]
-        geo = L.geometry(t, h, dk, dv, self.frame_tokens)
+        geo = P.geometry(t, h, dk, dv, self.frame_tokens)
         kq, vq, sc = self.quantize(keys, values, ctx)
         n = self._exact_tokens(ctx, t)
         exact = [tensor_bytes(x[:, :n].detach().cpu().to(torch.float16)) for x in (keys, values)]
         frames = []
         for b in range(geo.blocks):
             lo, hi = geo.block(b)
-            frames.append(L.to_frame(kq[:, lo:hi], geo, self.bits, self.delta, sc.key_columns))
-            frames.append(L.to_frame(vq[:, lo:hi], geo, self.bits, self.delta))
+            frames.append(P.to_frame(kq[:, lo:hi], geo, self.bits, self.delta, sc.key_columns))
+            frames.append(P.to_frame(vq[:, lo:hi], geo, self.bits, self.delta))
         stream = video.encode_frames(frames, self.bits, self.preset)
         head = HEAD.pack(MAGIC, self.bits, (FLAG_DELTA if self.delta else 0) | sc.flags, geo.frame_rows, geo.rows,
-                         geo.cols, geo.num_frames, len(stream), _codes_digest(kq, vq, geo), n)
+                         geo.cols, geo.num_frames, len(stream), codes_digest(kq, vq, geo), n)
         return b"".join([head, sc.to_bytes(), *exact, stream])
 
     def encode_layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> list[bytes]:
@@ -226,7 +167,7 @@ class KVFetcher(Codec):
     # ---------------------------------------------------------------------------------------- decode
 
     def decode_layers(self, datas: list[bytes], ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if any(_uses_nvdec(ctx) for ctx in ctxs):  # one NVDEC engine: sections in turn
+        if any(uses_nvdec(ctx) for ctx in ctxs):  # one NVDEC engine: sections in turn
             return super().decode_layers(datas, ctxs)
         return _in_threads(lambda i: self.decode_layer(datas[i], ctxs[i]), ctxs)
 
@@ -251,8 +192,6 @@ class KVFetcher(Codec):
     def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
                            layout: Any = "flash") -> None:
         """Frame by frame into the paged blocks: one frame's values are held at a time, whatever the section's length."""
-        from kvcodec.codecs.kvfetcher.paged import scatter_frames
-
         scatter_frames(data, ctx, paged, slots, layout=layout)
 
     def decode_codes(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
@@ -276,84 +215,3 @@ def _in_threads(fn: Callable[[int], Any], ctxs: list[LayerContext]) -> list[Any]
 
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(one_thread, range(n)))
-
-
-def iter_frames(head: SectionHead, ctx: LayerContext,
-                pieces: Iterable[bytes] | None = None) -> Iterator[tuple[int, int, bool, np.ndarray]]:
-    """``(token_lo, token_hi, is_value, codes [H, t, D])`` per decoded frame, in stream order.
-
-    ``pieces`` (default: the section's stream in one piece) feeds the HEVC decoder in arbitrary byte pieces.
-    """
-    s, geo = ctx.shape, head.geo
-    dec = video.StreamDecoder(geo.rows, geo.cols, head.bits, geo.num_frames)
-    src = [bytes(head.stream)] if pieces is None else pieces
-    i = 0
-
-    def frames() -> Iterator[np.ndarray]:
-        for piece in src:
-            yield from dec.feed(piece)
-        yield from dec.flush()
-
-    for f in frames():
-        lo, hi = geo.block(i // 2)
-        is_v = bool(i % 2)
-        yield lo, hi, is_v, L.from_frame(f, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits, head.delta,
-                                         None if is_v else head.scales.key_columns)
-        i += 1
-    if i != geo.num_frames:
-        raise CorruptDataError(f"HEVC stream decoded to {i} pictures, its head says {geo.num_frames}")
-
-
-def restore(data: bytes, ctx: LayerContext,
-            sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
-            pieces: Iterable[bytes] | None = None) -> None:
-    """Decode a section frame by frame, handing each dequantized block to ``sink(lo, hi, keys, values)``
-    (one of keys/values is None) as soon as its frame is decoded; at most one frame's codes are held.
-
-    Raises :class:`CorruptDataError` after the last frame if the codes do not match the section's digest
-    (the sink has then already seen the bad blocks)."""
-    head = SectionHead(data, ctx)
-    h = xxhash.xxh3_64()
-    for lo, hi, is_v, q in iter_frames(head, ctx, pieces):
-        q = np.ascontiguousarray(q, "<i4")
-        h.update(q.tobytes())
-        x = head.dequantize(torch.from_numpy(q), lo, hi, is_v)
-        if is_v:
-            sink(lo, hi, None, x)
-        else:
-            sink(lo, hi, x, None)
-    if h.intdigest() != head.digest:
-        raise CorruptDataError("kvfetcher codes do not match the section's checksum")
-
-
-def _uses_nvdec(ctx: LayerContext) -> bool:
-    from kvcodec.codecs.kvfetcher import nvdec
-
-    return ctx.backend == "nvdec" or (ctx.backend == "auto" and ctx.device.type == "cuda" and nvdec.available())
-
-
-def restore_on(data: bytes, ctx: LayerContext,
-               sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
-               pieces: Iterable[bytes] | None = None) -> None:
-    """:func:`restore` through NVDEC for ``"nvdec"``, or ``"auto"`` onto a CUDA device with PyNvVideoCodec
-    installed; else through FFmpeg."""
-    if not _uses_nvdec(ctx):
-        restore(data, ctx, sink, pieces)
-        return
-    if ctx.device.type != "cuda":
-        raise InvalidInputError("kvfetcher's 'nvdec' backend decodes on a CUDA device (pass device='cuda')")
-    from kvcodec.codecs.kvfetcher.nvdec import restore_nvdec
-
-    restore_nvdec(data, ctx, sink, pieces, gpu=ctx.device.index or 0)
-
-
-def decode_codes(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    s = ctx.shape
-    head = SectionHead(data, ctx)
-    kq = np.empty((s.heads, s.tokens, s.key_dim), np.int32)
-    vq = np.empty((s.heads, s.tokens, s.value_dim), np.int32)
-    for lo, hi, is_v, q in iter_frames(head, ctx, pieces):
-        (vq if is_v else kq)[:, lo:hi] = q
-    if _codes_digest(kq, vq, head.geo) != head.digest:
-        raise CorruptDataError("kvfetcher codes do not match the section's checksum")
-    return kq, vq

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import LayerContext
-from kvcodec.codecs.kvfetcher import layout as L
+from kvcodec.codecs.kvfetcher import pictures as P
+from kvcodec.codecs.kvfetcher.section import SectionHead
 from kvcodec.codecs.kvfetcher.sps import check_parameter_sets
 from kvcodec.errors import CorruptDataError, UnsupportedError
 
@@ -182,7 +183,7 @@ class NvdecStream:
 def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None, gpu: int,
             reuse: bool) -> Iterator[tuple[int, int, bool, torch.Tensor]]:
     """``(token_lo, token_hi, is_value, int32 codes [H, t, D])`` per picture NVDEC decodes, in stream order (the
-    twin of :func:`kvcodec.codecs.kvfetcher.codec.iter_frames`); the codes stay where NVDEC put them."""
+    twin of :func:`kvcodec.codecs.kvfetcher.section.decoded_frames`); the codes stay where NVDEC put them."""
     s, geo = ctx.shape, head.geo
     if pieces is None:  # the whole stream is here: its parameter sets are checked before NVDEC sees it (SPEC.md §10.7)
         check_parameter_sets(bytes(head.stream), geo.rows, geo.cols, head.bits)
@@ -195,7 +196,7 @@ def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None, gpu: i
                 columns = torch.from_numpy(head.scales.key_columns).to(y.device)  # once, where the pictures land
             lo, hi = geo.block(i // 2)
             is_v = bool(i % 2)
-            yield lo, hi, is_v, L.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits,
+            yield lo, hi, is_v, P.frame_to_torch(y, hi - lo, s.heads, s.value_dim if is_v else s.key_dim, head.bits,
                                                  head.delta, None if is_v else columns)
             i += 1
     if i != geo.num_frames:
@@ -205,14 +206,12 @@ def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None, gpu: i
 
 def restore_nvdec(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
                   pieces: Iterable[bytes] | None = None, gpu: int = 0, check: bool = True, reuse: bool = True) -> None:
-    """The NVDEC twin of :func:`kvcodec.codecs.kvfetcher.codec.restore`: NVDEC on GPU ``gpu`` decodes, and each frame
+    """The NVDEC twin of :func:`kvcodec.codecs.kvfetcher.section.restore`: NVDEC on GPU ``gpu`` decodes, and each frame
     is dequantized where it lands (on that GPU) and handed to ``sink``.
 
     ``check`` verifies the section's code digest (it copies each frame's codes to the host; turn it off to time
     the GPU path alone); ``reuse`` decodes through a kept NVDEC session instead of creating one per section."""
     import xxhash
-
-    from kvcodec.codecs.kvfetcher.codec import SectionHead
 
     head = SectionHead(data, ctx)
     scales = head.scales.to(ctx.device)
@@ -232,8 +231,6 @@ def restore_nvdec(data: bytes, ctx: LayerContext, sink: Callable[[int, int, torc
 def decode_codes_nvdec(data: bytes, ctx: LayerContext, pieces: Iterable[bytes] | None = None,
                        gpu: int = 0, reuse: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """int32 codes ``[H, T, Dk]``, ``[H, T, Dv]`` decoded by NVDEC (for bit-exact comparison with PyAV)."""
-    from kvcodec.codecs.kvfetcher.codec import SectionHead
-
     s = ctx.shape
     kq = np.empty((s.heads, s.tokens, s.key_dim), np.int32)
     vq = np.empty((s.heads, s.tokens, s.value_dim), np.int32)

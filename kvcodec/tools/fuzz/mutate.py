@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvcodec.codecs.kvfetcher.codec import HEAD as KVF_HEAD
+from kvcodec.codecs.kvfetcher.section import HEAD as KVF_HEAD
 from kvcodec.codecs.lmcache_cachegen import LANE_TOKENS
 from kvcodec.codecs.registry import get_codec
 from kvcodec.formats.v1 import Header

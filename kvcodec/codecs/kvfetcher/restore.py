@@ -1,14 +1,35 @@
-"""Frame-wise restoration of ``kvfetcher`` sections straight into vLLM-style paged KV memory."""
+"""Restoring ``kvfetcher`` sections frame by frame: through FFmpeg (:func:`.section.restore`) or NVDEC
+(:mod:`.nvdec`, which imports PyNvVideoCodec only when used), into a sink or straight into vLLM-style paged KV
+memory."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from kvcodec.codecs.base import LayerContext
-from kvcodec.codecs.kvfetcher.codec import restore_on
+from kvcodec.codecs.kvfetcher import nvdec
+from kvcodec.codecs.kvfetcher.section import restore
+from kvcodec.errors import InvalidInputError
 from kvcodec.layouts.paged import FLASH, PagedLayout, check_paged_layer, paged_layout, scatter_rows, slot_mapping
+
+
+def uses_nvdec(ctx: LayerContext) -> bool:
+    return ctx.backend == "nvdec" or (ctx.backend == "auto" and ctx.device.type == "cuda" and nvdec.available())
+
+
+def restore_on(data: bytes, ctx: LayerContext,
+               sink: Callable[[int, int, torch.Tensor | None, torch.Tensor | None], None],
+               pieces: Iterable[bytes] | None = None) -> None:
+    """:func:`restore` through NVDEC for ``"nvdec"``, or ``"auto"`` onto a CUDA device with PyNvVideoCodec
+    installed; else through FFmpeg."""
+    if not uses_nvdec(ctx):
+        restore(data, ctx, sink, pieces)
+        return
+    if ctx.device.type != "cuda":
+        raise InvalidInputError("kvfetcher's 'nvdec' backend decodes on a CUDA device (pass device='cuda')")
+    nvdec.restore_nvdec(data, ctx, sink, pieces, gpu=ctx.device.index or 0)
 
 
 def scatter_frames(data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
@@ -40,6 +61,3 @@ def restore_paged(data: bytes, ctx: LayerContext, paged: torch.Tensor, block_tab
     _, block_size, _, _ = paged_layout(layout).geometry(paged)
     return scatter_frames(data, ctx, paged, slot_mapping(block_table, start, ctx.shape.tokens, block_size), pieces,
                           layout)
-
-
-__all__ = ["restore_paged", "scatter_frames"]
