@@ -39,15 +39,16 @@ in float64 where each product is exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvcodec.codecs.base import Codec, LayerContext
-from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane
-from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, code_lengths_fixed, step_code
+from kvcodec.codecs.cachegen.device import TritonEngine
+from kvcodec.codecs.cachegen.lanes import Run, decode_lane, encode_lane, table_runs
+from kvcodec.codecs.cachegen.parts import Part, SectionBytes, Side, with_sinks
+from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, choose_tables, step_code
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 
@@ -207,8 +208,6 @@ class CacheGen(Codec):
             return CpuEngine
         if self.group != 1:
             raise UnsupportedError("cachegen's Triton kernels code group=1 only (anchor/delta groups run on the CPU)")
-        from kvcodec.codecs.cachegen.device import TritonEngine
-
         return TritonEngine
 
     def plan(self, channels: int, tokens: int, table: np.ndarray, anchor_table: np.ndarray | None) -> list[list[Run]]:
@@ -226,13 +225,13 @@ class CacheGen(Codec):
             for t0 in range(0, tokens, self.lane_tokens):
                 t1 = min(t0 + self.lane_tokens, tokens)
                 if anchor_table is None:
-                    runs = _table_runs("q", chans, slice(t0, t1), t1 - t0, table)
+                    runs = table_runs("q", chans, slice(t0, t1), t1 - t0, table)
                 else:
                     tok = np.arange(t0, t1)
                     is_anchor = tok % self.group == 0
                     anchor_cols, delta_cols = tok[is_anchor] // self.group, tok[~is_anchor]
-                    runs = (_table_runs("anchor", chans, anchor_cols, len(anchor_cols), anchor_table)
-                            + _table_runs("q", chans, delta_cols, len(delta_cols), table))
+                    runs = (table_runs("anchor", chans, anchor_cols, len(anchor_cols), anchor_table)
+                            + table_runs("q", chans, delta_cols, len(delta_cols), table))
                 lanes.append(runs)
         return lanes
 
@@ -271,7 +270,7 @@ class CacheGen(Codec):
     def _parse(self, data: bytes, ctx: LayerContext) -> tuple[list[Part], list[np.ndarray]]:
         """A section's two parts and its sink tokens (float16 ``[H, S, D]`` each), every length checked."""
         s = ctx.shape
-        reader = _Bytes(memoryview(data))
+        reader = SectionBytes(memoryview(data))
         parts = [self._parse_part(reader, s.heads, s.tokens, d, token_scale=v) for d, v in ((s.key_dim, False),
                                                                                             (s.value_dim, True))]
         sinks = self._sinks(ctx)
@@ -280,7 +279,7 @@ class CacheGen(Codec):
             raise CorruptDataError(f"cachegen section has {len(data) - reader.pos} bytes too many")
         return parts, exact
 
-    def _parse_part(self, reader: _Bytes, h: int, t: int, d: int, token_scale: bool) -> Part:
+    def _parse_part(self, reader: SectionBytes, h: int, t: int, d: int, token_scale: bool) -> Part:
         c = h * d
         n_lanes = -(-c // self.lane_channels) * -(-t // self.lane_tokens)
         mu = reader.take(c, "<f2")
@@ -332,49 +331,6 @@ class CacheGen(Codec):
         return to_htd(xc), to_htd(step / 2)
 
 
-@dataclass
-class Side:
-    """The side information of one part (keys or values) of a section: everything but the lanes."""
-
-    mu: np.ndarray  # float16 [C]
-    b_code: np.ndarray  # uint8 [C]
-    a_code: np.ndarray | None  # uint8 [H * T], values only
-    table: np.ndarray | None = None  # uint8 [C]
-    anchor_table: np.ndarray | None = None  # uint8 [C] when group > 1
-
-    def token_steps(self, h: int, t: int) -> np.ndarray:
-        return STEPS[self.a_code].reshape(h, t) if self.a_code is not None else np.ones((h, t), np.float32)
-
-    def pack(self) -> list[bytes]:
-        fields = [self.mu.astype("<f2"), self.b_code, self.table, self.anchor_table, self.a_code]
-        return [np.ascontiguousarray(f).tobytes() for f in fields if f is not None]
-
-
-@dataclass
-class Part:
-    """A parsed part: ``(H, T, D)``, its side information, and its lanes' lengths and words."""
-
-    shape: tuple[int, int, int]
-    side: Side
-    lengths: np.ndarray  # int64 [lanes]
-    words: np.ndarray  # '<u4' [sum of lengths]
-
-
-class _Bytes:
-    """Reads typed arrays off the front of a section, refusing to run past its end."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.pos = view, 0
-
-    def take(self, n: int, dtype: str) -> np.ndarray:
-        size = n * np.dtype(dtype).itemsize
-        if self.pos + size > len(self.view):
-            raise CorruptDataError("cachegen section is truncated")
-        arr = np.frombuffer(self.view[self.pos:self.pos + size], dtype=dtype)
-        self.pos += size
-        return arr
-
-
 class CpuEngine:
     """The encoder's heavy passes on the CPU: numpy for statistics and quantization, constriction for ANS."""
 
@@ -421,59 +377,10 @@ class CpuEngine:
         return out
 
 
-@dataclass(frozen=True)
-class Run:
-    """Symbols coded with one table in a lane: ``rows`` (channels) by ``cols`` (tokens, or anchor
-    indices when ``source == "anchor"``) of a symbol matrix, row-major."""
-
-    source: str
-    rows: np.ndarray
-    cols: slice | np.ndarray
-    width: int
-    table: int
-
-    @property
-    def size(self) -> int:
-        return len(self.rows) * self.width
-
-    def gather(self, matrix: np.ndarray) -> np.ndarray:
-        block = matrix[self.rows, self.cols] if isinstance(self.cols, slice) else matrix[np.ix_(self.rows, self.cols)]
-        return block.reshape(-1)
-
-    def scatter(self, matrix: np.ndarray, symbols: np.ndarray) -> None:
-        block = symbols.reshape(len(self.rows), self.width)
-        if isinstance(self.cols, slice):
-            matrix[self.rows, self.cols] = block
-        else:
-            matrix[np.ix_(self.rows, self.cols)] = block
-
-
-def _table_runs(source: str, chans: np.ndarray, cols: slice | np.ndarray, width: int, table: np.ndarray) -> list[Run]:
-    """One run per distinct table among ``chans``: its channels (in order) and the columns they code."""
-    if not width:
-        return []
-    order = chans[np.argsort(table[chans], kind="stable")]  # by table, ties in channel order
-    cuts = np.flatnonzero(np.diff(table[order])) + 1
-    return [Run(source, rows, cols, width, int(table[rows[0]])) for rows in np.split(order, cuts)]
-
-
 def _steps(a: np.ndarray, b_code: np.ndarray, d: int) -> np.ndarray:
     """``step[c, t] = a[h, t] * b[c]`` in float32, channel ``c = h * d + j``."""
     b = STEPS[b_code].reshape(-1, d)  # [H, D]
     return (a[:, None, :] * b[:, :, None]).reshape(-1, a.shape[1])
-
-
-def choose_tables(q: np.ndarray) -> np.ndarray:
-    """Per row of symbols, the codebook table that codes it in the fewest bits (first on a tie).
-
-    Costs are sums of integer code lengths below 2**53, so float64 adds them exactly: the Triton range
-    kernel, which sums them in 64-bit integers, picks the same tables."""
-    rows = q.shape[0]
-    magnitude = np.minimum(np.abs(q), RADIX)  # the codebook is symmetric
-    hist = np.bincount((np.arange(rows)[:, None] * (RADIX + 1) + magnitude).reshape(-1), minlength=rows * (RADIX + 1))
-    # einsum's own loop, not BLAS: a matrix this small is not worth waking (or waiting for) BLAS threads
-    costs = np.einsum("rm,mt->rt", hist.reshape(rows, RADIX + 1).astype(np.float64), code_lengths_fixed(), optimize=False)
-    return np.argmin(costs, axis=1).astype(np.uint8)
 
 
 def _quantize(xc: np.ndarray, mu: np.ndarray, step: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -489,12 +396,6 @@ def _quantize(xc: np.ndarray, mu: np.ndarray, step: np.ndarray, group: int) -> t
     q = np.rint((xc - xa[:, idx // group]) / step).astype(np.int64)
     q[:, anchor_idx] = 0
     return q, qa
-
-
-def with_sinks(x: torch.Tensor, sink: np.ndarray) -> torch.Tensor:
-    if sink.shape[1]:
-        x[:, :sink.shape[1]] = torch.from_numpy(sink.astype(np.float32)).to(x.device, x.dtype)
-    return x
 
 
 def _to_tensor(x: np.ndarray, ctx: LayerContext) -> torch.Tensor:

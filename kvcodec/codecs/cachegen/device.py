@@ -10,16 +10,20 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvcodec.codecs.base import LayerContext
-from kvcodec.codecs.cachegen.codec import CacheGen, Part, Side, with_sinks
+from kvcodec.codecs.cachegen.parts import Part, Side, with_sinks
 from kvcodec.codecs.cachegen.tables import NUM_TABLES, STEPS, code_lengths_fixed, codebook, cumulative, slot_buckets
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.formats.v1 import LayerShape
 from kvcodec.layouts.paged import FLASH, PagedLayout, check_paged_layer, paged_layout, write_paged
+
+if TYPE_CHECKING:
+    from kvcodec.codecs.cachegen.codec import CacheGen
 
 BLOCK_LANES = 32  # lanes per program on a GPU: one warp, one lane per thread
 BLOCK_TOKENS = 64

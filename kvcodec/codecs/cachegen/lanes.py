@@ -8,6 +8,7 @@ words, 24-bit probabilities.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -39,3 +40,39 @@ def decode_lane(words: np.ndarray, runs: Sequence[tuple[int, int]]) -> list[np.n
     if not coder.is_empty():
         raise CorruptDataError("a CacheGen lane holds more data than its symbols need")
     return out
+
+
+@dataclass(frozen=True)
+class Run:
+    """Symbols coded with one table in a lane: ``rows`` (channels) by ``cols`` (tokens, or anchor
+    indices when ``source == "anchor"``) of a symbol matrix, row-major."""
+
+    source: str
+    rows: np.ndarray
+    cols: slice | np.ndarray
+    width: int
+    table: int
+
+    @property
+    def size(self) -> int:
+        return len(self.rows) * self.width
+
+    def gather(self, matrix: np.ndarray) -> np.ndarray:
+        block = matrix[self.rows, self.cols] if isinstance(self.cols, slice) else matrix[np.ix_(self.rows, self.cols)]
+        return block.reshape(-1)
+
+    def scatter(self, matrix: np.ndarray, symbols: np.ndarray) -> None:
+        block = symbols.reshape(len(self.rows), self.width)
+        if isinstance(self.cols, slice):
+            matrix[self.rows, self.cols] = block
+        else:
+            matrix[np.ix_(self.rows, self.cols)] = block
+
+
+def table_runs(source: str, chans: np.ndarray, cols: slice | np.ndarray, width: int, table: np.ndarray) -> list[Run]:
+    """One run per distinct table among ``chans``: its channels (in order) and the columns they code."""
+    if not width:
+        return []
+    order = chans[np.argsort(table[chans], kind="stable")]  # by table, ties in channel order
+    cuts = np.flatnonzero(np.diff(table[order])) + 1
+    return [Run(source, rows, cols, width, int(table[rows[0]])) for rows in np.split(order, cuts)]

@@ -114,3 +114,16 @@ def slot_buckets() -> np.ndarray:
     cum = cumulative()
     lut = [np.searchsorted(cum[j], starts, side="right") - 1 for j in range(NUM_TABLES)]
     return np.concatenate([np.array(lut), np.full((NUM_TABLES, 1), ALPHABET - 1)], 1).astype(np.int16)
+
+
+def choose_tables(q: np.ndarray) -> np.ndarray:
+    """Per row of symbols, the codebook table that codes it in the fewest bits (first on a tie).
+
+    Costs are sums of integer code lengths below 2**53, so float64 adds them exactly: the Triton range
+    kernel, which sums them in 64-bit integers, picks the same tables."""
+    rows = q.shape[0]
+    magnitude = np.minimum(np.abs(q), RADIX)  # the codebook is symmetric
+    hist = np.bincount((np.arange(rows)[:, None] * (RADIX + 1) + magnitude).reshape(-1), minlength=rows * (RADIX + 1))
+    # einsum's own loop, not BLAS: a matrix this small is not worth waking (or waiting for) BLAS threads
+    costs = np.einsum("rm,mt->rt", hist.reshape(rows, RADIX + 1).astype(np.float64), code_lengths_fixed(), optimize=False)
+    return np.argmin(costs, axis=1).astype(np.uint8)

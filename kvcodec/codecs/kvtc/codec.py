@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import Codec, LayerContext
-from kvcodec.codecs.cachegen.codec import _Bytes, _table_runs, choose_tables
-from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane
-from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, step_code
+from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane, table_runs
+from kvcodec.codecs.cachegen.parts import SectionBytes
+from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, choose_tables, step_code
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
                                              register_calibration)
 from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
@@ -153,7 +153,7 @@ class KVTC(Codec):
 
     def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         groups = self._groups(ctxs)
-        reader = _Bytes(memoryview(data))
+        reader = SectionBytes(memoryview(data))
         lengths = reader.take(len(groups), "<u4").astype(np.int64)
         if reader.pos + int(lengths.sum()) != len(data):
             raise CorruptDataError("kvtc section's group lengths do not add up to its length")
@@ -232,7 +232,7 @@ class KVTC(Codec):
 
     def _plan(self, live: np.ndarray, tokens: int, table: np.ndarray) -> list[list[Any]]:
         """Lanes of ``lane_components`` live components by ``lane_tokens`` tokens, one run per table (as cachegen's)."""
-        return [_table_runs("q", live[c0:c0 + self.lane_components], slice(t0, min(t0 + self.lane_tokens, tokens)),
+        return [table_runs("q", live[c0:c0 + self.lane_components], slice(t0, min(t0 + self.lane_tokens, tokens)),
                             min(t0 + self.lane_tokens, tokens) - t0, table)
                 for c0 in range(0, len(live), self.lane_components) for t0 in range(0, tokens, self.lane_tokens)]
 
@@ -241,7 +241,7 @@ class KVTC(Codec):
         cal = self.calibration_data()
         ctx0 = present[0]
         t, s = ctx0.shape.tokens, self._sinks(ctx0)
-        reader = _Bytes(data)
+        reader = SectionBytes(data)
         # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
         # all zero, and at the default level most of the basis is dead in any one chunk
         parts = [self._decode_part(reader, gb, step, t - s) for gb, step in zip((cal.keys[g], cal.values[g]),
@@ -277,7 +277,7 @@ class KVTC(Codec):
                 out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
         return out
 
-    def _decode_part(self, reader: _Bytes, gb: GroupBasis, step: float, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_part(self, reader: SectionBytes, gb: GroupBasis, step: float, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One part's dequantized coefficients ``[T, L]`` float32 of its components up to the last live one,
         and those components' basis rows ``[L, F]``."""
         k = self._coded(gb, step)

@@ -1,0 +1,62 @@
+"""A cachegen section's parts (keys, values) as parsed: their side information, their lanes, the exact sink
+tokens put back, and the reader that takes typed arrays off a section.  Shared by the CPU and Triton engines and
+by kvtc, which codes its sections the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcodec.codecs.cachegen.tables import STEPS
+from kvcodec.errors import CorruptDataError
+
+
+@dataclass
+class Side:
+    """The side information of one part (keys or values) of a section: everything but the lanes."""
+
+    mu: np.ndarray  # float16 [C]
+    b_code: np.ndarray  # uint8 [C]
+    a_code: np.ndarray | None  # uint8 [H * T], values only
+    table: np.ndarray | None = None  # uint8 [C]
+    anchor_table: np.ndarray | None = None  # uint8 [C] when group > 1
+
+    def token_steps(self, h: int, t: int) -> np.ndarray:
+        return STEPS[self.a_code].reshape(h, t) if self.a_code is not None else np.ones((h, t), np.float32)
+
+    def pack(self) -> list[bytes]:
+        fields = [self.mu.astype("<f2"), self.b_code, self.table, self.anchor_table, self.a_code]
+        return [np.ascontiguousarray(f).tobytes() for f in fields if f is not None]
+
+
+@dataclass
+class Part:
+    """A parsed part: ``(H, T, D)``, its side information, and its lanes' lengths and words."""
+
+    shape: tuple[int, int, int]
+    side: Side
+    lengths: np.ndarray  # int64 [lanes]
+    words: np.ndarray  # '<u4' [sum of lengths]
+
+
+class SectionBytes:
+    """Reads typed arrays off the front of a section, refusing to run past its end."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def take(self, n: int, dtype: str) -> np.ndarray:
+        size = n * np.dtype(dtype).itemsize
+        if self.pos + size > len(self.view):
+            raise CorruptDataError("cachegen section is truncated")
+        arr = np.frombuffer(self.view[self.pos:self.pos + size], dtype=dtype)
+        self.pos += size
+        return arr
+
+
+def with_sinks(x: torch.Tensor, sink: np.ndarray) -> torch.Tensor:
+    if sink.shape[1]:
+        x[:, :sink.shape[1]] = torch.from_numpy(sink.astype(np.float32)).to(x.device, x.dtype)
+    return x
