@@ -1,0 +1,152 @@
+"""The package's layering, read statically from its source (no imports run): the runtime never imports the
+tooling in ``kvcodec.tools`` at module level, ``kvcodec.formats`` imports nothing above itself, the kernels
+nothing but the formats, and no modules import each other in a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# pyproject.toml's package-dir: kernels/ and formats/ ship inside the package
+SOURCES = {"kvcodec": REPO / "kvcodec", "kvcodec.kernels": REPO / "kernels", "kvcodec.formats": REPO / "formats"}
+TOOLS = "kvcodec.tools"
+# Tooling-facing runtime modules that may import the tools inside a function, when the command or the first-use
+# calibration that needs them runs.
+LAZY_TOOL_USERS = {"kvcodec.cli", "kvcodec.engines.auto_calibration"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in SOURCES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, int, bool]]:
+    """``(module, line, at_module_level)`` for each import of one of ours; ``from P import n`` counts as an import
+    of ``P`` and, where ``n`` is a module, of ``P.n``.  Imports under ``if TYPE_CHECKING`` never run."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno, top) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[:len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                out.append((base, child.lineno, top))
+                out.extend((f"{base}.{a.name}", child.lineno, top) for a in child.names if f"{base}.{a.name}" in MODULES)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), str(path)), True)
+    return [(m, line, top) for m, line, top in out if m in MODULES]
+
+
+IMPORTS = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _where(name: str, line: int) -> str:
+    return f"{MODULES[name].relative_to(REPO)}:{line}"
+
+
+def test_the_sources_are_found():
+    assert {"kvcodec", "kvcodec.api", "kvcodec.formats.v1", "kvcodec.kernels.cachegen", TOOLS} <= set(MODULES)
+
+
+def test_the_runtime_does_not_import_the_tools():
+    bad = [f"{_where(name, line)} imports {target}" + ("" if top else " (in a function)")
+           for name, imports in IMPORTS.items() if not _within(name, TOOLS)
+           for target, line, top in imports
+           if _within(target, TOOLS) and (top or name not in LAZY_TOOL_USERS)]
+    assert not bad, "runtime modules import kvcodec.tools:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package, allowed", [("kvcodec.formats", ("kvcodec.formats",)),
+                                              ("kvcodec.kernels", ("kvcodec.kernels", "kvcodec.formats"))])
+def test_the_bottom_layers_import_nothing_above_them(package, allowed):
+    bad = [f"{_where(name, line)} imports {target}"
+           for name, imports in IMPORTS.items() if _within(name, package)
+           for target, line, _ in imports if not any(_within(target, a) for a in allowed)]
+    assert not bad, f"{package} imports from above itself:\n" + "\n".join(bad)
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_no_import_circles():
+    # Imports inside functions count too: a circle closed at call time still ties the two modules together.  A
+    # module's own enclosing packages are left out: Python has started them before the module runs.
+    edges = {name: {t for t, _, _ in imports if t != name and not name.startswith(t + ".")}
+             for name, imports in IMPORTS.items()}
+    circles = _circles(edges)
+    described = [" <-> ".join(c) + "\n  " + "\n  ".join(f"{_where(a, line)} imports {b}" for a in c
+                                                       for b, line, _ in IMPORTS[a] if b in c and b != a)
+                 for c in circles]
+    assert not circles, "import circles:\n" + "\n".join(described)
+
+
+def test_the_circle_finder_finds_one():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_package_ships():
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages <= listed, f"packages missing from pyproject.toml: {sorted(packages - listed)}"
