@@ -55,6 +55,7 @@ import torch  # noqa: E402
 import kvcodec  # noqa: E402
 from kvcodec.chunking import layer_context, make_header  # noqa: E402
 from kvcodec.codecs.cachegen.device import DecodeLaunch, Target  # noqa: E402
+from kvcodec.container import ContainerFile  # noqa: E402
 from kvcodec.layouts.paged import slot_mapping  # noqa: E402
 
 
@@ -157,10 +158,10 @@ def check_correctness(kv: kvcodec.KVCache, device: torch.device, say: Callable[[
     shapes = {"flash": (2, n_blocks + 3, block_size, heads, dim), "gpu": (n_blocks + 3, heads, block_size, 2 * dim),
               "cpu": (n_blocks + 3, heads, block_size, 2 * dim)}
     for layout, shape in shapes.items():
-        with kvcodec.open(blob) as r:
+        with kvcodec.open(blob) as r, ContainerFile(blob) as f:
             paged = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in small.layers]
             for i in range(r.num_chunks):
-                frame = r._container.read_frame(i)
+                frame = f.read_frame(i)
                 e = frame.entry
                 for layer, data in frame.sections.items():
                     lo, hi = r.header.local_range(layer, e.token_start, e.token_count)
@@ -214,7 +215,7 @@ def nvcomp_baseline(symbols: torch.Tensor, timer: Timer) -> tuple[float, float, 
 
 def _symbols(codec, section: bytes, ctx) -> torch.Tensor:  # noqa: ANN001
     """A section's symbols (decoded on the CPU from its lanes) as bytes ``q + 128``, clamped."""
-    parts, _ = codec._parse(section, ctx)
+    parts, _ = codec.parse(section, ctx)
     q = np.clip(np.concatenate([codec.symbols(part)[0].reshape(-1) for part in parts]), -127, 127) + 128
     return torch.from_numpy(q.astype(np.uint8)).to(ctx.device)
 
@@ -268,7 +269,7 @@ def main() -> int:
                     failures.append(f"{tokens} tokens, Llama shape: device bytes differ from the CPU path's")
             t_enc = timer(lambda: codec.encode_layers(pairs, ctxs))
             t_dec = timer(lambda: codec.decode_layers(sections, ctxs))
-            parsed = [codec._parse(s, c) for s, c in zip(sections, ctxs)]
+            parsed = [codec.parse(s, c) for s, c in zip(sections, ctxs)]
             parts = [p for layer_parts, _ in parsed for p in layer_parts]
             out = torch.empty(size // 2, dtype=torch.float16, device=device)
             h, t, d = parts[0].shape

@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "engines"), str(REPO / "tests")]
+from engine_harness import REPO  # puts tests/engines and tests on sys.path (bench/ is, when this runs as a script)
 
 import redis as redis_py  # noqa: E402
 import torch  # noqa: E402

@@ -21,13 +21,10 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "engines"), str(REPO / "tests")]
+from engine_harness import REPO  # puts tests/engines and tests on sys.path (bench/ is, when this runs as a script)
 
 from redis_process import started_redis  # noqa: E402
 from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store  # noqa: E402

@@ -117,9 +117,6 @@ class BandwidthEstimator:
             return self.prior_bps
         return len(self._samples) / sum(1.0 / s for s in self._samples)
 
-    def reset(self) -> None:
-        self._samples.clear()
-
 
 # --------------------------------------------------------------------------------------------- chunk sizes
 

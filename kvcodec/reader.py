@@ -11,7 +11,7 @@ import torch
 from kvcodec.cache import KVCache, KVLayer
 from kvcodec.chunking import DecodeRequest, decode_all, decode_sections, sections_to_read
 from kvcodec.codecs import Codec, codec_class
-from kvcodec.container import ContainerReader
+from kvcodec.container import ContainerFile
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.formats.v1 import VERSION_MAJOR, ChunkEntry, Header, LayerShape
 from kvcodec.threads import DEFAULT_THREADS
@@ -134,7 +134,7 @@ class Reader:
     def __init__(self, source: bytes | bytearray | memoryview | str | os.PathLike[str] | BinaryIO,
                  max_bytes: int | None = None) -> None:
         try:
-            self._container = ContainerReader(source, max_bytes)
+            self._container = ContainerFile(source, max_bytes)
         except (CorruptDataError, UnsupportedError) as e:
             raise _naming(e, source) from None
         self.header = self._container.header

@@ -115,7 +115,7 @@ def test_kernel_treats_damaged_lanes_like_the_cpu_path(tiny):
     ctx = layer_context(header, 0, (0, 16), torch.device("cpu"), "triton")
     cpu_ctx = layer_context(header, 0, (0, 16), torch.device("cpu"), "cpu")
     data = codec.encode_layer(k[:, :16], v[:, :16], ctx)
-    parts, sinks = codec._parse(data, ctx)
+    parts, sinks = codec.parse(data, ctx)
     words_end = len(data) - sum(s.nbytes for s in sinks)
     words_start = words_end - parts[1].words.nbytes  # the values' lanes
     rng = np.random.default_rng(1)

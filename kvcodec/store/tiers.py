@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from kvcodec.errors import InvalidInputError
 from kvcodec.files import atomic_writer
@@ -545,7 +545,3 @@ class RedisTier(StorageTier):
             self.client.close()
         except Exception:
             pass
-
-
-def tier_names(tiers: Iterable[StorageTier]) -> list[str]:
-    return [t.name for t in tiers]

@@ -241,7 +241,7 @@ class CacheGen(Codec):
         return self.decode_layers([data], [ctx])[0]
 
     def decode_layers(self, datas: list[bytes], ctxs: list[LayerContext]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        parsed = [self._parse(data, ctx) for data, ctx in zip(datas, ctxs)]
+        parsed = [self.parse(data, ctx) for data, ctx in zip(datas, ctxs)]
         engine = self._engine(ctxs[0], ctxs[0].device)
         if engine is CpuEngine:
             out = []
@@ -256,18 +256,18 @@ class CacheGen(Codec):
         engine = self._engine(ctx, paged.device)
         if engine is CpuEngine:
             return super().decode_layer_paged(data, ctx, paged, slots, layout)
-        engine.decode_paged(self, self._parse(data, ctx), paged, slots, layout)
+        engine.decode_paged(self, self.parse(data, ctx), paged, slots, layout)
 
     def error_bounds(self, data: bytes, ctx: LayerContext) -> tuple[np.ndarray, np.ndarray]:
         """The largest error each decoded key and value element can have (half its step), ``[H, T, D]``,
         before rounding to the output dtype."""
-        parts, sinks = self._parse(data, ctx)
+        parts, sinks = self.parse(data, ctx)
         (_, kb), (_, vb) = (self._reconstruct(p) for p in parts)
         for bound, sink in zip((kb, vb), sinks):
             bound[:, :sink.shape[1]] = 0
         return kb, vb
 
-    def _parse(self, data: bytes, ctx: LayerContext) -> tuple[list[Part], list[np.ndarray]]:
+    def parse(self, data: bytes, ctx: LayerContext) -> tuple[list[Part], list[np.ndarray]]:
         """A section's two parts and its sink tokens (float16 ``[H, S, D]`` each), every length checked."""
         s = ctx.shape
         reader = SectionBytes(memoryview(data))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from kvcodec.container import ContainerReader
+from kvcodec.container import ContainerFile
 from kvcodec.container.writer import index_bytes
 from kvcodec.formats.v1 import (CHECKSUM, FRAME_HEAD, FRAME_MAGIC, MAGIC, PREAMBLE, SECTION_ENTRY, VERSION_MAJOR,
                                 ChunkEntry, checksum)
@@ -51,7 +51,7 @@ class ContainerParts:
 
 def unseal(data: bytes) -> ContainerParts:
     """The parts of a valid container."""
-    with ContainerReader(data) as r:
+    with ContainerFile(data) as r:
         (header_len,) = PREAMBLE.unpack_from(data)[3:]
         frames = []
         for i, e in enumerate(r.entries):

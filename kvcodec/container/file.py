@@ -1,4 +1,6 @@
-"""Random-access container reader over bytes or a seekable file."""
+"""An opened container (bytes or a seekable file): header and index verified, chunks read on demand.
+
+The bottom of the read path; :class:`kvcodec.Reader` decodes on top of it."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ class FrameData:
     sections: dict[int, bytes]
 
 
-class ContainerReader:
+class ContainerFile:
     """Opens a container, verifies header and index, and reads chunks on demand.
 
     Only the header, the index and the chunks asked for are read; every byte
@@ -150,7 +152,7 @@ class ContainerReader:
         if self._owned:
             self._f.close()
 
-    def __enter__(self) -> ContainerReader:
+    def __enter__(self) -> ContainerFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
