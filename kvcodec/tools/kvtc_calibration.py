@@ -21,7 +21,7 @@ from kvcodec.errors import InvalidInputError
 from kvcodec.tools.texts import load_text
 
 # Calibration texts: every machine has them, and none is one of the default evaluation texts
-# (kvcodec.texts.DEFAULT_EVAL_TEXTS) or a version of one.
+# (kvcodec.tools.texts.DEFAULT_EVAL_TEXTS) or a version of one.
 DEFAULT_CALIBRATION_TEXTS = ("license:GFDL-1.3", "license:LGPL-2.1", "license:Apache-2.0", "license:Artistic")
 SEGMENT_TOKENS = 2048
 SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
