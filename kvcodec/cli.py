@@ -412,7 +412,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from kvcodec.tools.models import load_model
-    from kvcodec.profiles import compute_profile
+    from kvcodec.tools.profiling import compute_profile
 
     text = _text(args.text)
     model = load_model(args.model, progress=not args.quiet)
