@@ -17,7 +17,7 @@ small int64 tables built on the host (:mod:`kvcodec.codecs.cachegen.device`):
   number of channels, first token, tokens per channel, first word.
 
 Symbol ``i`` of a lane (decode order) is channel ``order[first + i // width]``
-at token ``t0 + i % width`` (SPEC.md §10.3, ``group = 1``).  The ANS state
+at token ``t0 + i % width`` (spec/cachegen.md §10.3, ``group = 1``).  The ANS state
 machine is constriction's (``kvcodec/tools/ans_reference.py``): u64 state,
 u32 words, 24-bit probabilities, one renormalisation step at most per symbol.
 
@@ -26,7 +26,7 @@ step codes and table indices; steps come from the 256-entry step table), so a
 decode holds little on the device beyond the compressed bytes, the output, the
 lane table and the channel order.
 
-Numerics follow SPEC.md §10.3 so the bytes and the decoded values equal the
+Numerics follow spec/cachegen.md §10.3 so the bytes and the decoded values equal the
 CPU path's: quantization and reconstruction in binary64 (the products there
 are exact, so fused and unfused evaluation agree), steps ``f32(a * b)``.
 """
@@ -88,7 +88,7 @@ CLAMP = tl.constexpr(1125899906842624.0)  # 2**50
 
 @triton.jit
 def _quantize(x, mu, step):
-    """``round_half_even((x - mu) / step)`` in binary64 (SPEC.md §10.3), clamped far outside the symbol range."""
+    """``round_half_even((x - mu) / step)`` in binary64 (spec/cachegen.md §10.3), clamped far outside the symbol range."""
     y = (x.to(tl.float64) - mu.to(tl.float64)) / step.to(tl.float64)
     y = tl.minimum(tl.maximum(y, -CLAMP), CLAMP)
     return ((y + ROUNDER) - ROUNDER).to(tl.int64)

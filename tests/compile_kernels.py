@@ -38,7 +38,7 @@ for out in ("fp16", "bf16", "fp32"):
              table_ptr="*u8", cum_ptr="*i32", lut_ptr="*i16", **SIDE, rows_ptr="*i64", out_ptr=f"*{out}", status_ptr="*i32",
              num_lanes="i32", max_symbols="i32"), dict(BLOCK_L=32), 1)
 
-# rounding the format depends on (SPEC.md §10.3): a correctly rounded binary64 division, the +-1.5 * 2**52
+# rounding the format depends on (spec/cachegen.md §10.3): a correctly rounded binary64 division, the +-1.5 * 2**52
 # round-to-integer pair left unfolded, conversions to nearest even
 ROUNDER = ["0d4338000000000000", "0dC338000000000000"]
 REQUIRED = {"encode_kernel": ["div.rn.f64", *ROUNDER], "range_kernel": ["div.rn.f64", *ROUNDER],

@@ -653,7 +653,7 @@ def test_lmcache_cachegen_on_real_kv(real_kv):
 
 
 def reference_range_encode(symbols: np.ndarray, freq: np.ndarray) -> list[int]:
-    """SPEC §10's range coder, transcribed: 64-bit state, 32-bit words, 24-bit precision, frequencies
+    """spec/lmcache-cachegen.md's (§10.6) range coder, transcribed: 64-bit state, 32-bit words, 24-bit precision, frequencies
     ``256·f`` of the 16-bit table, carries resolved by holding back words while ``lower + range`` wraps."""
     mask64, word_max = (1 << 64) - 1, (1 << 32) - 1
     cum = np.concatenate([[0], np.cumsum(freq)]) * 256

@@ -110,7 +110,7 @@ def test_lanes_are_bit_exact_with_the_reference_coder(small_real):
         plan = codec.plan(c, t, table, None)
         lengths = np.frombuffer(data, "<u2", len(plan), pos).astype(int)
         pos += 2 * len(plan)
-        # the same symbols, re-quantized by SPEC.md §10.3's rule (binary64, ties to even)
+        # the same symbols, re-quantized by spec/cachegen.md §10.3's rule (binary64, ties to even)
         x = small_real.layers[ctx.layer].keys[:, lo:hi].double().numpy()
         xc = np.ascontiguousarray(x.transpose(0, 2, 1)).reshape(c, t)
         mu = np.frombuffer(data, "<f2", c, 0).astype(np.float64)

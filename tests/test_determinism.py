@@ -6,7 +6,7 @@ machine then computes as an AVX2 or SSE4.2 one does); on an AMD CPU MKL ignores 
 change at any value) and ``MKL_CBWR=COMPATIBLE`` is what moves it off its own path.  ``ATEN_CPU_CAPABILITY``
 does the same for torch's own vectorized kernels.  In subprocesses this runs the golden tests, compares every
 codec's bytes on real SmolLM2 KV across settings (all must agree but kvtc's), and checks that a kvtc file made
-under one setting decodes under the others within SPEC §10.8's tolerance (SPEC "Determinism" in §10)."""
+under one setting decodes under the others within spec/kvtc.md §10.8's tolerance (SPEC.md §10 "Determinism")."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def _script(setting: dict[str, str], out: Path, other: Path | None) -> dict[str,
 
 def test_codecs_agree_across_instruction_paths(tmp_path):
     """Every codec but kvtc makes the same bytes under every setting.  A kvtc file made under the default path
-    decodes under every other within SPEC §10.8's tolerance of its decode here, and each setting's own kvtc
+    decodes under every other within spec/kvtc.md §10.8's tolerance of its decode here, and each setting's own kvtc
     encode is the default's or differs from it by a sliver of the codec's error (a coefficient on a half-step).
     At least one setting must round a float32 matrix product differently here, or this checks nothing."""
     from test_golden import assert_within_kvtc_tolerance

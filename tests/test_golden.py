@@ -1,6 +1,6 @@
 """The golden containers in formats/golden decode to the recorded tensors, and re-encoding reproduces them.
 
-What holds on every x86-64 machine (SPEC.md §10.8 and "Determinism"): every codec but kvtc decodes to the
+What holds on every x86-64 machine (spec/kvtc.md §10.8 and SPEC.md §10 "Determinism"): every codec but kvtc decodes to the
 recorded digest and re-encodes the recorded source to the recorded bytes.  kvtc's matrix products round by the
 machine's BLAS path, so its decode is compared with a stored reference decode within SPEC's stated tolerance,
 and its re-encode is checked for what is promised: the same bytes twice in one process, and a decode within a
@@ -39,7 +39,7 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 
 
 def kvtc_tolerance(blob: bytes, decoded: kvcodec.KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per element of each layer's keys and values, SPEC §10.8's bound on how far two conforming decodes of the
+    """Per element of each layer's keys and values, spec/kvtc.md §10.8's bound on how far two conforming decodes of the
     kvtc container ``blob`` may be apart before the conversion to the header dtype, computed from one of them:
     ``(K + 2) * 2**-22 * (|c_t| / weight_f + |mean_f|)`` per feature, summed over each rotary pair for keys.
     ``|c_t|``, the norm of the token's coefficients, is ``|basis^T z_t| <= |z_t|`` with ``z_t = (x_t - mean) *

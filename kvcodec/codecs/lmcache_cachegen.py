@@ -21,7 +21,7 @@ and its CUDA ``calculate_cdf``/arithmetic-coder kernels); the code here is our o
   does), each stream's length stored as a u32.  The coder is constriction's range
   coder, with the 16-bit frequencies scaled exactly to its 24-bit precision.
 
-Deviations from LMCache, all documented in SPEC §10: a zero ``amax`` (an all-zero
+Deviations from LMCache, all documented in spec/lmcache-cachegen.md (§10.6): a zero ``amax`` (an all-zero
 token) gives symbol ``M`` (LMCache divides by zero); the coder and its stream
 format are constriction's range coder (32-bit words) rather than LMCache's bitwise
 arithmetic coder (bytes), so lane lengths count 32-bit words; the histogram is

@@ -5,7 +5,7 @@ write a tier (the Redis database, the disk folder) could store valid KV of their
 given a secret (one per deployment, shared by every process that writes or reads its tiers) appends to each value
 ``HMAC-SHA-256(secret, "kvcodec-store-auth/1" | key | container)`` and refuses a value whose tag does not match,
 so a value is only served under the key it was written for, by someone holding the secret.  Without a secret,
-the tiers' writers must be trusted as much as the model weights are (see the README's trust model).
+the tiers' writers must be trusted as much as the model weights are (see docs/store.md's trust model).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def main(dump: str) -> None:
                           "source_sha256": decoded_digest(kv)}
         if spec.startswith("kvtc"):
             # float32 matrix products: the last bits of a decode depend on the platform, so the tests compare a
-            # decode with this one, stored losslessly, within SPEC §10.8's tolerance
+            # decode with this one, stored losslessly, within spec/kvtc.md §10.8's tolerance
             expected[name]["decoded_exact"] = False
             reference = reference_name(name)
             (GOLDEN / reference).write_bytes(kvcodec.encode(kvcodec.decode(blob), "raw"))

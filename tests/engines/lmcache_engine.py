@@ -43,7 +43,7 @@ class CPUTensorConnector(MockGPUConnector):
 
 
 def kvcodec_plugin_config(url: str, **more: Any) -> dict[str, Any]:
-    """The README's LMCache configuration for kvcodec's remote storage plugin, with ``url`` as its settings."""
+    """docs/engines.md's LMCache configuration for kvcodec's remote storage plugin, with ``url`` as its settings."""
     return {"chunk_size": 256, "local_cpu": False, "max_local_cpu_size": 1, "remote_serde": "naive",
             "remote_storage_plugins": ["kvcodec"],
             "extra_config": {"remote_storage_plugin.kvcodec.module_path": "kvcodec.engines.lmcache_plugin",

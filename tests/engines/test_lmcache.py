@@ -1,5 +1,5 @@
 """kvcodec's LMCache plugins inside the real LMCache (0.5.6): a real ``LMCacheEngine`` on the CPU with the remote
-storage plugin configured as the README says, and the serializer through LMCache's own ``AsyncSerdeProcessor``.
+storage plugin configured as docs/engines.md says, and the serializer through LMCache's own ``AsyncSerdeProcessor``.
 The KV is real: SmolLM2's cache over a license text (``real_dump``), in LMCache's ``[2, L, T, H*D]`` layout."""
 
 from __future__ import annotations

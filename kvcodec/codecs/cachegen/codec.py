@@ -25,7 +25,7 @@ after the two parts): attention piles onto them, so their error costs most.
 
 ``group > 1`` turns on CacheGen's anchor/delta coding: the first token of every
 ``group`` tokens is coded at a quarter of the step, the others as deltas from
-its reconstruction.  Measured on real KV it costs bits (see the README), so it
+its reconstruction.  Measured on real KV it costs bits (see docs/codecs/cachegen.md), so it
 is off by default.
 
 Two engines do the heavy passes and make the same bytes: numpy and constriction
@@ -33,7 +33,7 @@ Two engines do the heavy passes and make the same bytes: numpy and constriction
 (:mod:`kvcodec.codecs.cachegen.device`), chosen by ``LayerContext.backend``:
 ``"auto"`` runs the kernels for CUDA tensors.  They agree because every
 statistic the encoder derives a choice from is a float64 sum that is exact for
-float16 input (SPEC.md §10.3), and quantization and reconstruction are defined
+float16 input (spec/cachegen.md §10.3), and quantization and reconstruction are defined
 in float64 where each product is exact.
 """
 
@@ -309,7 +309,7 @@ class CacheGen(Codec):
         return q, qa
 
     def _reconstruct(self, part: Part) -> tuple[np.ndarray, np.ndarray]:
-        """``(x, half step)``, both ``[H, T, D]`` float32, of a part, on the CPU (SPEC.md §10.3)."""
+        """``(x, half step)``, both ``[H, T, D]`` float32, of a part, on the CPU (spec/cachegen.md §10.3)."""
         h, t, d = part.shape
         side = part.side
         q, qa = self.symbols(part)
@@ -337,7 +337,7 @@ class CpuEngine:
     def __init__(self, codec: CacheGen, xs: list[torch.Tensor]) -> None:
         self.codec = codec
         self.shapes = [tuple(x.shape) for x in xs]
-        # [C, T] in binary64: the sums below are then exact for float16 input (SPEC.md §10.3)
+        # [C, T] in binary64: the sums below are then exact for float16 input (spec/cachegen.md §10.3)
         self.xs = [np.ascontiguousarray(_as_float32(x).transpose(0, 2, 1), dtype=np.float64)
                    .reshape(x.shape[0] * x.shape[2], x.shape[1]) for x in xs]
         self.symbols: list[tuple[np.ndarray, np.ndarray | None]] = []
@@ -384,7 +384,7 @@ def _steps(a: np.ndarray, b_code: np.ndarray, d: int) -> np.ndarray:
 
 
 def _quantize(xc: np.ndarray, mu: np.ndarray, step: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Symbols (and anchor symbols when ``group > 1``) of ``[C, T]`` float64 values (SPEC.md §10.3)."""
+    """Symbols (and anchor symbols when ``group > 1``) of ``[C, T]`` float64 values (spec/cachegen.md §10.3)."""
     m = mu.astype(np.float64)[:, None]
     if group == 1:
         return np.rint((xc - m) / step).astype(np.int64), None

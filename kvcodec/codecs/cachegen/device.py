@@ -65,7 +65,7 @@ def _offsets(tensors: list[torch.Tensor]) -> list[int]:
 
 def _lanes(codec: CacheGen, shapes: list[tuple[int, int, int]], sides: list[Side],
            lengths: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The lane table ``[lanes, 6]`` and the channel order of every part (SPEC.md §10.3, group 1), in
+    """The lane table ``[lanes, 6]`` and the channel order of every part (spec/cachegen.md §10.3, group 1), in
     whole-array operations: a chunk of a large model has thousands of lanes and every launch needs this."""
     lc, lt = codec.lane_channels, codec.lane_tokens
     dims = np.array([(h * d, t) for h, t, d in shapes], np.int64).reshape(-1, 2)

@@ -1,6 +1,6 @@
 """``kvfetcher``: KV as lossless HEVC video (KVFetcher, arXiv 2602.09725), decodable by FFmpeg and NVDEC.
 
-Section layout (little-endian; SPEC.md's ``kvfetcher`` subsection spells it out):
+Section layout (little-endian; spec/kvfetcher.md (§10.7) spells it out):
 
 * a 28-byte head ``<4sBBHHHHIQH``: magic ``KVF1``, bits, flags (bit 0: token delta, bit 1: step codes),
   frame rows (tokens per frame), picture rows, picture cols, frame count, stream

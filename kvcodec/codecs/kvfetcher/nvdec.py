@@ -185,7 +185,7 @@ def _frames(head: Any, ctx: LayerContext, pieces: Iterable[bytes] | None, gpu: i
     """``(token_lo, token_hi, is_value, int32 codes [H, t, D])`` per picture NVDEC decodes, in stream order (the
     twin of :func:`kvcodec.codecs.kvfetcher.section.decoded_frames`); the codes stay where NVDEC put them."""
     s, geo = ctx.shape, head.geo
-    if pieces is None:  # the whole stream is here: its parameter sets are checked before NVDEC sees it (SPEC.md §10.7)
+    if pieces is None:  # the whole stream is here: its parameter sets are checked before NVDEC sees it (spec/kvfetcher.md §10.7)
         check_parameter_sets(bytes(head.stream), geo.rows, geo.cols, head.bits)
     nv = NvdecStream(geo.rows, geo.cols, head.bits, geo.num_frames, gpu, reuse=reuse)
     columns = None

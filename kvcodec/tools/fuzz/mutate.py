@@ -1,5 +1,5 @@
 """Structure-aware mutations of a container: header JSON, frame heads, section tables, the index, and the
-fields inside each codec's sections (SPEC.md §10).  Each mutator takes a random source and the parts of a
+fields inside each codec's sections (SPEC.md §10 and spec/).  Each mutator takes a random source and the parts of a
 valid container and returns mutated parts, which :func:`kvcodec.tools.fuzz.container.seal` turns into a file whose
 checksums all pass."""
 
