@@ -99,7 +99,7 @@ class Header:
     chunk_layers: int
     meta: dict[str, Any] = field(default_factory=dict)
 
-    @functools.cached_property  # slot() asks for it once per chunk
+    @functools.cached_property  # cell() asks for it once per chunk
     def max_tokens(self) -> int:
         return max((s.tokens for s in self.layers), default=0)
 
@@ -112,18 +112,18 @@ class Header:
         return math.ceil(len(self.layers) / self.chunk_layers)
 
     @property
-    def num_slots(self) -> int:
+    def num_cells(self) -> int:
         return self.token_blocks * self.layer_groups
 
-    def slot(self, i: int) -> tuple[int, int, int, int]:
+    def cell(self, i: int) -> tuple[int, int, int, int]:
         """(token_start, token_count, layer_start, layer_count) of the ``i``-th chunk in file order."""
         b, g = divmod(i, self.layer_groups)
         t0, l0 = b * self.chunk_tokens, g * self.chunk_layers
         return t0, min(self.chunk_tokens, self.max_tokens - t0), l0, min(self.chunk_layers, len(self.layers) - l0)
 
-    def slots(self) -> Iterator[tuple[int, int, int, int]]:
-        """Every chunk's slot, in file order (computed as it goes: a header may declare millions)."""
-        return (self.slot(i) for i in range(self.num_slots))
+    def cells(self) -> Iterator[tuple[int, int, int, int]]:
+        """Every chunk's cell of the grid, in file order (computed as it goes: a header may declare millions)."""
+        return (self.cell(i) for i in range(self.num_cells))
 
     def local_range(self, layer: int, token_start: int, token_count: int) -> tuple[int, int]:
         """The slice of ``layer``'s own token axis that a chunk's token range covers.
@@ -183,7 +183,7 @@ class Header:
         _require(_is_int(cl) and 1 <= cl <= MAX_LAYERS, f"chunk_layers {cl!r} out of bounds")
         _require(isinstance(obj["meta"], dict), "meta must be an object")
         header = cls(obj["dtype"], tuple(shapes), tuple(vs), ct, cl, obj["meta"])
-        _require(header.num_slots <= MAX_CHUNKS, f"{header.num_slots} chunks exceed the {MAX_CHUNKS} limit")
+        _require(header.num_cells <= MAX_CHUNKS, f"{header.num_cells} chunks exceed the {MAX_CHUNKS} limit")
         header._check_meta()
         return header
 
@@ -277,29 +277,29 @@ def _depth(obj: Any) -> int:
 
 
 class SlotCursor:
-    """Checks that frames come in file order: the header's slots in turn, each with
+    """Checks that frames come in file order: the header's cells in turn, each with
     one or more variants in increasing order.  Raises ``ValueError`` on a violation;
     writers report it as invalid input, readers as corrupt data."""
 
     def __init__(self, header: Header) -> None:
         self.header = header
-        self.num_slots = header.num_slots
+        self.num_cells = header.num_cells
         self.num_variants = len(header.variants)
         self.pos = -1
         self.last_variant = -1
 
-    def advance(self, slot: tuple[int, int, int, int], variant: int) -> None:
+    def advance(self, cell: tuple[int, int, int, int], variant: int) -> None:
         if not 0 <= variant < self.num_variants:
-            raise ValueError(f"chunk {slot} names variant {variant}, the header has {self.num_variants}")
-        if self.pos >= 0 and slot == self.header.slot(self.pos) and variant > self.last_variant:
+            raise ValueError(f"chunk {cell} names variant {variant}, the header has {self.num_variants}")
+        if self.pos >= 0 and cell == self.header.cell(self.pos) and variant > self.last_variant:
             pass
-        elif self.pos + 1 < self.num_slots and slot == self.header.slot(self.pos + 1):
+        elif self.pos + 1 < self.num_cells and cell == self.header.cell(self.pos + 1):
             self.pos += 1
         else:
-            want = self.header.slot(self.pos + 1) if self.pos + 1 < self.num_slots else "the index"
-            raise ValueError(f"chunk {slot} variant {variant} is out of order; expected {want}")
+            want = self.header.cell(self.pos + 1) if self.pos + 1 < self.num_cells else "the index"
+            raise ValueError(f"chunk {cell} variant {variant} is out of order; expected {want}")
         self.last_variant = variant
 
     def finish(self) -> None:
-        if self.pos != self.num_slots - 1:
-            raise ValueError(f"{self.num_slots - 1 - self.pos} chunk(s) of the header are missing")
+        if self.pos != self.num_cells - 1:
+            raise ValueError(f"{self.num_cells - 1 - self.pos} chunk(s) of the header are missing")

@@ -625,9 +625,9 @@ def fetch(reader: Reader, decisions: Sequence[Decision | int], *, device: Any = 
     levels = [d.level if isinstance(d, Decision) else int(d) for d in decisions]
     if any(lv >= table.num_levels or lv < -1 for lv in levels):
         raise InvalidInputError(f"levels must be -1 (recompute) or below {table.num_levels}")
-    by_slot: dict[tuple[int, int], list[int]] = {}
+    by_cell: dict[tuple[int, int], list[int]] = {}
     for idx, e in enumerate(reader.chunks):
-        by_slot.setdefault((e.token_start, e.variant), []).append(idx)
+        by_cell.setdefault((e.token_start, e.variant), []).append(idx)
     pieces: list[tuple[int, int, Any]] = []
     missing: list[tuple[int, int]] = []
     nbytes = 0
@@ -651,7 +651,7 @@ def fetch(reader: Reader, decisions: Sequence[Decision | int], *, device: Any = 
             continue
         if not run:
             run_start = t0
-        idx = by_slot[(t0, lv)]
+        idx = by_cell[(t0, lv)]
         run.extend(idx)
         nbytes += sum(entries[j].length for j in idx)
     flush(table.token_starts[-1] + table.token_counts[-1])

@@ -58,7 +58,7 @@ def iter_encode(kv: KVCache, codec: str | Codec | Sequence[Codec] = "raw", *,
     header = make_header(kv, codecs, chunk_tokens, chunk_layers, meta)
     frames: Iterable[Any] = encode_frames(kv, header, codecs, backend, threads)
     if progress:
-        frames = progress(frames, header.num_slots * len(codecs))
+        frames = progress(frames, header.num_cells * len(codecs))
     return write_container(header, frames)
 
 
@@ -120,7 +120,7 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
                             {h.layer_start + j: s for j, s in enumerate(sections)})
                            for h, sections in _best(frames, len(header.variants)))
     if progress:
-        rows = progress(rows, header.num_slots)
+        rows = progress(rows, header.num_cells)
     return decode_all(request, rows)
 
 
@@ -132,7 +132,7 @@ def _best(frames: Iterable[Any], num_variants: int) -> Iterator[Any]:
     chunks instead of one.)"""
     held = None
     for frame in frames:
-        if held is not None and held[0].slot != frame[0].slot:
+        if held is not None and held[0].cell != frame[0].cell:
             yield held
         held = frame
         if frame[0].variant == num_variants - 1:

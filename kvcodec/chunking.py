@@ -91,7 +91,7 @@ def coding(threads: int, fn: Callable[[], T]) -> T:
 def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend: str = "auto",
                   threads: int = DEFAULT_THREADS) -> Iterator[Frame]:
     """Encode every chunk of ``kv`` with every codec, in file order, on ``threads`` CPU threads."""
-    for t0, tn, l0, lc in header.slots():
+    for t0, tn, l0, lc in header.cells():
         for variant, codec in enumerate(codecs):
             ranges = {layer: header.local_range(layer, t0, tn) for layer in range(l0, l0 + lc)}
             filled = [layer for layer, (lo, hi) in ranges.items() if hi > lo]

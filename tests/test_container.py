@@ -825,18 +825,18 @@ def test_streamed_decode_passes_on_a_chunk_as_soon_as_nothing_better_can_follow(
     from kvcodec.api import _best
 
     def frames(spec, pulled):
-        for slot, variant in spec:
-            pulled.append((slot, variant))
-            yield SimpleNamespace(slot=slot, variant=variant), []
+        for cell, variant in spec:
+            pulled.append((cell, variant))
+            yield SimpleNamespace(cell=cell, variant=variant), []
 
     pulled: list = []
     seen = []
     for head, _ in _best(frames([(0, 0), (1, 0), (2, 0)], pulled), 1):
-        seen.append((head.slot, list(pulled)))
+        seen.append((head.cell, list(pulled)))
     assert seen == [(0, [(0, 0)]), (1, [(0, 0), (1, 0)]), (2, [(0, 0), (1, 0), (2, 0)])]
     # two variants: chunk 0 has both (the best passes at once), chunk 1 only the lower one (it waits for chunk 2)
     pulled = []
-    out = [(h.slot, h.variant, len(pulled)) for h, _ in _best(frames([(0, 0), (0, 1), (1, 0), (2, 1)], pulled), 2)]
+    out = [(h.cell, h.variant, len(pulled)) for h, _ in _best(frames([(0, 0), (0, 1), (1, 0), (2, 1)], pulled), 2)]
     assert out == [(0, 1, 2), (1, 0, 4), (2, 1, 4)]
 
 

@@ -137,10 +137,10 @@ def test_huge_slot_counts_are_checked_before_any_list(layers, tokens):
 
 def test_slots_are_computed_one_at_a_time():
     h = v1.Header("float16", (v1.LayerShape(1, 1 << 24, 1, 1),) * 3, (v1.Variant("raw", {}),), 1, 2)
-    assert h.num_slots == 2 << 24
-    assert h.slot(0) == (0, 1, 0, 2) and h.slot(1) == (0, 1, 2, 1) and h.slot(h.num_slots - 1) == ((1 << 24) - 1, 1, 2, 1)
+    assert h.num_cells == 2 << 24
+    assert h.cell(0) == (0, 1, 0, 2) and h.cell(1) == (0, 1, 2, 1) and h.cell(h.num_cells - 1) == ((1 << 24) - 1, 1, 2, 1)
     small = v1.Header("float16", (v1.LayerShape(1, 5, 1, 1),) * 3, (v1.Variant("raw", {}),), 2, 2)
-    assert list(small.slots()) == [(t, min(2, 5 - t), l, 2 if l == 0 else 1) for t in (0, 2, 4) for l in (0, 2)]
+    assert list(small.cells()) == [(t, min(2, 5 - t), l, 2 if l == 0 else 1) for t in (0, 2, 4) for l in (0, 2)]
 
 
 def test_kvfetcher_checks_its_section_before_allocating(seeds, monkeypatch):

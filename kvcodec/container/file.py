@@ -117,7 +117,7 @@ class ContainerFile:
         if FRAME_HEAD.size + table_size > e.length:
             raise CorruptDataError(f"chunk {i} is shorter than its own head")
         head = parse_frame_head(fixed, self._read_at(e.offset + FRAME_HEAD.size, table_size))
-        if head.checksum != e.checksum or head.slot != (e.token_start, e.token_count, e.layer_start, e.layer_count) \
+        if head.checksum != e.checksum or head.cell != (e.token_start, e.token_count, e.layer_start, e.layer_count) \
                 or head.variant != e.variant or head.size + head.body_size != e.length:
             raise CorruptDataError(f"chunk {i} does not match its index entry")
         return head

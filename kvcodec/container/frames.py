@@ -22,7 +22,7 @@ class FrameHead:
     checksum: int
 
     @property
-    def slot(self) -> tuple[int, int, int, int]:
+    def cell(self) -> tuple[int, int, int, int]:
         return self.token_start, self.token_count, self.layer_start, len(self.sections)
 
     @property

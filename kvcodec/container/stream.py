@@ -72,7 +72,7 @@ def _frames(src: _Pieces, header: Header, max_bytes: int | None) -> Iterator[tup
         fixed = magic + src.read(FRAME_HEAD.size - 4)
         head = parse_frame_head(fixed, src.read(fixed_layer_count(fixed) * SECTION_ENTRY.size + CHECKSUM.size))
         try:
-            cursor.advance(head.slot, head.variant)
+            cursor.advance(head.cell, head.variant)
         except ValueError as e:
             raise CorruptDataError(str(e)) from None
         sections = []
@@ -81,7 +81,7 @@ def _frames(src: _Pieces, header: Header, max_bytes: int | None) -> Iterator[tup
             data = src.read(length)
             verify_section(data, digest, f"chunk at offset {offset}, layer {head.layer_start + j}")
             sections.append(data)
-        entries.append(ChunkEntry(head.variant, *head.slot, offset, head.size + head.body_size, head.checksum))
+        entries.append(ChunkEntry(head.variant, *head.cell, offset, head.size + head.body_size, head.checksum))
         yield head, sections
     try:
         cursor.finish()

@@ -13,7 +13,7 @@ from kvcodec.formats.v1 import (CHECKSUM, FOOTER, FOOTER_MAGIC, FRAME_HEAD, FRAM
 
 @dataclass(frozen=True)
 class Frame:
-    """One encoded chunk: a slot of the header's grid, the variant used and one section per layer."""
+    """One encoded chunk: a cell of the header's chunk grid, the variant used and one section per layer."""
 
     variant: int
     token_start: int
@@ -34,8 +34,8 @@ def frame_head(frame: Frame) -> tuple[bytes, int]:
 def write_container(header: Header, frames: Iterable[Frame]) -> Iterator[bytes]:
     """Yield the container for ``header`` and ``frames`` piece by piece.
 
-    Frames must come in the header's slot order (token block, then layer group);
-    a slot may carry several variants, in increasing order.
+    Frames must come in the header's cell order (token block, then layer group);
+    a cell may carry several variants, in increasing order.
     """
     header.validate()
     header_json = header.to_json()
