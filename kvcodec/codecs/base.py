@@ -67,7 +67,9 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
-        """Encode ``[H, T, Dk]`` keys and ``[H, T, Dv]`` values to bytes."""
+        """Encode one layer's section of a chunk (that layer's ``[H, T, Dk]`` keys and ``[H, T, Dv]`` values over the
+        chunk's tokens, SPEC.md §3.3) to bytes.  The ``_layer`` methods work on one layer's section; the
+        ``_layers`` ones on the sections of several layers of one chunk."""
 
     @abc.abstractmethod
     def decode_layer(self, data: bytes, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
