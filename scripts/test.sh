@@ -12,6 +12,6 @@ fi
 bash scripts/setup_engines.sh
 status=0
 (. .venv/bin/activate && python -m pytest -q) || status=$?
-echo "test.sh: engine tests (tests/engines/) in .venv-engines: vLLM's CPU build and LMCache, about 13 minutes"
+echo "test.sh: engine tests (tests/engines/) in .venv-engines: vLLM's CPU build and LMCache, about 5 minutes"
 (. .venv-engines/bin/activate && python -m pytest -q tests/engines) || status=$?
 exit "$status"
