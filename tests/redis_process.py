@@ -1,5 +1,6 @@
-"""A real redis-server for the tests: on a free loopback port, in its own folder, without persistence; it can be
-killed, frozen and restarted.  Shared by the store tests and the engine tests (tests/engines/)."""
+"""A real redis-server for the tests: on a free loopback port (or behind a shaped link, in its namespace), in its
+own folder, without persistence; it can be killed, frozen and restarted.  Shared by the store tests and the engine
+tests (tests/engines/)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,25 +22,27 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server on a loopback port, in its own folder, without persistence; can be killed and restarted."""
+    """A redis-server in its own folder, without persistence, that can be killed and restarted: on a loopback port,
+    or inside a :class:`~shaped_link.ShapedLink`'s namespace, reached through its shaper."""
 
-    def __init__(self, exe: str, folder: Path) -> None:
-        self.exe, self.folder, self.port = exe, folder, free_port()
+    def __init__(self, exe: str, folder: Path, link: Any = None) -> None:
+        self.exe, self.folder, self.link = exe, folder, link
+        self.host, self.port = (link.peer, 6379) if link is not None else ("127.0.0.1", free_port())
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"redis://{self.host}:{self.port}"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.folder), "--daemonize", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cmd = [self.exe, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+               "--dir", str(self.folder), "--daemonize", "no", "--protected-mode", "no"]
+        self.proc = subprocess.Popen(cmd if self.link is None else self.link.command(*cmd),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
                         return
@@ -68,8 +72,9 @@ class RedisServer:
         self.kill()
 
 
-def started_redis(folder: Path) -> RedisServer:
-    """A started :class:`RedisServer` in ``folder``; fails the test with what to install when Redis is missing."""
+def started_redis(folder: Path, link: Any = None) -> RedisServer:
+    """A started :class:`RedisServer` in ``folder`` (behind ``link`` when given); fails the test with what to
+    install when Redis is missing."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not on PATH: the store and engine tests need a real Redis. Install it "
@@ -78,6 +83,6 @@ def started_redis(folder: Path) -> RedisServer:
         import redis  # noqa: F401
     except ImportError:
         pytest.fail("the redis Python package is missing: pip install -e '.[redis]' (scripts/setup.sh does it)")
-    server = RedisServer(exe, folder)
+    server = RedisServer(exe, folder, link)
     server.start()
     return server
