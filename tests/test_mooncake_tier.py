@@ -348,3 +348,11 @@ def test_url(master):
                 "mooncake://h?timeout=soon"):
         with pytest.raises(InvalidInputError):
             tier_from_url(bad)
+
+
+def test_missing_package_names_the_install(monkeypatch):
+    from kvcodec.errors import InvalidInputError
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # makes the import fail as a missing package does
+    with pytest.raises(InvalidInputError, match=r"pip install 'kvcodec\[mooncake\]'"):
+        MooncakeTier("127.0.0.1:1")
