@@ -1,4 +1,4 @@
-"""A tiered KV store keyed by token-prefix hashes (GPU, CPU memory, local disk, Redis).
+"""A tiered KV store keyed by token-prefix hashes (GPU, CPU memory, local disk, Redis, Mooncake Store).
 
 >>> from kvcodec.store import KVStore, MemoryTier, DiskTier, RedisTier
 >>> store = KVStore([MemoryTier(2 << 30), DiskTier("/var/cache/kv"), RedisTier("127.0.0.1", 6379)],
@@ -13,11 +13,12 @@ from kvcodec.store.keys import HASHES, CacheIdentity, chunk_bounds, chunk_hashes
 from kvcodec.store.store import (DEFAULT_STORE_CHUNK_TOKENS, ChunkShape, FetchedChunk, KVStore, Lookup, PlacementPolicy,
                                  concat)
 from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, RedisTier, StorageTier
+from kvcodec.store.mooncake import MooncakeTier  # imports mooncake only when a tier is built
 from kvcodec.store.urls import tier_from_url
 
 __all__ = [
     "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "ChunkShape", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
     "CacheIdentity", "model_digest", "UnauthenticatedError",
-    "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier", "tier_from_url",
+    "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier", "MooncakeTier", "tier_from_url",
     "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",
 ]

@@ -9,7 +9,13 @@
 - ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?OPTIONS]`` and ``rediss://...`` (TLS): ``ttl=SECONDS``,
   ``timeout=SECONDS`` (default 0.5), ``prefix=TEXT`` (default ``kvcodec:``), ``max_value=SIZE``; with ``rediss``
   also ``ssl_ca_certs=PATH``, ``ssl_cert_reqs=none|optional|required``, ``ssl_certfile=PATH``,
-  ``ssl_keyfile=PATH``, ``ssl_check_hostname=true|false``.
+  ``ssl_keyfile=PATH``, ``ssl_check_hostname=true|false``;
+- ``mooncake://MASTER_HOST[:PORT][?OPTIONS]``: Mooncake Store (:mod:`kvcodec.store.mooncake`; master port
+  default 50051): ``metadata=P2PHANDSHAKE`` (default) or the metadata server's URL, ``segment=SIZE`` (memory
+  lent to the store, default 512 MiB), ``buffer=SIZE`` (transfer buffer, the largest value, default 128 MiB),
+  ``replicas=N`` (default 1), ``timeout=SECONDS`` (default 2), ``protocol=tcp|rdma`` (default tcp),
+  ``local=HOST`` (this client's address, default 127.0.0.1), ``admin=HOST:PORT`` (the master's metrics server,
+  to list keys), ``max_value=SIZE``.
 
 SIZE is a byte count, or one with a unit: ``512MiB``, ``10GiB``, ``2GB`` (K, M, G, T; ``i``: powers of 1024).
 Every tier built here is bounded.  Percent-escape ``@ : / ? # %`` in a user name or password.  Passwords are never
@@ -38,9 +44,12 @@ OPTIONS = {
     "redis": frozenset({"ttl", "timeout", "prefix", "max_value"}),
     "rediss": frozenset({"ttl", "timeout", "prefix", "max_value", "ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile",
                          "ssl_keyfile", "ssl_check_hostname"}),
+    "mooncake": frozenset({"metadata", "segment", "buffer", "replicas", "timeout", "protocol", "local", "admin",
+                           "max_value"}),
 }
 FORMS = ("cpu[:SIZE], memory://?capacity=SIZE, gpu[:SIZE], disk:FOLDER[?capacity=SIZE&shared=true], "
-         "file:///FOLDER[?...], redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?ttl=S&timeout=S&prefix=P] or rediss://...")
+         "file:///FOLDER[?...], redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?ttl=S&timeout=S&prefix=P], rediss://... or "
+         "mooncake://MASTER_HOST[:PORT][?segment=SIZE&replicas=N&...]")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
@@ -100,6 +109,8 @@ def tier_from_url(spec: str, *, timeout_s: float = DEFAULT_REDIS_TIMEOUT_S, disk
     scheme = spec.split("://", 1)[0].lower() if "://" in spec else ""
     if scheme in ("redis", "rediss"):
         return _redis(spec, scheme, timeout_s)
+    if scheme == "mooncake":
+        return _mooncake(spec)
     if scheme in ("memory", "cpu", "gpu", "file"):
         u = urlsplit(spec)
         if scheme == "file":
@@ -167,3 +178,30 @@ def _redis(spec: str, scheme: str, timeout_s: float) -> RedisTier:
                      password=unquote(u.password) if u.password is not None else None, ssl=scheme == "rediss",
                      ssl_options=ssl_options, timeout_s=timeout, ttl_s=int(ttl) if ttl else None,
                      prefix=q.get("prefix", "kvcodec:"), max_value_bytes=limit)
+
+
+def _mooncake(spec: str) -> StorageTier:
+    from kvcodec.store.mooncake import DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT_S, MooncakeTier
+
+    u = urlsplit(spec)
+    try:
+        host, port = u.hostname, u.port or DEFAULT_MASTER_PORT
+    except ValueError:
+        raise InvalidInputError(f"tier {spec!r}: the port is not a number from 1 to 65535") from None
+    if not host or u.path not in ("", "/") or u.username or u.password:
+        raise InvalidInputError(f"tier {spec!r}: write mooncake://MASTER_HOST[:PORT][?OPTIONS]")
+    q = _query(spec, "mooncake", u.query)
+    replicas = q.get("replicas", "1")
+    if not (replicas.isdigit() and int(replicas) > 0):
+        raise InvalidInputError(f"tier {spec!r}: replicas is a whole number above 0, not {replicas!r}")
+    try:
+        timeout = float(q.get("timeout", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        raise InvalidInputError(f"tier {spec!r}: timeout is a number of seconds, not {q['timeout']!r}") from None
+    sizes = {opt: parse_size(q[opt], f"tier {spec!r}: {opt}") for opt in ("segment", "buffer", "max_value") if opt in q}
+    return MooncakeTier(f"{host}:{port}", metadata=q.get("metadata", "P2PHANDSHAKE"),
+                        local_hostname=q.get("local", "127.0.0.1"), protocol=q.get("protocol", "tcp"),
+                        replicas=int(replicas), timeout_s=timeout, admin=q.get("admin"),
+                        **{k: v for k, v in (("segment_bytes", sizes.get("segment")),
+                                             ("buffer_bytes", sizes.get("buffer")),
+                                             ("max_value_bytes", sizes.get("max_value"))) if v is not None})
