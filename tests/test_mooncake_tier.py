@@ -153,6 +153,7 @@ def test_round_trip_through_kvstore(master, codec):
         # Mooncake keeps a value for ~10 s after a read (its lease): delete is refused, not an error
         assert tier.delete(keys[0]) is False and tier.get(keys[0]) == values[0]
         assert tier.get("no-such-key") is None and not tier.contains("no-such-key")
+        assert tier.contains_many(keys + ["no-such-key"]) == [True] * len(keys) + [False]
         assert tier.delete("no-such-key") is False
         assert tier.put("replaced", b"one") and tier.put("replaced", b"two, longer") and tier.get("replaced") == b"two, longer"
     finally:

@@ -357,6 +357,36 @@ def test_redis_behind_memory(redis_server, real_kv):
     assert b.get(ids).equal(real_kv)  # the local copy still serves
 
 
+def test_lookup_asks_each_tier_once_for_the_whole_prompt(redis_server):
+    """A prefix lookup is one batch per tier (for the chunks no faster tier holds), not one round trip per chunk."""
+    class Counting(RedisTier):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.batches, self.single = 0, 0
+
+        def contains_many(self, keys):
+            self.batches += 1
+            return super().contains_many(keys)
+
+        def contains(self, key):
+            self.single += 1
+            return super().contains(key)
+
+    ids, kv = list(range(40)), _small_kv(40)
+    cpu, redis = MemoryTier(None), Counting(port=redis_server.port, prefix="batch:")
+    store = KVStore([cpu, redis], model=MODEL, codec="raw", chunk_tokens=4)
+    store.put(ids, kv)
+    for key, _, _ in store.keys_for(ids)[::2]:  # even chunks only in Redis, odd ones in both tiers
+        cpu.delete(key)
+    redis.batches = redis.single = 0
+    assert store.lookup(ids) == (40, ["redis", "cpu"] * 5)
+    assert (redis.batches, redis.single) == (1, 0)
+    assert redis.contains_many([k for k, _, _ in store.keys_for(ids)] + ["missing"]) == [True] * 10 + [False]
+    assert redis.contains_many([]) == []
+    redis_server.kill()
+    assert store.lookup(ids) == (0, [])  # Redis gone: the even chunks are missing, the prefix ends at once
+
+
 def test_a_tier_that_raises_is_a_miss():
     class Broken(MemoryTier):
         name = "broken"

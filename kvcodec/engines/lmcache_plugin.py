@@ -305,11 +305,14 @@ class KVCodecRemoteConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: list[Any]) -> int:
-        """How many of ``keys``, from the first, are stored (LMCache's prefix hit, in chunks)."""
+        """How many of ``keys``, from the first, are stored (LMCache's prefix hit, in chunks): one batch question
+        to the tier."""
+        try:
+            held = self.tier.contains_many([_key_str(k) for k in keys])
+        except Exception:
+            return 0
         n = 0
-        for key in keys:
-            if not self.exists_sync(key):
-                break
+        while n < len(held) and held[n]:
             n += 1
         return n
 

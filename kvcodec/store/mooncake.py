@@ -263,6 +263,12 @@ class MooncakeTier(StorageTier):
     def contains(self, key: str) -> bool:
         return self._call("contains", lambda c: c.is_exist(self._k(key)), 0) == 1
 
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        if not keys:
+            return []
+        got = self._call("contains", lambda c: c.batch_is_exist([self._k(k) for k in keys]), None)
+        return [r == 1 for r in got] if got is not None and len(got) == len(keys) else [False] * len(keys)
+
     def delete(self, key: str) -> bool:
         rc = self._call("delete", lambda c: c.remove(self._k(key)), None)
         if rc == OBJECT_HAS_LEASE:

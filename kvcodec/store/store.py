@@ -290,12 +290,21 @@ class KVStore:
     # reading -----------------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> Lookup:
         """How many leading tokens of ``token_ids`` are stored, and in which tier each chunk is."""
-        n, where = 0, []
-        for key, _, e in self.keys_for(token_ids, salt=salt):
-            tier = next((t for t in self.tiers if self._safe(t, "contains", key, default=False)), None)
-            if tier is None:
+        chunks = self.keys_for(token_ids, salt=salt)
+        holder: list[str | None] = [None] * len(chunks)
+        for tier in self.tiers:  # one batch per tier, for the chunks no faster tier holds
+            todo = [i for i, h in enumerate(holder) if h is None]
+            if not todo:
                 break
-            n, where = e, where + [tier.name]
+            held = self._safe(tier, "contains_many", [chunks[i][0] for i in todo], default=[False] * len(todo))
+            for i, yes in zip(todo, held):
+                if yes:
+                    holder[i] = tier.name
+        n, where = 0, []
+        for (_, _, e), name in zip(chunks, holder):
+            if name is None:
+                break
+            n, where = e, where + [name]
         return Lookup(n, where)
 
     def max_bytes(self, tokens: int) -> int:

@@ -51,6 +51,11 @@ class StorageTier:
     def contains(self, key: str) -> bool:
         raise NotImplementedError
 
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        """Whether each of ``keys`` is held; remote tiers answer in one round trip (a prefix lookup asks for
+        every chunk of a prompt at once)."""
+        return [self.contains(k) for k in keys]
+
     def delete(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -511,6 +516,15 @@ class RedisTier(StorageTier):
     def contains(self, key: str) -> bool:
         payload, meta = self._k(key)
         return bool(self._call(lambda: self.client.exists(payload, meta) == 2, False))
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        def ask() -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(*self._k(key))
+            return [n == 2 for n in pipe.execute()]
+
+        return self._call(ask, [False] * len(keys)) if keys else []
 
     def delete(self, key: str) -> bool:
         payload, meta = self._k(key)
