@@ -39,7 +39,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -49,6 +48,9 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import engine_harness  # noqa: F401  (puts tests/ on sys.path for the Redis helper the tests use)
+from redis_process import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "fault_load"
@@ -84,47 +86,6 @@ ALL_FAULTS = Config().faults
 
 
 # --- processes, Redis, tmpfs ------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server on a loopback port without persistence, killed and restarted on the same port (as
-    tests/redis_process.py does, without pytest so that this script runs on its own)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.exe = shutil.which("redis-server")
-        if self.exe is None:
-            raise RuntimeError("redis-server is not on PATH (Debian: apt-get install -y redis-server)")
-        self.folder, self.port = folder, free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.folder), "--daemonize", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within 10 s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
 
 def mount_tmpfs(folder: Path, size_mb: int) -> str | None:
     """Mount a tmpfs of ``size_mb`` on ``folder``; None when done, else why not."""
@@ -821,7 +782,10 @@ def _run(cfg: Config, kv_paths: list[Path], out: Path | None, folder: Path | Non
             if why:
                 skipped.append(why)
                 log(f"fault_load: {why}")
-        redis_server = RedisServer(folder)
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not on PATH (Debian: apt-get install -y redis-server)")
+        redis_server = RedisServer(exe, folder)
         redis_server.start()
         t = time.monotonic()
         prep = prepare(cfg, kv_paths, folder)

@@ -1,6 +1,7 @@
 """A real redis-server for the tests: on a free loopback port (or behind a shaped link, in its namespace), in its
-own folder, without persistence; it can be killed, frozen and restarted.  Shared by the store tests and the engine
-tests (tests/engines/)."""
+own folder, without persistence; it can be killed, frozen and restarted.  Shared by the store tests, the engine
+tests (tests/engines/) and the benches that run the same servers (through bench/engine_harness.py), so only
+:func:`started_redis` speaks pytest."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 
 def free_port() -> int:
@@ -49,7 +49,7 @@ class RedisServer:
             except OSError:
                 time.sleep(0.02)
         self.kill()
-        pytest.fail(f"redis-server did not answer on port {self.port} within 10 s")
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within 10 s")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -75,6 +75,8 @@ class RedisServer:
 def started_redis(folder: Path, link: Any = None) -> RedisServer:
     """A started :class:`RedisServer` in ``folder`` (behind ``link`` when given); fails the test with what to
     install when Redis is missing."""
+    import pytest
+
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not on PATH: the store and engine tests need a real Redis. Install it "

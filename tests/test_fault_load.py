@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _harness():
+    sys.path.insert(0, str(REPO / "bench"))  # as when it runs as a script: its harness imports live beside it
     spec = importlib.util.spec_from_file_location("fault_load", REPO / "bench" / "fault_load.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["fault_load"] = module  # its dataclasses look their module up while being defined

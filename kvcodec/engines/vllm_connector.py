@@ -85,7 +85,6 @@ from kvcodec.engines.vllm_setup import (  # noqa: F401 (make_tier: part of this 
     use_profile_of_config,
     vllm_identity,
 )
-from kvcodec.errors import CorruptDataError
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping, write_paged
 from kvcodec.reader import Reader, iter_chunk_layers
 from kvcodec.store import ChunkShape, FetchedChunk, KVStore
@@ -191,7 +190,6 @@ class _Load:
     def __init__(self, spec: LoadSpec, chunks: list[FetchedChunk], num_layers: int, store: KVStore) -> None:
         self.spec, self.num_layers = spec, num_layers
         self.readers: list[Reader] = []
-        self.decoded_end = spec.end  # tokens before this decoded correctly (once every layer is done)
         self.write_failed = False
         self.failed: tuple[FetchedChunk, BaseException] | None = None  # the chunk that failed, and why
         end = spec.start
@@ -199,21 +197,17 @@ class _Load:
         for c in chunks:
             if c.start > end or c.start >= spec.end:
                 break
-            r = None
             try:
-                r = Reader(c.data, store.max_bytes(c.end - c.start))
-                if len(r.header.layers) != num_layers:
-                    raise CorruptDataError(f"chunk has {len(r.header.layers)} layers, the model {num_layers}")
+                r = Reader(c.data, store.max_bytes(c.end - c.start))  # its shape was checked by the store's fetch
             except Exception as e:
-                if r is not None:
-                    r.close()
                 log.warning("chunk %s does not open; its blocks will be recomputed", c.key, exc_info=True)
                 self.failed = (c, e)
                 break
             self.readers.append(r)
             end = c.end
         self.chunks = chunks[: len(self.readers)]
-        self.decoded_end = min(end, spec.end)  # tokens the fetched, openable chunks cover
+        # tokens before this decoded correctly (once every layer is done): first, what the openable chunks cover
+        self.decoded_end = min(end, spec.end)
         self.layers: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * num_layers
         self.done = [threading.Event() for _ in range(num_layers)]
         self.thread = threading.Thread(target=self._run, name="kvcodec-vllm-load", daemon=True)
