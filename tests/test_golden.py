@@ -167,3 +167,21 @@ def test_golden_window_layer_is_right_aligned():
         assert 3 not in first.layers and r.chunks[0].layer_count == 2
         last = r.read_chunk(r.num_chunks - 1, layers=[3])
         assert last.layers[3].keys.shape[1] == 40 - 32
+
+
+def test_store_keys_are_the_recorded_ones():
+    """Store keys name shared chunks across machines and versions: fixed inputs give the recorded keys (SHA-256 and
+    HMAC over canonical JSON and little-endian int64 token ids; test_determinism runs this under other CPU paths)."""
+    from kvcodec.store import CacheIdentity, KVStore, MemoryTier
+
+    identity = CacheIdentity(model_digest="d", kv_dtype="bfloat16", tp_rank=1, tp_size=2, namespace="t")
+    store = KVStore([MemoryTier(None)], model="SmolLM2-135M-Instruct", codec="raw", chunk_tokens=4, identity=identity)
+    assert [k for k, _, _ in store.keys_for(list(range(10)), salt="u")] == [
+        "kvc@t@SmolLM2-135M-Instruct@5037eb38bbeaab1c1fd4202c62c1411b1285b3fc964ebb74906463f731bbf012",
+        "kvc@t@SmolLM2-135M-Instruct@8ca0f1110dfa43c3fe3aa3c83fee84dea724b0eea3f56ae36647cfb0d4e6cf5f",
+        "kvc@t@SmolLM2-135M-Instruct@8077cbda4230e88dff3a7cb681c353bad2021edf2626e786198b78a5a1a033fa",
+    ]
+    keyed = KVStore([MemoryTier(None)], model="SmolLM2-135M-Instruct", codec="raw", chunk_tokens=4,
+                    secret=b"0123456789abcdef0123456789abcdef")
+    assert keyed.keys_for(list(range(6)))[1][0] == \
+        "kvc@SmolLM2-135M-Instruct@b0f043a1c59d0c7c4db63d5f2a2dd45ed0f58b30b4b83c539fd99b9408c5a75e"
