@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvcodec
-import kvcodec.store.store as store_module
+import kvcodec.store.load as load_module
 from kvcodec.errors import InvalidInputError
 from kvcodec.store import CacheIdentity, ChunkShape, KVStore, MemoryTier
 from kvcodec.store.auth import SECRET_ENV
@@ -115,7 +115,7 @@ def test_a_forged_value_is_refused_before_decoding_and_evicted(monkeypatch):
     forged = kvcodec.encode(kvcodec.KVCache([(l.keys[:, :4], l.values[:, :4]) for l in _kv(4, seed=9).layers],
                                             model=MODEL), "raw", chunk_tokens=4, meta={"store_key": key})
     decoded = []
-    monkeypatch.setattr(store_module, "decode", lambda *a, **k: decoded.append(1))
+    monkeypatch.setattr(load_module, "decode_chunk_into", lambda *a, **k: decoded.append(1))
     for value in (forged, forged + b"\0" * 32, tier.get(store.keys_for(IDS)[1][0])):  # last: a real value, moved
         tier.put(key, value)
         assert store.get(IDS) is None and not tier.contains(key)
@@ -173,7 +173,7 @@ def test_a_local_fault_is_a_miss_that_leaves_the_shared_entry(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(store_module, "decode", out_of_memory)
+    monkeypatch.setattr(load_module, "decode_chunk_into", out_of_memory)
     assert store.get(IDS) is None
     assert len(tier.keys()) == 3 and store.stats["corrupt"] == 0
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcodec.engines.transformers_hook import LayerwiseLoader, LoadError, TransformersKVHook, streamed_cache
+from kvcodec.codecs.raw import Raw
+from kvcodec.engines.transformers_hook import LoadError, StreamedPrefix, TransformersKVHook, streamed_cache
 from kvcodec.errors import CorruptDataError
 from kvcodec.store import KVStore, MemoryTier
 
@@ -53,35 +54,36 @@ def test_layers_arrive_in_order_and_overlap(smollm2, prompts):
     store = KVStore([MemoryTier(None)], model=smollm2.model_id, codec="raw")
     kv = smollm2.prefill(first)
     store.put(first, kv)
-    loader = LayerwiseLoader(store.fetch(first), 200).start_load()
+    loader = StreamedPrefix(store, first, 200, kv.num_layers).start_load()
     k, v = loader.wait_for_layer(kv.num_layers - 1)
     assert k.shape == (3, 200, 64) and torch.equal(k, kv.layers[-1].keys[:, :200])
-    loader.join()
-    assert loader.layer_ready_s == sorted(loader.layer_ready_s)  # decoded in layer order
-    cache = streamed_cache(LayerwiseLoader(store.fetch(first), 200), smollm2.model.config)
+    result = loader.finish()
+    assert result.complete and len(result.layer_ready_s) == kv.num_layers
+    assert result.layer_ready_s == sorted(result.layer_ready_s)  # decoded in layer order
+    cache = streamed_cache(StreamedPrefix(store, first, 200, kv.num_layers), smollm2.model.config)
     assert cache.get_seq_length() == 200  # known before anything is decoded
 
 
 @pytest.mark.parametrize("fault, evicted", [(CorruptDataError("simulated bad section in layer 7"), True),
-                                             (RuntimeError("simulated local failure in layer 7"), False)])
+                                             (MemoryError("simulated local failure in layer 7"), False)])
 def test_failed_load_is_recomputed(smollm2, prompts, monkeypatch, fault, evicted):
     """Either way the request is recomputed; only a chunk that is itself bad is evicted from the shared store."""
     first, second = prompts
     store = KVStore([MemoryTier(None)], model=smollm2.model_id, codec="raw")
     hook = TransformersKVHook(smollm2, store, save=False)
     store.put(first, smollm2.prefill(first))
-    from kvcodec import reader
+    real = Raw.decode_layer
 
-    real = reader.Reader._decode_chunk  # what iter_chunk_layers decodes each layer with
-
-    def broken(self, i, request, layers):
-        if list(layers) == [7]:
+    def broken(self, data, ctx):
+        if ctx.layer == 7:
             raise fault
-        return real(self, i, request, layers)
+        return real(self, data, ctx)
 
-    monkeypatch.setattr(reader.Reader, "_decode_chunk", broken)
+    monkeypatch.setattr(Raw, "decode_layer", broken)
     with pytest.raises(LoadError):
-        LayerwiseLoader(store.fetch(first)).wait_for_layer(7)
+        StreamedPrefix(store, first, 256, 30).start_load().wait_for_layer(7)
+    if evicted:
+        store.put(first, smollm2.prefill(first))
     out = hook.generate(second, max_new_tokens=4)
     assert out.recomputed and out.loaded_tokens == 0
     assert store.lookup(second).num_tokens == (0 if evicted else 256)

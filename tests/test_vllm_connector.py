@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import kvcodec.engines.vllm_connector as vc
+import kvcodec.layouts.paged as paged_module
+import kvcodec.store.load as load_module
 from kvcodec.cache import KVCache
 from kvcodec.engines.vllm_connector import (
     KVCodecConnector,
@@ -20,7 +22,7 @@ from kvcodec.engines.vllm_connector import (
 from kvcodec.codecs.kvtc import MissingCalibrationError
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
-from kvcodec.reader import Reader
+from kvcodec.codecs.raw import Raw
 from kvcodec.store import KVStore, MemoryTier
 
 L, H, D, BS, NB = 3, 2, 8, 8, 40
@@ -251,19 +253,15 @@ def test_chunk_that_fails_to_decode_is_reported_and_evicted_only_when_bad(monkey
     store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
     ids, kv = _stored(store)
     bad_key = store.keys_for(ids)[2][0]
-    bad = store.fetch(ids)[2].data
+    bad = store.fetch(ids)[2].sections[1]  # passes its checksums, then fails to decode
+    real = Raw.decode_layer
 
-    class FlakyReader(Reader):  # passes its checksums, then fails to decode layer 1
-        def __init__(self, source, max_bytes=None):
-            super().__init__(source, max_bytes)
-            self._bad = bytes(source) == bad
+    def flaky(self, data, ctx):
+        if data == bad and ctx.layer == 1:
+            raise fault
+        return real(self, data, ctx)
 
-        def _decode_chunk(self, i, request, layers):  # what iter_chunk_layers decodes each layer with
-            if self._bad and list(layers) == [1]:
-                raise fault
-            return super()._decode_chunk(i, request, layers)
-
-    monkeypatch.setattr(vc, "Reader", FlakyReader)
+    monkeypatch.setattr(Raw, "decode_layer", flaky)
     errors, blocks, fresh, ext, _ = _load(store, ids)
     assert ext == 96 and errors == set(blocks[64 // BS: 96 // BS])
     slots = slot_mapping(torch.tensor(blocks), 0, 64, BS)
@@ -330,11 +328,11 @@ def test_loadable_by_module_path(caplog):
 # --- never serve the wrong KV ----------------------------------------------------------------
 
 def test_a_failed_layer_write_stays_reported_whatever_the_later_layers_do(monkeypatch):
-    """The write of layer 1 into vLLM's memory fails: the request's blocks are load errors even though the loader
-    thread goes on decoding layer 2 correctly afterwards."""
+    """The write of layer 1 into vLLM's memory fails: the request's blocks are load errors, and the stored chunks,
+    nothing wrong with them, stay."""
     store = KVStore([MemoryTier(None)], model="m", codec="cachegen", chunk_tokens=CHUNK)
     ids, _ = _stored(store)
-    real = vc.write_paged
+    real = paged_module.write_paged
 
     def failing(paged, keys, values, slots, layout):
         if paged.data_ptr() == failing.target:
@@ -343,7 +341,8 @@ def test_a_failed_layer_write_stays_reported_whatever_the_later_layers_do(monkey
 
     sched, worker, fresh = _pair(store)
     failing.target = fresh[NAMES[1]].data_ptr()
-    monkeypatch.setattr(vc, "write_paged", failing)
+    monkeypatch.setattr(paged_module, "write_paged", failing)  # the codec's paged decode writes with it
+    monkeypatch.setattr(load_module, "write_paged", failing)  # and a load's dense path
     ids2 = ids + _ids(10, seed=7)
     for attempt in range(5):
         req = SimpleNamespace(request_id=f"w{attempt}", prompt_token_ids=ids2)

@@ -5,29 +5,27 @@ requests that share the prefix from the store, decoding layer by layer while the
 >>> out = hook.generate(prompt_ids, max_new_tokens=32)   # prefill, saves the prompt's KV
 >>> out = hook.generate(prompt_ids + more, max_new_tokens=32)  # loads the shared prefix, prefills only the rest
 
-How the overlap works: :class:`LayerwiseLoader` fetches the prefix's chunks (bytes, checksums
-verified, nothing decoded) and ``start_load()`` starts a thread that decodes layer 0 of every
-chunk, then layer 1, and so on.  :class:`StreamedCache` is a transformers ``DynamicCache`` whose
-layer ``i`` calls ``wait_for_layer(i)`` the first time the model writes to it, so the model runs
-layer ``i`` while later layers are still being decoded.  A load that fails (a chunk that does not
-decode) raises :class:`LoadError` inside the forward; :meth:`TransformersKVHook.generate` then
-evicts the prefix and recomputes it, so no store fault reaches the caller.
+How the overlap works: :class:`StreamedPrefix` loads the prefix through the store's one load path
+(:class:`~kvcodec.store.PrefixLoad`: chunk ``i+1`` is fetched while chunk ``i`` decodes, layer by layer) into
+dense tensors, and :func:`streamed_cache` is a transformers ``DynamicCache`` whose layer ``i`` waits for layer
+``i`` of the prefix the first time the model writes to it, so the model runs layer ``i`` while later layers are
+still decoding.  A load that ends short (a chunk missing or not decoding) raises :class:`LoadError` inside the
+forward; :meth:`TransformersKVHook.generate` then recomputes the prompt (the load evicted a chunk that was itself
+bad), so no store fault reaches the caller.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from kvcodec.errors import CorruptDataError, KVCodecError
+from kvcodec.errors import KVCodecError
 from kvcodec.engines.auto_calibration import ensure_model_calibration, wants_calibration
-from kvcodec.reader import Reader, iter_chunk_layers
-from kvcodec.store import FetchedChunk, KVStore, StorageTier
+from kvcodec.store import DenseSink, KVStore, LoadResult, PrefixLoad, StorageTier
 
 log = logging.getLogger(__name__)
 
@@ -36,102 +34,42 @@ class LoadError(KVCodecError):
     """A stored prefix could not be decoded; the caller recomputes it."""
 
 
-class LayerwiseLoader:
-    """Decodes the first ``num_tokens`` tokens of fetched chunks, one layer at a time, in a background thread.
+class StreamedPrefix:
+    """The first ``num_tokens`` tokens of a stored prefix, loading into dense tensors in the background
+    (:class:`~kvcodec.store.PrefixLoad`) while the model runs: what each layer of :func:`streamed_cache` waits
+    for.  ``num_layers`` is the model's."""
 
-    ``max_bytes(tokens)`` bounds each chunk's decode (a store's :meth:`~kvcodec.store.KVStore.max_bytes`); chunks
-    must agree in their layers' shapes and dtype.  A chunk that does not open ends the prefix before it;
-    :attr:`failed` names the chunk that failed to open or decode, and why."""
+    def __init__(self, store: KVStore, token_ids: Sequence[int], num_tokens: int, num_layers: int, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> None:
+        self.num_tokens, self.num_layers = num_tokens, num_layers
+        self.sink = DenseSink(device=device, dtype=dtype)
+        self.load = PrefixLoad(store, token_ids, self.sink, end=num_tokens, device=device)
 
-    def __init__(self, chunks: Sequence[FetchedChunk], num_tokens: int | None = None, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 max_bytes: Callable[[int], int | None] = lambda tokens: None) -> None:
-        self.device, self.dtype = torch.device(device), dtype
-        self.failed: tuple[FetchedChunk, BaseException] | None = None
-        self.readers: list[Reader] = []
-        for c in chunks:
-            try:
-                r = Reader(c.data, max_bytes(c.end - c.start))
-            except Exception as e:
-                self.failed = (c, e)
-                break
-            first = (self.readers[0] if self.readers else r).header
-            if [(s.heads, s.key_dim, s.value_dim) for s in first.layers] != \
-                    [(s.heads, s.key_dim, s.value_dim) for s in r.header.layers] or first.dtype != r.header.dtype:
-                r.close()
-                self.failed = (c, CorruptDataError(f"chunk {c.key} holds layers of other shapes or dtype than the first"))
-                break
-            self.readers.append(r)
-        self.chunks = list(chunks)[: len(self.readers)]
-        total = sum(c.end - c.start for c in self.chunks)
-        self.num_tokens = total if num_tokens is None else min(num_tokens, total)
-        self.num_layers = len(self.readers[0].header.layers) if self.readers else 0
-        self._done = [threading.Event() for _ in range(self.num_layers)]
-        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.num_layers
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self.layer_ready_s: list[float] = [0.0] * self.num_layers
-        self._t0 = 0.0
-
-    def start_load(self) -> LayerwiseLoader:
-        if self._thread is None:
-            self._t0 = time.perf_counter()
-            self._thread = threading.Thread(target=self._run, name="kvcodec-layer-loader", daemon=True)
-            self._thread.start()
+    def start_load(self) -> StreamedPrefix:
+        self.load.start()
         return self
 
-    def _run(self) -> None:
-        try:
-            sources = [iter_chunk_layers(r, 0, device=self.device) for r in self.readers]
-            for i in range(self.num_layers):
-                ks, vs = [], []
-                for chunk, source in zip(self.chunks, sources):
-                    try:
-                        layer = next(source)
-                    except Exception as e:
-                        self.failed = (chunk, e)
-                        raise
-                    ks.append(layer.keys)
-                    vs.append(layer.values)
-                k = torch.cat(ks, 1)[:, : self.num_tokens]
-                v = torch.cat(vs, 1)[:, : self.num_tokens]
-                if self.dtype is not None:
-                    k, v = k.to(self.dtype), v.to(self.dtype)
-                self._layers[i] = (k, v)
-                self.layer_ready_s[i] = time.perf_counter() - self._t0
-                self._done[i].set()
-        except BaseException as e:  # noqa: BLE001 - reported to whoever waits
-            self._error = e
-            for ev in self._done:
-                ev.set()
-        finally:
-            for r in self.readers:
-                r.close()
-
     def wait_for_layer(self, i: int, timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[H, num_tokens, D]`` of layer ``i``, once decoded."""
-        self.start_load()
-        if not self._done[i].wait(timeout):
-            raise LoadError(f"layer {i} was not decoded within {timeout} s")
-        got = self._layers[i]
-        if got is None:
-            raise LoadError(f"decoding layer {i} of the stored prefix failed: {self._error}") from self._error
-        return got
+        """Keys and values ``[H, num_tokens, D]`` of layer ``i``, once loaded."""
+        if not self.load.wait_layer(i, timeout):
+            failed = next((c for c in self.load.chunks if c.status != "loaded"), None)
+            raise LoadError(f"layer {i} of the stored prefix did not load"
+                            + (f": chunk {failed.key} is {failed.status} ({failed.error})" if failed else ""))
+        return self.sink.layer(i)
 
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+    def finish(self) -> LoadResult:
+        return self.load.finish()
 
 
 def _streamed_layer_class():
     from transformers.cache_utils import DynamicLayer
 
     class StreamedLayer(DynamicLayer):
-        """A full-attention layer whose stored prefix arrives from a :class:`LayerwiseLoader`."""
+        """A full-attention layer whose stored prefix arrives from a :class:`StreamedPrefix`."""
 
         supports_early_init = False
 
-        def __init__(self, loader: LayerwiseLoader, index: int) -> None:
+        def __init__(self, loader: StreamedPrefix, index: int) -> None:
             super().__init__()
             self.loader, self.index = loader, index
 
@@ -153,7 +91,7 @@ def _streamed_layer_class():
     return StreamedLayer
 
 
-def streamed_cache(loader: LayerwiseLoader, config: Any = None) -> Any:
+def streamed_cache(loader: StreamedPrefix, config: Any = None) -> Any:
     """A transformers ``DynamicCache`` whose layers wait for ``loader`` the first time the model uses them."""
     from transformers import DynamicCache
 
@@ -207,24 +145,20 @@ class TransformersKVHook:
         store = KVStore(tiers, model=model.model_id, codec=codec, codec_options=codec_options, **store_options)
         return cls(model, store, save=save, save_dtype=save_dtype)
 
-    def load(self, token_ids: Sequence[int]) -> tuple[LayerwiseLoader | None, list[str]]:
-        """Look up the stored prefix of ``token_ids`` and start decoding it (leaving at least one
-        token for the model to read, so that it has logits to continue from)."""
+    def load(self, token_ids: Sequence[int]) -> tuple[StreamedPrefix | None, list[str]]:
+        """Look up the stored prefix of ``token_ids`` and start loading it (leaving at least one token for the
+        model to read, so that it has logits to continue from)."""
         try:
-            chunks = self.store.fetch(token_ids)
+            found = self.store.lookup(token_ids)
         except Exception:  # no store fault reaches the engine
-            log.warning("store fetch failed; recomputing", exc_info=True)
+            log.warning("store lookup failed; recomputing", exc_info=True)
             return None, []
-        n = min(sum(c.end - c.start for c in chunks), len(token_ids) - 1)
+        n = min(found.num_tokens, len(token_ids) - 1)
         if n <= 0:
             return None, []
-        loader = LayerwiseLoader(chunks, n, device=self.model.device, dtype=self.model.dtype,
-                                 max_bytes=self.store.max_bytes)
-        if loader.failed is not None:
-            self.store.discard(*loader.failed)
-        if loader.num_tokens <= 0:
-            return None, []
-        return loader.start_load(), [c.tier for c in loader.chunks]
+        prefix = StreamedPrefix(self.store, token_ids, n, self.model.config.num_hidden_layers,
+                                device=self.model.device, dtype=self.model.dtype)
+        return prefix.start_load(), found.where
 
     @torch.no_grad()
     def generate(self, token_ids: Sequence[int], max_new_tokens: int = 32) -> Generation:
@@ -241,11 +175,10 @@ class TransformersKVHook:
             try:
                 cache = streamed_cache(loader, self.model.config)
                 logits = self._forward(token_ids[n:], cache)
-            except LoadError:
+            except LoadError:  # a bad chunk was evicted by the load; a fault of this machine left it stored
                 log.warning("loading the stored prefix failed; recomputing", exc_info=True)
-                if loader.failed is not None:  # evicted only when the chunk itself is bad
-                    self.store.discard(*loader.failed)
                 cache, n, where, recomputed = None, 0, [], True
+            loader.finish()
         if cache is None:
             cache = DynamicCache(config=self.model.config)
             logits = self._forward(token_ids, cache)

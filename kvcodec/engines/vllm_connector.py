@@ -45,13 +45,14 @@ What it does:
   prompt token for vLLM to compute, and subtracts what vLLM already has.  ``update_state_after_alloc``
   records the load, ``build_connector_meta`` turns loads and (once a prompt's prefill completes)
   saves into :class:`KVCodecConnectorMetadata` with the request's block table.
-- worker side: ``start_load_kv`` fetches the chunks' container bytes (checksums verified) and starts a
-  thread that decodes them layer by layer; ``wait_for_layer_load(layer)`` waits for that layer and
-  scatters it into vLLM's paged tensor through the block table
-  (:func:`kvcodec.layouts.paged.slot_mapping` / ``write_paged``).  A chunk that is missing, not of the paged
-  memory's shape or does not decode, or a layer whose write fails, is never raised into vLLM: the blocks from its
-  first token on (all the request's, for a failed write) are reported by ``get_block_ids_with_load_errors()`` so
-  vLLM recomputes them, and a bad chunk is evicted (a fault of this machine leaves it stored).
+- worker side: ``start_load_kv`` starts a :class:`~kvcodec.store.PrefixLoad` per request: the store's one load
+  path, which fetches chunk ``i+1`` while it decodes chunk ``i`` layer by layer straight into vLLM's paged tensors
+  through the block table (``Codec.decode_layer_paged``: cachegen's Triton kernel on a GPU, the codec's CPU decode
+  and a scatter on a CPU; a chunk reaching past the tokens to load is decoded densely and only its part inside is
+  written, so blocks vLLM already holds are never touched).  ``wait_for_layer_load(layer)`` returns once that layer
+  of every chunk is in.  A chunk that is missing, not of the paged memory's shape or does not decode or write is
+  never raised into vLLM: the blocks from its first token on are reported by ``get_block_ids_with_load_errors()``
+  so vLLM recomputes them, and a bad chunk is evicted (a fault of this machine leaves it stored).
 - keys: the store's chains are seeded by the served model's identity (its folder's ``config.json``, the KV dtype,
   this process's tensor- and pipeline-parallel rank; :func:`kvcodec.engines.vllm_setup.vllm_identity`) and each
   request's ``cache_salt``.  Requests with a LoRA adapter or multimodal inputs are neither loaded nor saved.
@@ -69,7 +70,6 @@ from __future__ import annotations
 
 import enum
 import re
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,9 +85,8 @@ from kvcodec.engines.vllm_setup import (  # noqa: F401 (make_tier: part of this 
     use_profile_of_config,
     vllm_identity,
 )
-from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping, write_paged
-from kvcodec.reader import Reader, iter_chunk_layers
-from kvcodec.store import ChunkShape, FetchedChunk, KVStore
+from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
+from kvcodec.store import ChunkShape, KVStore, PagedSink, PrefixLoad
 
 log = engine_logger(__name__)
 
@@ -178,87 +177,6 @@ class KVCodecConnectorMetadata(_MetadataBase):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
-# --- loading ---------------------------------------------------------------------------------------
-
-class _Load:
-    """One request's load: decodes its chunks layer by layer in a thread; the first bad chunk cuts it short.
-
-    What loaded correctly only ever shrinks: the thread lowers :attr:`decoded_end` as chunks fail, and a failed
-    write into vLLM's memory (:meth:`fail_write`) marks the whole request failed for good, whatever the thread
-    reports afterwards."""
-
-    def __init__(self, spec: LoadSpec, chunks: list[FetchedChunk], num_layers: int, store: KVStore) -> None:
-        self.spec, self.num_layers = spec, num_layers
-        self.readers: list[Reader] = []
-        self.write_failed = False
-        self.failed: tuple[FetchedChunk, BaseException] | None = None  # the chunk that failed, and why
-        end = spec.start
-        chunks = [c for c in chunks if c.end > spec.start]  # chunks wholly before ``start`` are already in vLLM
-        for c in chunks:
-            if c.start > end or c.start >= spec.end:
-                break
-            try:
-                r = Reader(c.data, store.max_bytes(c.end - c.start))  # its shape was checked by the store's fetch
-            except Exception as e:
-                log.warning("chunk %s does not open; its blocks will be recomputed", c.key, exc_info=True)
-                self.failed = (c, e)
-                break
-            self.readers.append(r)
-            end = c.end
-        self.chunks = chunks[: len(self.readers)]
-        # tokens before this decoded correctly (once every layer is done): first, what the openable chunks cover
-        self.decoded_end = min(end, spec.end)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * num_layers
-        self.done = [threading.Event() for _ in range(num_layers)]
-        self.thread = threading.Thread(target=self._run, name="kvcodec-vllm-load", daemon=True)
-
-    @property
-    def good_end(self) -> int:
-        """Tokens before this are in vLLM's memory correctly (once every layer is written)."""
-        return self.spec.start if self.write_failed else self.decoded_end
-
-    def fail_write(self) -> None:
-        self.write_failed = True
-
-    def _run(self) -> None:
-        try:
-            ok = len(self.readers)
-            sources = [iter_chunk_layers(r, 0) for r in self.readers]
-            for i in range(self.num_layers):
-                ks, vs = [], []
-                for j in range(ok):
-                    try:
-                        layer = next(sources[j])
-                    except Exception as e:
-                        log.warning("chunk %s failed to decode at layer %d; its blocks will be recomputed",
-                                    self.chunks[j].key, i, exc_info=True)
-                        ok = j
-                        self.failed = (self.chunks[j], e)
-                        break
-                    ks.append(layer.keys)
-                    vs.append(layer.values)
-                if ks:
-                    self.layers[i] = (torch.cat(ks[:ok], 1), torch.cat(vs[:ok], 1), self.chunks[0].start)
-                self.decoded_end = min(self.decoded_end, self.chunks[ok - 1].end if ok else self.spec.start)
-                self.done[i].set()
-        except BaseException:
-            log.warning("loading request %s failed", self.spec.req_id, exc_info=True)
-            self.decoded_end = self.spec.start
-            for ev in self.done:
-                ev.set()
-        finally:
-            for r in self.readers:
-                r.close()
-
-    def failed_blocks(self, block_size: int) -> set[int]:
-        """Blocks holding tokens ``good_end .. end-1``: what vLLM must recompute."""
-        if self.good_end >= self.spec.end:
-            return set()
-        first = max(self.good_end, self.spec.start) // block_size
-        last = (self.spec.end - 1) // block_size
-        return set(int(b) for b in self.spec.block_ids[first: last + 1])
-
-
 # --- the connector -----------------------------------------------------------------------------
 
 def _layer_order(names: Sequence[str]) -> list[str]:
@@ -309,8 +227,7 @@ class KVCodecConnector(_ConnectorBase):
         # worker side
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_names: list[str] = []
-        self._loads: list[_Load] = []
-        self._loaded_layers: set[tuple[int, str]] = set()
+        self._loads: list[tuple[LoadSpec, PrefixLoad]] = []
         self._save_parts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests whose load failed in this forward pass: not saved
@@ -431,72 +348,42 @@ class KVCodecConnector(_ConnectorBase):
         return meta if isinstance(meta, KVCodecConnectorMetadata) else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Start every request's load: chunks stream from the store straight into the paged memory
+        (:class:`~kvcodec.store.PrefixLoad`), fetch overlapping decode, while vLLM runs."""
         meta = self._metadata()
-        self._loads, self._loaded_layers = [], set()
+        self._loads = []
         if meta is None or not meta.loads:
             return
+        layers = [self.kv_caches[name] for name in self.layer_names]
         for spec in meta.loads:
-            try:
-                chunks = self.store.fetch(spec.token_ids, salt=spec.salt)
-            except Exception:
-                log.warning("store fetch failed; request %s recomputes", spec.req_id, exc_info=True)
-                chunks = []
-            load = _Load(spec, chunks, len(self.layer_names), self.store)
-            self._loads.append(load)
-            load.thread.start()
-
-    def _apply(self, load: _Load, index: int, name: str) -> None:
-        if (id(load), name) in self._loaded_layers:
-            return
-        self._loaded_layers.add((id(load), name))
-        load.done[index].wait()
-        got = load.layers[index]
-        if got is None:
-            return
-        k, v, base = got  # type: ignore[misc]
-        spec = load.spec
-        end = min(spec.end, base + k.shape[1])
-        if end <= spec.start:
-            return
-        paged = self.kv_caches[name]
-        slots = slot_mapping(torch.tensor(spec.block_ids, dtype=torch.long, device=paged.device), spec.start,
-                             end - spec.start, self.block_size)
-        lo, hi = spec.start - base, end - base
-        write_paged(paged, k[:, lo:hi].to(paged.device), v[:, lo:hi].to(paged.device), slots, self.layout)
+            sink = PagedSink(layers, spec.block_ids, self.block_size, self.layout)
+            load = PrefixLoad(self.store, spec.token_ids, sink, start=spec.start, end=spec.end, salt=spec.salt)
+            self._loads.append((spec, load.start()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once this layer of every load is in vLLM's memory (or its load ended short: reported later)."""
         if not self._loads or layer_name not in self.kv_caches:
             return
         index = self.layer_names.index(layer_name)
-        for load in self._loads:
-            try:
-                self._apply(load, index, layer_name)
-            except Exception:
-                log.warning("writing layer %s of request %s failed", layer_name, load.spec.req_id, exc_info=True)
-                load.fail_write()
+        for _, load in self._loads:
+            load.wait_layer(index)
 
     def _finish_loads(self) -> None:
-        for load in self._loads:
-            for i, name in enumerate(self.layer_names):
-                try:
-                    self._apply(load, i, name)
-                except Exception:
-                    log.warning("writing layer %s of request %s failed", name, load.spec.req_id, exc_info=True)
-                    load.fail_write()
-            load.thread.join()
-            bad = load.failed_blocks(self.block_size)
-            if bad:
-                why = ("a write into vLLM's memory failed" if load.write_failed else
-                       f"chunk {load.failed[0].key}" if load.failed else "missing")
-                log.warning("kvcodec connector: request %s: tokens %d-%d did not load (%s); their %d blocks are "
-                            "reported as load errors and vLLM recomputes them", load.spec.req_id, load.good_end,
-                            load.spec.end, why, len(bad))
-                self._load_errors |= bad
-                self._failed_reqs.add(load.spec.req_id)
-                self.stats["load_error_blocks"] += len(bad)
-                if load.failed is not None:  # a bad chunk is evicted, so the recomputed KV replaces it
-                    self.store.discard(*load.failed)
-            self.stats["loaded_tokens"] += max(0, min(load.good_end, load.spec.end) - load.spec.start)
+        for spec, load in self._loads:
+            result = load.finish()
+            self.stats["loaded_tokens"] += result.loaded_end - result.start
+            if result.complete:
+                continue
+            first = result.loaded_end // self.block_size
+            bad = {int(b) for b in spec.block_ids[first: (spec.end - 1) // self.block_size + 1]}
+            why = next((f"chunk {c.key}: {c.error}" if c.error else f"chunk {c.key} is {c.status}"
+                        for c in result.chunks if c.status != "loaded"), "")
+            log.warning("kvcodec connector: request %s: tokens %d-%d did not load (%s); their %d blocks are "
+                        "reported as load errors and vLLM recomputes them", spec.req_id, result.loaded_end,
+                        spec.end, why, len(bad))
+            self._load_errors |= bad
+            self._failed_reqs.add(spec.req_id)
+            self.stats["load_error_blocks"] += len(bad)
         self._loads = []
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:

@@ -6,18 +6,23 @@
 >>> store.put(token_ids, kv)              # chunks of 256 tokens, each a single-chunk container
 >>> n, where = store.lookup(token_ids)    # stored prefix length, tier of each chunk
 >>> prefix_kv = store.get(token_ids)      # decoded KVCache of the stored prefix (or None)
+
+Engine hooks load through :class:`PrefixLoad` (:mod:`kvcodec.store.load`), which streams chunks into their
+memory.
 """
 
 from kvcodec.store.auth import UnauthenticatedError
 from kvcodec.store.keys import HASHES, CacheIdentity, chunk_bounds, chunk_hashes, format_key, model_digest, namespace
 from kvcodec.store.store import (DEFAULT_STORE_CHUNK_TOKENS, ChunkShape, FetchedChunk, KVStore, Lookup, PlacementPolicy,
                                  concat)
+from kvcodec.store.load import ChunkOutcome, DenseSink, LoadResult, PagedSink, PrefixLoad
 from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, RedisTier, StorageTier
 from kvcodec.store.mooncake import MooncakeTier  # imports mooncake only when a tier is built
 from kvcodec.store.urls import tier_from_url
 
 __all__ = [
     "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "ChunkShape", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
+    "PrefixLoad", "DenseSink", "PagedSink", "LoadResult", "ChunkOutcome",
     "CacheIdentity", "model_digest", "UnauthenticatedError",
     "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier", "MooncakeTier", "tier_from_url",
     "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",

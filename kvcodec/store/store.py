@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from kvcodec.api import decode, encode
+from kvcodec.adapt import BandwidthEstimator
+from kvcodec.api import encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec, get_codec
+from kvcodec.container import ContainerFile
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, LimitExceededError, MissingCalibrationError
 from kvcodec.formats.v1 import Header
-from kvcodec.reader import Reader
+from kvcodec.reader import build_codecs
 from kvcodec.store.auth import check_secret, seal, unseal
 from kvcodec.store.keys import CacheIdentity, chunk_bounds, chunk_hashes, format_key, namespace, salted
 from kvcodec.store.tiers import StorageTier
@@ -77,6 +80,15 @@ class ChunkShape:
                                    f"in {header.dtype}; the engine expects {self.layers} of {want} in {self.dtype}")
 
     @classmethod
+    def of_header(cls, header: Header) -> ChunkShape:
+        """The shape of the layers ``header`` declares (all alike)."""
+        shapes = {(s.heads, s.key_dim, s.value_dim) for s in header.layers}
+        if len(shapes) != 1:
+            raise CorruptDataError(f"the chunk's layers differ in shape: {sorted(shapes)}")
+        (h, kd, vd), = shapes
+        return cls(len(header.layers), h, kd, vd, header.dtype)
+
+    @classmethod
     def of(cls, kv: KVCache) -> ChunkShape:
         """The shape of ``kv``'s layers (all alike)."""
         shapes = {(s.heads, s.key_dim, s.value_dim) for s in kv.shapes}
@@ -106,14 +118,18 @@ class PlacementPolicy:
 
 @dataclass
 class FetchedChunk:
-    """A chunk's container bytes (checked, authentication tag removed), where they came from, and its token
-    range."""
+    """A chunk read from a tier and checked once (:meth:`KVStore.check_chunk`): its container bytes
+    (authentication tag removed), where they came from, its token range, and what the check parsed: the header,
+    the codec and every layer's section, checksums verified, so that decoding reads nothing twice."""
 
     key: str
     tier: str
     start: int
     end: int
     data: bytes
+    header: Header | None = None
+    codec: Codec | None = None
+    sections: dict[int, bytes] = field(default_factory=dict, repr=False)
 
 
 class KVStore:
@@ -160,6 +176,8 @@ class KVStore:
         self.seed = namespace(model, self.codec.codec_id, self.codec.get_config(), chunk_tokens, hash, self.identity,
                               self.secret)
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "promoted": 0, "demoted": 0, "puts": 0}
+        # each tier's read throughput, from this store's own reads (what load-time adaptation plans with)
+        self.links = {t.name: BandwidthEstimator() for t in self.tiers}
         self._lock = threading.Lock()
         for i, tier in enumerate(self.tiers):
             tier.on_evict = self._demoter(i)
@@ -253,7 +271,7 @@ class KVStore:
             if not self._safe(t, "contains", key, default=False):
                 self._safe(t, "put", key, self.codec.calibration_data().to_bytes())
 
-    def _fetch_calibration(self) -> None:
+    def fetch_calibration(self) -> None:
         """Make the codec's calibration findable, from the tiers if this machine does not have it."""
         from kvcodec.codecs.kvtc import Calibration, register_calibration
 
@@ -311,24 +329,28 @@ class KVStore:
         """The most a decode of a ``tokens``-token chunk may produce (the engine's shape, or ``max_chunk_bytes``)."""
         return self.shape.output_bytes(tokens) if self.shape is not None else self.max_chunk_bytes
 
-    def check_chunk(self, key: str, value: bytes, tokens: int) -> bytes:
-        """The container of ``value``, read from a tier under ``key`` for a chunk of ``tokens`` tokens, once it is
-        authentic, intact and the chunk asked for, of the engine's shape; raises :class:`CorruptDataError` (or
-        :class:`LimitExceededError`) otherwise.  Nothing is decoded."""
+    def check_chunk(self, key: str, value: bytes, tokens: int, tier: str = "", start: int = 0) -> FetchedChunk:
+        """``value``, read from ``tier`` under ``key`` for the chunk of tokens ``start .. start+tokens-1``, once it
+        is authentic, intact (every checksum) and the chunk asked for, of the engine's shape; raises
+        :class:`CorruptDataError` (or :class:`LimitExceededError`) otherwise.  Nothing is decoded; what the check
+        parsed is kept for the decode."""
         container = unseal(self.secret, key, value)
-        with Reader(container, self.max_bytes(tokens)) as r:
-            meta = r.header.meta
-            if r.num_chunks != 1:
-                raise CorruptDataError(f"{key} holds {r.num_chunks} chunks, not one")
+        with ContainerFile(container, self.max_bytes(tokens)) as f:
+            header = f.header
+            meta = header.meta
+            if f.num_chunks != 1:
+                raise CorruptDataError(f"{key} holds {f.num_chunks} chunks, not one")
             if meta.get(STORE_KEY_META) != key or meta.get("model") != self.model:
                 raise CorruptDataError(f"{key} holds the chunk written for {meta.get(STORE_KEY_META)!r} "
                                        f"(model {meta.get('model')!r})")
-            if r.header.max_tokens != tokens:
-                raise CorruptDataError(f"{key} holds {r.header.max_tokens} tokens, not {tokens}")
+            if header.max_tokens != tokens:
+                raise CorruptDataError(f"{key} holds {header.max_tokens} tokens, not {tokens}")
             if self.shape is not None:
-                self.shape.check(r.header, tokens)
-            r.verify_checksums()
-        return container
+                self.shape.check(header, tokens)
+            frame = f.read_frame(0)
+        codecs = build_codecs(header)
+        return FetchedChunk(key, tier, start, start + tokens, container, header, codecs[frame.entry.variant],
+                            frame.sections)
 
     def discard(self, chunk: FetchedChunk, reason: BaseException) -> None:
         """Evict ``chunk`` from the tier it came from when ``reason`` says the stored value itself is bad (corrupt,
@@ -342,73 +364,65 @@ class KVStore:
             log.warning("chunk %s from tier %s could not be loaded here (%s: %s); treated as a miss, left stored",
                         chunk.key, chunk.tier, type(reason).__name__, reason)
 
-    def fetch(self, token_ids: Sequence[int], *, verify: bool = True,
-              salt: str | bytes | None = None) -> list[FetchedChunk]:
-        """The container bytes of the stored prefix of ``token_ids``, chunk by chunk.
-
-        Each chunk comes from the fastest tier that holds it intact: with ``verify`` every value is checked as
-        :meth:`check_chunk` says (no decoding); a bad value is deleted from that tier and the next tier is
-        tried.  The prefix stops at the first chunk no tier holds intact (a miss: the caller recomputes).  Hits
-        in slower tiers are promoted as the policy says.  Without ``verify`` only the authentication tag is
-        checked and removed.
-        """
-        token_ids = [int(t) for t in token_ids]
-        out: list[FetchedChunk] = []
-        for key, s, e in self.keys_for(token_ids, salt=salt):
-            found = None
-            for i, tier in enumerate(self.tiers):
-                value = self._safe(tier, "get", key)
-                if value is None:
-                    continue
-                chunk = FetchedChunk(key, tier.name, s, e, b"")
-                try:
-                    chunk.data = self.check_chunk(key, value, e - s) if verify else unseal(self.secret, key, value)
-                except Exception as err:
-                    self.discard(chunk, err)
-                    continue
-                found = chunk
-                if self.policy.promote_on_hit and i > self.policy.promote_to:
-                    if self._safe(self.tiers[self.policy.promote_to], "put", key, value, default=False):
-                        self._count("promoted")
-                break
-            if found is None:
-                self._count("misses")
-                break
+    def read_chunk(self, key: str, start: int, end: int) -> FetchedChunk | None:
+        """The chunk of tokens ``start .. end-1`` stored under ``key``, from the fastest tier that holds it intact
+        (:meth:`check_chunk`); a bad value is evicted from its tier (:meth:`discard`) and the next tier is tried.
+        A hit in a slower tier is promoted as the policy says.  None when no tier holds it intact."""
+        for i, tier in enumerate(self.tiers):
+            t0 = time.perf_counter()
+            value = self._safe(tier, "get", key)
+            if value is None:
+                continue
+            self.links[tier.name].observe(len(value), time.perf_counter() - t0)
+            try:
+                chunk = self.check_chunk(key, value, end - start, tier.name, start)
+            except Exception as err:
+                self.discard(FetchedChunk(key, tier.name, start, end, b""), err)
+                continue
+            if self.policy.promote_on_hit and i > self.policy.promote_to:
+                if self._safe(self.tiers[self.policy.promote_to], "put", key, value, default=False):
+                    self._count("promoted")
             self._count("hits")
-            out.append(found)
+            return chunk
+        self._count("misses")
+        return None
+
+    def fetch(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> list[FetchedChunk]:
+        """The checked chunks of the stored prefix of ``token_ids``, as :meth:`read_chunk` reads them, up to the
+        first chunk no tier holds intact (a miss: the caller recomputes from there).  Engines load through
+        :class:`kvcodec.store.load.PrefixLoad`, which streams these reads into their memory."""
+        out: list[FetchedChunk] = []
+        for key, s, e in self.keys_for([int(t) for t in token_ids], salt=salt):
+            chunk = self.read_chunk(key, s, e)
+            if chunk is None:
+                break
+            out.append(chunk)
         return out
 
     def decode_chunk(self, chunk: FetchedChunk, *, device: torch.device | str | None = None) -> KVCache:
-        """Decode a fetched chunk within :meth:`max_bytes`; a chunk of another shape than the store's is corrupt."""
-        kv = decode(chunk.data, device=device, max_bytes=self.max_bytes(chunk.end - chunk.start))
-        if self.shape is not None and ChunkShape.of(kv) != self.shape:
-            raise CorruptDataError(f"{chunk.key} decoded to {ChunkShape.of(kv)}, not the engine's {self.shape}")
-        return kv
+        """Decode a fetched chunk within :meth:`max_bytes`."""
+        from kvcodec.store.load import DenseSink, decode_chunk_into
+
+        sink = DenseSink(device=device)
+        decode_chunk_into(self, chunk, sink, chunk.start, chunk.end, device=device)
+        return sink.cache(model=self.model)
 
     def get(self, token_ids: Sequence[int], *, device: torch.device | str | None = None,
             salt: str | bytes | None = None) -> KVCache | None:
         """The decoded KV of the stored prefix of ``token_ids`` (None when nothing is stored).
 
-        The prefix ends before the first chunk that does not decode (the caller recomputes from there); a bad
-        chunk is evicted, as :meth:`discard` says.  Chunks must agree in shape with the first (or with
-        ``shape``).
+        The prefix ends before the first chunk that is missing or does not decode (the caller recomputes from
+        there); a bad chunk is evicted, as :meth:`discard` says.  Chunks must agree in shape with the first (or
+        with ``shape``).
         """
+        from kvcodec.store.load import DenseSink, PrefixLoad
+
         token_ids = [int(t) for t in token_ids]
-        self._fetch_calibration()
-        parts: list[KVCache] = []
-        for chunk in self.fetch(token_ids, salt=salt):
-            try:
-                kv = self.decode_chunk(chunk, device=device)
-                if parts and ChunkShape.of(kv) != ChunkShape.of(parts[0]):
-                    raise CorruptDataError(f"{chunk.key} decoded to {ChunkShape.of(kv)}, the chunks before it to "
-                                           f"{ChunkShape.of(parts[0])}")
-            except Exception as err:
-                self.discard(chunk, err)
-                break
-            parts.append(kv)
-        if not parts:
+        sink = DenseSink(device=device)
+        result = PrefixLoad(self, token_ids, sink, salt=salt, device=device).start().finish()
+        if result.loaded_end == 0:
             return None
-        return concat(parts, model=self.model, token_ids=token_ids[: sum(p.num_tokens for p in parts)])
+        return sink.cache(model=self.model, token_ids=token_ids[:result.loaded_end])
 
     # management --------------------------------------------------------------------------------
     def evict(self, token_ids: Sequence[int], *, tiers: Sequence[str] | None = None,

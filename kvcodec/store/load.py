@@ -1,0 +1,317 @@
+"""Loading a stored prefix into an engine's memory: the one load path every engine hook uses.
+
+A :class:`PrefixLoad` streams a prompt's chunks out of a :class:`~kvcodec.store.KVStore`.  A fetch thread reads
+chunk ``i+1`` from its tier (checked once: authentication, checksums, key, shape; :meth:`KVStore.read_chunk`)
+while a decode thread decodes chunk ``i`` layer by layer into a *sink*: :class:`PagedSink` writes straight into an
+engine's paged memory through :meth:`Codec.decode_layer_paged` (the codec's fused path: cachegen's Triton kernel,
+kvfetcher's frame-wise restore), :class:`DenseSink` keeps tensors for a hook that wants them.  At most
+``prefetch`` fetched chunks wait for the decoder, which bounds the memory a load holds.
+
+Layer ``l`` is *ready* (:meth:`PrefixLoad.wait_layer`) once every chunk's layer ``l`` is in: chunks are decoded
+in order and each chunk layer by layer, so an engine runs its first layers while the last chunk's later layers are
+still decoding.  Only tokens ``start .. end-1`` are written: a chunk reaching outside them (the engine already
+holds the tokens before ``start``, in blocks other requests may share) is decoded densely and only its part
+inside is written.
+
+The first chunk that is missing or fails ends the load: tokens from its first one on are the engine's to
+recompute (:attr:`LoadResult.loaded_end`), and a chunk that is itself bad (corrupt, forged, of another shape) is
+evicted (:meth:`KVStore.discard`).  Every chunk's outcome, tier, bytes and times are in
+:attr:`LoadResult.chunks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from kvcodec.cache import KVCache
+from kvcodec.chunking import DecodeRequest, coding, decode_sections
+from kvcodec.devices import resolve_device
+from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.layouts.paged import PagedLayout, paged_layout, slot_mapping, write_paged
+
+if TYPE_CHECKING:
+    from kvcodec.store.store import FetchedChunk, KVStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFETCH = 2
+
+
+@dataclass
+class ChunkOutcome:
+    """What happened to one chunk of a load: ``status`` is ``loaded``, ``missing`` (no tier holds it intact),
+    ``failed`` (it did not decode or write; ``error`` says why) or ``skipped`` (an earlier chunk ended the load)."""
+
+    key: str
+    start: int
+    end: int
+    status: str = "skipped"
+    tier: str | None = None
+    nbytes: int = 0
+    fetch_s: float = 0.0
+    decode_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class LoadResult:
+    """A finished load of tokens ``start .. end-1``: those before ``loaded_end`` are in the sink, correctly.
+    ``seconds`` from start to the last write; ``layer_ready_s``: when each layer held every token."""
+
+    start: int
+    end: int
+    loaded_end: int
+    chunks: list[ChunkOutcome] = field(default_factory=list)
+    seconds: float = 0.0
+    layer_ready_s: list[float] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.loaded_end >= self.end
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read from the tiers (checked chunks only)."""
+        return sum(c.nbytes for c in self.chunks)
+
+
+class DenseSink:
+    """Keeps each layer's loaded keys and values as ``[H, T, D]`` tensors on ``device``, in ``dtype`` (None: the
+    chunks' own)."""
+
+    def __init__(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        self.device, self.dtype = resolve_device(device), dtype
+        self._parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.rope: str | None = None
+
+    def write(self, layer: int, token_start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.dtype is not None:
+            keys, values = keys.to(self.dtype), values.to(self.dtype)
+        self._parts.setdefault(layer, []).append((keys.to(self.device), values.to(self.device)))
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s keys and values over every token written so far."""
+        parts = self._parts.get(i)
+        if not parts:
+            raise InvalidInputError(f"layer {i} holds nothing")
+        if len(parts) > 1:
+            parts[:] = [(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1))]
+        return parts[0]
+
+    def cache(self, **meta: Any) -> KVCache:
+        """Every layer written, as one cache (``meta`` as for :class:`KVCache`)."""
+        return KVCache([self.layer(i) for i in range(len(self._parts))], rope=self.rope, **meta)
+
+
+class PagedSink:
+    """An engine's paged KV memory: one tensor per model layer in ``layout``, and the request's block table
+    (``block_ids``, ``block_size`` tokens each).  Chunks decode straight into it."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int], block_size: int,
+                 layout: PagedLayout | str) -> None:
+        self.layers, self.block_size, self.layout = list(layers), int(block_size), paged_layout(layout)
+        device = self.layers[0].device if self.layers else torch.device("cpu")
+        self.block_table = torch.tensor([int(b) for b in block_ids], dtype=torch.long, device=device)
+
+    def slots(self, token_start: int, count: int) -> torch.Tensor:
+        return slot_mapping(self.block_table, token_start, count, self.block_size)
+
+    def write(self, layer: int, token_start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        paged = self.layers[layer]
+        write_paged(paged, keys.to(paged.device), values.to(paged.device), self.slots(token_start, keys.shape[1]),
+                    self.layout)
+
+    def decode_into(self, chunk: FetchedChunk, layer: int, request: DecodeRequest) -> None:
+        """Decode ``layer`` of a chunk lying wholly inside the load straight into the memory.  A fused decode and
+        write cannot tell a fault of its bytes from one of the memory, so only a kvcodec error (corrupt bytes) blames
+        the chunk: the bytes passed their checksums, and evicting good KV for a local fault would be worse."""
+        codec, tokens = chunk.codec, chunk.end - chunk.start
+        assert codec is not None
+        ctx = request.context(layer, (0, tokens))
+        coding(request.threads, lambda: codec.decode_layer_paged(
+            chunk.sections[layer], ctx, self.layers[layer], self.slots(chunk.start, tokens), self.layout))
+
+
+def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | PagedSink, start: int, end: int, *,
+                      device: torch.device | str | None = None, on_layer: Any = None) -> None:
+    """Decode a checked chunk's tokens ``start .. end-1`` into ``sink``, layer by layer (a codec coding a chunk's
+    layers jointly decodes them at once), calling ``on_layer(l)`` after each layer is in."""
+    header, codec, tokens = chunk.header, chunk.codec, chunk.end - chunk.start
+    assert header is not None and codec is not None, "decode a chunk the store checked"
+    layers = range(len(header.layers))
+    request = DecodeRequest.make(device=device, max_bytes=store.max_bytes(tokens)).bind(header, [codec]) \
+        .select(0, tokens, layers)
+    lo, hi = max(start, chunk.start) - chunk.start, min(end, chunk.end) - chunk.start
+    if isinstance(sink, DenseSink):
+        sink.rope = header.meta.get("rope")
+    fused = isinstance(sink, PagedSink) and (lo, hi) == (0, tokens) and not codec.joint_sections
+
+    def dense(wanted: Sequence[int]) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
+        return decode_sections(request, codec, 0, tokens, chunk.sections if codec.joint_sections else
+                               {l: chunk.sections[l] for l in wanted}, layer_start=0, wanted=wanted)
+
+    decoded = dense(layers) if codec.joint_sections else {}
+    for l in layers:
+        if fused:
+            sink.decode_into(chunk, l, request)  # type: ignore[union-attr]
+        else:
+            _, k, v = decoded.pop(l) if decoded else dense([l])[l]
+            sink.write(l, chunk.start + lo, k[:, lo:hi], v[:, lo:hi])
+        if on_layer is not None:
+            on_layer(l)
+
+
+class PrefixLoad:
+    """Load tokens ``start .. end-1`` (default: all) of ``token_ids``'s stored prefix from ``store`` into ``sink``.
+
+    :meth:`start` starts the fetch and decode threads and returns at once; :meth:`wait_layer` waits for one
+    layer; :meth:`finish` waits for the whole load and says how far it got.  ``salt`` as for
+    :meth:`KVStore.keys_for`; ``device`` is where a dense decode runs (a paged sink's memory sets its own).
+    """
+
+    def __init__(self, store: KVStore, token_ids: Sequence[int], sink: DenseSink | PagedSink, *, start: int = 0,
+                 end: int | None = None, salt: str | bytes | None = None, device: torch.device | str | None = None,
+                 prefetch: int = DEFAULT_PREFETCH) -> None:
+        token_ids = [int(t) for t in token_ids]
+        self.store, self.sink, self.device = store, sink, device
+        self.start_token = int(start)
+        self.end = len(token_ids) if end is None else min(int(end), len(token_ids))
+        if not 0 <= self.start_token <= self.end:
+            raise InvalidInputError(f"cannot load tokens {start}..{end} of a {len(token_ids)}-token prompt")
+        self.chunks = [ChunkOutcome(key, s, e) for key, s, e in store.keys_for(token_ids, salt=salt)
+                       if e > self.start_token and s < self.end]
+        self.loaded_end = self.start_token
+        self._queue: queue.Queue[tuple[int, FetchedChunk] | None] = queue.Queue(maxsize=max(1, prefetch))
+        self._cond = threading.Condition()
+        self._ready_layers = 0  # layers whose every chunk is in
+        self._finished = False
+        self._stop = threading.Event()
+        self._t0 = 0.0
+        self._seconds = 0.0
+        self._threads = [threading.Thread(target=self._fetch, name="kvcodec-fetch", daemon=True),
+                         threading.Thread(target=self._decode, name="kvcodec-decode", daemon=True)]
+        self._started = False
+        self._shape: Any = None  # the first chunk's, which the others must match
+        self.layer_ready_s: list[float] = []  # when each layer held every token, from start()
+
+    # -- running ------------------------------------------------------------------------------------
+    def start(self) -> PrefixLoad:
+        if not self._started:
+            self._started = True
+            self._t0 = time.perf_counter()
+            self.store.fetch_calibration()
+            for t in self._threads:
+                t.start()
+        return self
+
+    def _put(self, item: tuple[int, FetchedChunk] | None) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fetch(self) -> None:
+        try:
+            for i, outcome in enumerate(self.chunks):
+                if self._stop.is_set():
+                    return
+                t0 = time.perf_counter()
+                chunk = self.store.read_chunk(outcome.key, outcome.start, outcome.end)
+                outcome.fetch_s = time.perf_counter() - t0
+                if chunk is None:
+                    outcome.status = "missing"
+                    break
+                outcome.tier, outcome.nbytes = chunk.tier, len(chunk.data)
+                if not self._put((i, chunk)):
+                    return
+        except BaseException:  # noqa: BLE001 - the load ends here; the engine recomputes the rest
+            log.warning("fetching a stored prefix failed", exc_info=True)
+        self._put(None)
+
+    def _decode(self) -> None:
+        last = len(self.chunks) - 1
+        try:
+            while (item := self._next()) is not None:
+                i, chunk = item
+                outcome = self.chunks[i]
+                on_layer = self._layer_ready if i == last else None
+                t0 = time.perf_counter()
+                try:
+                    self._check_shape(chunk)
+                    decode_chunk_into(self.store, chunk, self.sink, self.start_token, self.end, device=self.device,
+                                      on_layer=on_layer)
+                except Exception as err:
+                    outcome.status, outcome.error = "failed", f"{type(err).__name__}: {err}"
+                    log.warning("stored chunk %s (tokens %d-%d) did not load: %s", chunk.key, chunk.start,
+                                chunk.end - 1, outcome.error)
+                    self.store.discard(chunk, err)
+                    break
+                finally:
+                    outcome.decode_s = time.perf_counter() - t0
+                outcome.status = "loaded"
+                self.loaded_end = min(chunk.end, self.end)
+        except BaseException:  # noqa: BLE001
+            log.warning("loading a stored prefix failed", exc_info=True)
+        finally:
+            self._stop.set()
+            self._seconds = time.perf_counter() - self._t0
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
+
+    def _next(self) -> tuple[int, FetchedChunk] | None:
+        while not self._stop.is_set():
+            try:
+                return self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        return None
+
+    def _check_shape(self, chunk: FetchedChunk) -> None:
+        """Without an engine shape the store checked against, every chunk must match the first one's."""
+        from kvcodec.store.store import ChunkShape
+
+        assert chunk.header is not None
+        shape = ChunkShape.of_header(chunk.header)
+        if self._shape is None:
+            self._shape = shape
+        elif shape != self._shape:
+            raise CorruptDataError(f"{chunk.key} holds layers of {shape}, the chunks before it {self._shape}")
+
+    def _layer_ready(self, layer: int) -> None:
+        with self._cond:
+            self._ready_layers = layer + 1
+            self.layer_ready_s.append(time.perf_counter() - self._t0)
+            self._cond.notify_all()
+
+    # -- waiting ------------------------------------------------------------------------------------
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait until layer ``layer`` holds every token of the load, or the load ended short of it; True when the
+        layer holds every token.  Raises :class:`TimeoutError` after ``timeout`` seconds."""
+        self.start()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finished or self._ready_layers > layer, timeout):
+                raise TimeoutError(f"layer {layer} did not load within {timeout} s")
+            return self.loaded_end >= self.end if self._finished else True
+
+    def finish(self) -> LoadResult:
+        """Wait for the whole load; what it loaded, chunk by chunk."""
+        self.start()
+        for t in self._threads:
+            t.join()
+        return LoadResult(self.start_token, self.end, self.loaded_end, list(self.chunks), self._seconds,
+                          list(self.layer_ready_s))
+
+    def cancel(self) -> None:
+        """Stop fetching and decoding after the chunk in hand (what is loaded stays loaded)."""
+        self._stop.set()
