@@ -45,30 +45,16 @@ CODEC_HELP = ("codec and options: ID or ID:key=value,key=value (e.g. kivi:bits=4
               "'kvcodec codecs' lists the ids")
 
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def parse_codec(spec: str, sets: Sequence[str] = ()) -> Any:
     """A codec instance from ``ID[:k=v,...]`` plus ``--set k=v`` options; an option given twice is a
     :class:`UsageError` (no silent precedence)."""
     from kvcodec.codecs import get_codec
+    from kvcodec.codecs.registry import parse_spec
 
-    codec_id, _, inline = spec.partition(":")
-    options: dict[str, Any] = {}
-    given: dict[str, str] = {}
-    for item, where in [(s, f"--codec {spec}") for s in inline.split(",") if s] + [(s, f"--set {s}") for s in sets]:
-        key, eq, val = item.partition("=")
-        key = key.strip()
-        if not eq or not key:
-            raise UsageError(f"codec option {item!r} ({where}) must look like key=value")
-        if key in given:
-            raise UsageError(f"codec option {key!r} is given twice: {given[key]} and {where}")
-        given[key] = where
-        options[key] = _value(val.strip())
+    try:
+        codec_id, options = parse_spec(spec, sets, source="--codec")
+    except InvalidInputError as e:
+        raise UsageError(str(e)) from None
     return get_codec(codec_id, **options)
 
 

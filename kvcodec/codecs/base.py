@@ -95,6 +95,24 @@ class Codec(abc.ABC):
         """Joint codecs: decode the ``wanted`` layers of a frame whose layers holding tokens have ``ctxs``."""
         raise NotImplementedError
 
+    def side_data_name(self) -> str | None:
+        """The name of what this codec needs beyond a container's bytes to decode it (kvtc: its calibration, by
+        hash), or None.  A store keeps it once beside the chunks under this name, so another machine sharing the
+        tiers can decode them."""
+        return None
+
+    def side_data(self) -> bytes:
+        """The side data :meth:`side_data_name` names, as stored."""
+        raise NotImplementedError
+
+    def has_side_data(self) -> bool:
+        """Whether this machine has the side data (it need not be fetched)."""
+        return True
+
+    def install_side_data(self, data: bytes) -> None:
+        """Make side data read from a store available to this process; bad data raises :class:`KVCodecError`."""
+        raise NotImplementedError
+
     def for_cache(self, kv: Any) -> Codec:
         """The codec to encode ``kv`` with: codecs whose config depends on the cache (a calibration chosen by
         its model) resolve it here, before the header is written."""

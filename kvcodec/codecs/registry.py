@@ -3,8 +3,9 @@ the entry-point group ``kvcodec.codecs`` (``name = "package.module:CodecClass"``
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Sequence
 
 from kvcodec.codecs.base import Codec
 from kvcodec.errors import InvalidInputError, UnknownCodecError
@@ -51,3 +52,31 @@ def list_codecs() -> list[str]:
     """Ids of every registered codec, entry points included."""
     _load_entry_points()
     return sorted(_registry)
+
+
+def parse_spec(spec: str, sets: Sequence[str] = (), *, source: str = "codec") -> tuple[str, dict[str, Any]]:
+    """The codec id and options of ``ID[:key=value,...]`` plus more ``key=value`` ``sets`` (values read as JSON
+    where they parse, else as strings), e.g. ``"kvtc:level=0"``.  An option given twice is an error (no silent
+    precedence); ``source`` names where the spec came from in messages."""
+    codec_id, _, inline = spec.partition(":")
+    options: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for item, where in [(s, f"{source} {spec}") for s in inline.split(",") if s] + [(s, f"--set {s}") for s in sets]:
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise InvalidInputError(f"codec option {item!r} ({where}) must look like key=value")
+        if key in given:
+            raise InvalidInputError(f"codec option {key!r} is given twice: {given[key]} and {where}")
+        given[key] = where
+        try:
+            options[key] = json.loads(val.strip())
+        except ValueError:
+            options[key] = val.strip()
+    return codec_id.strip(), options
+
+
+def codec_from_spec(spec: str) -> Codec:
+    """The codec ``ID[:key=value,...]`` names (:func:`parse_spec`)."""
+    codec_id, options = parse_spec(spec)
+    return get_codec(codec_id, **options)

@@ -35,6 +35,7 @@ from kvcodec.chunking import DecodeRequest, coding, decode_sections
 from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.layouts.paged import PagedLayout, paged_layout, slot_mapping, write_paged
+from kvcodec.store.plan import LoadPlanner, Option
 
 if TYPE_CHECKING:
     from kvcodec.store.store import FetchedChunk, KVStore
@@ -47,14 +48,21 @@ DEFAULT_PREFETCH = 2
 @dataclass
 class ChunkOutcome:
     """What happened to one chunk of a load: ``status`` is ``loaded``, ``missing`` (no tier holds it intact),
-    ``failed`` (it did not decode or write; ``error`` says why) or ``skipped`` (an earlier chunk ended the load)."""
+    ``failed`` (it did not decode or write; ``error`` says why), ``recompute`` (the planner left it and the rest
+    to the engine) or ``skipped`` (an earlier chunk ended the load).  ``keys``: its key in each of the store's
+    variants; ``variant``: the one fetched."""
 
-    key: str
+    keys: list[str]
     start: int
     end: int
     status: str = "skipped"
+    variant: int = -1
     tier: str | None = None
     nbytes: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.keys[self.variant]
     fetch_s: float = 0.0
     decode_s: float = 0.0
     error: str | None = None
@@ -178,15 +186,16 @@ class PrefixLoad:
 
     def __init__(self, store: KVStore, token_ids: Sequence[int], sink: DenseSink | PagedSink, *, start: int = 0,
                  end: int | None = None, salt: str | bytes | None = None, device: torch.device | str | None = None,
-                 prefetch: int = DEFAULT_PREFETCH) -> None:
+                 prefetch: int = DEFAULT_PREFETCH, planner: LoadPlanner | None = None) -> None:
         token_ids = [int(t) for t in token_ids]
         self.store, self.sink, self.device = store, sink, device
         self.start_token = int(start)
         self.end = len(token_ids) if end is None else min(int(end), len(token_ids))
         if not 0 <= self.start_token <= self.end:
             raise InvalidInputError(f"cannot load tokens {start}..{end} of a {len(token_ids)}-token prompt")
-        self.chunks = [ChunkOutcome(key, s, e) for key, s, e in store.keys_for(token_ids, salt=salt)
+        self.chunks = [ChunkOutcome(keys, s, e) for s, e, keys in store.variant_keys(token_ids, salt=salt)
                        if e > self.start_token and s < self.end]
+        self.planner = planner or LoadPlanner(store)
         self.loaded_end = self.start_token
         self._queue: queue.Queue[tuple[int, FetchedChunk] | None] = queue.Queue(maxsize=max(1, prefetch))
         self._cond = threading.Condition()
@@ -206,7 +215,7 @@ class PrefixLoad:
         if not self._started:
             self._started = True
             self._t0 = time.perf_counter()
-            self.store.fetch_calibration()
+            self.store.fetch_side_data()
             for t in self._threads:
                 t.start()
         return self
@@ -222,9 +231,19 @@ class PrefixLoad:
 
     def _fetch(self) -> None:
         try:
+            adaptive = len(self.store.variants) > 1
+            held = self.store.variant_sizes([k for c in self.chunks for k in c.keys]) if adaptive else []
+            n = len(self.store.variants)
             for i, outcome in enumerate(self.chunks):
                 if self._stop.is_set():
                     return
+                if adaptive:
+                    options = [Option(v, *held[i * n + v]) for v in range(n) if held[i * n + v] is not None]
+                    pick = self.planner.choose(options, outcome.end - outcome.start, self.end - outcome.start)
+                    if pick is None:
+                        outcome.status = "recompute" if options else "missing"
+                        break
+                    outcome.variant = pick.variant
                 t0 = time.perf_counter()
                 chunk = self.store.read_chunk(outcome.key, outcome.start, outcome.end)
                 outcome.fetch_s = time.perf_counter() - t0
@@ -259,6 +278,8 @@ class PrefixLoad:
                 finally:
                     outcome.decode_s = time.perf_counter() - t0
                 outcome.status = "loaded"
+                self.store.decode_rates[outcome.variant % len(self.store.variants)].observe(
+                    chunk.end - chunk.start, outcome.decode_s)
                 self.loaded_end = min(chunk.end, self.end)
         except BaseException:  # noqa: BLE001
             log.warning("loading a stored prefix failed", exc_info=True)

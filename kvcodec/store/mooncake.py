@@ -269,6 +269,14 @@ class MooncakeTier(StorageTier):
         got = self._call("contains", lambda c: c.batch_is_exist([self._k(k) for k in keys]), None)
         return [r == 1 for r in got] if got is not None and len(got) == len(keys) else [False] * len(keys)
 
+    def value_sizes(self, keys: list[str]) -> list[int | None]:
+        def ask(c: Any) -> list[int | None]:
+            sizes = [c.get_size(self._k(k)) for k in keys]
+            return [n - HEADER.size if n >= HEADER.size else None for n in sizes]
+
+        got = self._call("sizes", ask, None) if keys else []
+        return got if got is not None else [None] * len(keys)
+
     def delete(self, key: str) -> bool:
         rc = self._call("delete", lambda c: c.remove(self._k(key)), None)
         if rc == OBJECT_HAS_LEASE:

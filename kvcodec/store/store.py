@@ -147,7 +147,8 @@ class KVStore:
     and a decode takes at most that shape's bytes; without it a decode takes at most ``max_chunk_bytes``.
     """
 
-    def __init__(self, tiers: Sequence[StorageTier], *, model: str, codec: str | Codec = "cachegen",
+    def __init__(self, tiers: Sequence[StorageTier], *, model: str,
+                 codec: str | Codec | Sequence[str | Codec] = "cachegen",
                  codec_options: dict[str, Any] | None = None, chunk_tokens: int = DEFAULT_STORE_CHUNK_TOKENS,
                  hash: str = "sha256", policy: PlacementPolicy | None = None,  # noqa: A002
                  save_partial: bool = True, identity: CacheIdentity | None = None, secret: bytes | str | None = None,
@@ -163,8 +164,8 @@ class KVStore:
             raise InvalidInputError(f"max_chunk_bytes must be a positive integer, not {max_chunk_bytes!r}")
         self.tiers = list(tiers)
         self.model = model
-        self.codec = codec if isinstance(codec, Codec) else get_codec(codec, **(codec_options or {}))
-        self.codec = self.codec.for_cache(SimpleNamespace(model=model))  # e.g. kvtc's calibration for the model
+        self.variants = _variants(codec, codec_options, model)
+        self.codec = self.variants[-1]
         self.chunk_tokens = chunk_tokens
         self.hash = hash
         self.policy = policy or PlacementPolicy()
@@ -173,23 +174,35 @@ class KVStore:
         self.secret = check_secret(secret)
         self.shape = shape
         self.max_chunk_bytes = max_chunk_bytes
-        self.seed = namespace(model, self.codec.codec_id, self.codec.get_config(), chunk_tokens, hash, self.identity,
-                              self.secret)
+        self.seeds = [namespace(model, c.codec_id, c.get_config(), chunk_tokens, hash, self.identity, self.secret)
+                      for c in self.variants]
+        self.seed = self.seeds[-1]
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "promoted": 0, "demoted": 0, "puts": 0}
         # each tier's read throughput, from this store's own reads (what load-time adaptation plans with)
         self.links = {t.name: BandwidthEstimator() for t in self.tiers}
+        # each variant's decode rate in tokens per second, from this store's own loads; unmeasured, a variant is
+        # taken to decode for free, so that the first load that could use it does, and measures it
+        self.decode_rates = {v: BandwidthEstimator(prior_bps=1e12) for v in range(len(self.variants))}
         self._lock = threading.Lock()
         for i, tier in enumerate(self.tiers):
             tier.on_evict = self._demoter(i)
 
     # keys ------------------------------------------------------------------------------------
-    def keys_for(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> list[tuple[str, int, int]]:
-        """``(key, start, end)`` of every chunk of ``token_ids``; ``salt`` (vLLM's ``cache_salt``) keeps a request's
-        chunks apart from those of requests without the same salt."""
+    def keys_for(self, token_ids: Sequence[int], *, salt: str | bytes | None = None,
+                 variant: int = -1) -> list[tuple[str, int, int]]:
+        """``(key, start, end)`` of every chunk of ``token_ids`` in ``variant`` (an index into :attr:`variants`;
+        default the best); ``salt`` (vLLM's ``cache_salt``) keeps a request's chunks apart from those of requests
+        without the same salt."""
         bounds = chunk_bounds(len(token_ids), self.chunk_tokens, self.save_partial)
-        seed = salted(self.seed, salt, self.hash, self.secret)
+        seed = salted(self.seeds[variant], salt, self.hash, self.secret)
         digests = chunk_hashes(token_ids, self.chunk_tokens, seed, self.hash, self.save_partial, self.secret)
         return [(format_key(self.model, d, self.identity.namespace), s, e) for d, (s, e) in zip(digests, bounds)]
+
+    def variant_keys(self, token_ids: Sequence[int], *, salt: str | bytes | None = None
+                     ) -> list[tuple[int, int, list[str]]]:
+        """``(start, end, keys)`` of every chunk of ``token_ids``: its key in each of :attr:`variants`."""
+        per_variant = [self.keys_for(token_ids, salt=salt, variant=v) for v in range(len(self.variants))]
+        return [(s, e, [keys[i][0] for keys in per_variant]) for i, (_, s, e) in enumerate(per_variant[0])]
 
     def tier(self, name: str) -> StorageTier:
         for t in self.tiers:
@@ -239,59 +252,53 @@ class KVStore:
             raise InvalidInputError(f"the cache is of shape {ChunkShape.of(kv)}, the store's engine {self.shape}")
         targets = self._put_tiers()
         written = 0
-        for key, s, e in self.keys_for(token_ids, salt=salt):
-            if not replicate and any(self._safe(t, "contains", key, default=False) for t in self.tiers):
-                continue
-            missing = [t for t in targets if not self._safe(t, "contains", key, default=False)]
-            if not missing:
-                continue
-            positions = kv.positions[s:e] if kv.positions is not None else (
-                range(s, e) if self.codec.uses_positions else None)
-            part = KVCache([(l.keys[:, s:e], l.values[:, s:e]) for l in kv.layers], model=self.model, rope=kv.rope,
-                           positions=positions)
-            value = seal(self.secret, key, encode(part, self.codec, chunk_tokens=e - s, meta={STORE_KEY_META: key}))
-            if any([self._safe(t, "put", key, value, default=False) for t in missing]):
-                written += 1
+        for s, e, keys in self.variant_keys(token_ids, salt=salt):
+            wrote = False
+            for codec, key in zip(self.variants, keys):
+                if not replicate and any(self._safe(t, "contains", key, default=False) for t in self.tiers):
+                    continue
+                missing = [t for t in targets if not self._safe(t, "contains", key, default=False)]
+                if not missing:
+                    continue
+                positions = kv.positions[s:e] if kv.positions is not None else (
+                    range(s, e) if codec.uses_positions else None)
+                part = KVCache([(l.keys[:, s:e], l.values[:, s:e]) for l in kv.layers], model=self.model,
+                               rope=kv.rope, positions=positions)
+                value = seal(self.secret, key, encode(part, codec, chunk_tokens=e - s, meta={STORE_KEY_META: key}))
+                if any([self._safe(t, "put", key, value, default=False) for t in missing]):
+                    wrote = True
+            written += wrote
         if written:
-            self._hold_calibration(targets)
+            self._hold_side_data(targets)
         self._count("puts", written)
         return written
 
-    # A codec that decodes with a calibration file (kvtc) gets it stored once, by hash, beside the chunks, so a
-    # store on another machine that shares the tiers can decode them.
-    def _calibration_key(self) -> str | None:
-        digest = self.codec.get_config().get("calibration") if self.codec.codec_id == "kvtc" else None
-        return None if digest is None else f"kvcodec-calibration@{digest}"
+    # A codec that decodes with side data (kvtc's calibration) gets it stored once, by name, beside the chunks, so
+    # a store on another machine that shares the tiers can decode them.
+    def _hold_side_data(self, targets: Sequence[StorageTier]) -> None:
+        for codec in self.variants:
+            key = codec.side_data_name()
+            if key is None:
+                continue
+            for t in targets:
+                if not self._safe(t, "contains", key, default=False):
+                    self._safe(t, "put", key, codec.side_data())
 
-    def _hold_calibration(self, targets: Sequence[StorageTier]) -> None:
-        key = self._calibration_key()
-        if key is None:
-            return
-        for t in targets:
-            if not self._safe(t, "contains", key, default=False):
-                self._safe(t, "put", key, self.codec.calibration_data().to_bytes())
-
-    def fetch_calibration(self) -> None:
-        """Make the codec's calibration findable, from the tiers if this machine does not have it."""
-        from kvcodec.codecs.kvtc import Calibration, register_calibration
-
-        key = self._calibration_key()
-        if key is None:
-            return
-        try:
-            self.codec.calibration_data()
-            return
-        except MissingCalibrationError:
-            pass
-        digest = key.split("@", 1)[1]
-        for t in self.tiers:
-            data = self._safe(t, "get", key)
-            if data is not None:
-                try:
-                    register_calibration(Calibration.from_bytes(bytes(data), digest))
-                    return
-                except KVCodecError:
-                    log.warning("tier %s holds a damaged calibration %s", t.name, digest)
+    def fetch_side_data(self) -> None:
+        """Make what the variants need beyond their bytes (kvtc's calibration) available here, from the tiers if
+        this machine lacks it."""
+        for codec in self.variants:
+            key = codec.side_data_name()
+            if key is None or codec.has_side_data():
+                continue
+            for t in self.tiers:
+                data = self._safe(t, "get", key)
+                if data is not None:
+                    try:
+                        codec.install_side_data(data)
+                        break
+                    except KVCodecError:
+                        log.warning("tier %s holds damaged side data %s", t.name, key)
 
     def _demoter(self, index: int):
         def demote(key: str, value: bytes) -> None:
@@ -307,23 +314,39 @@ class KVStore:
 
     # reading -----------------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> Lookup:
-        """How many leading tokens of ``token_ids`` are stored, and in which tier each chunk is."""
-        chunks = self.keys_for(token_ids, salt=salt)
-        holder: list[str | None] = [None] * len(chunks)
-        for tier in self.tiers:  # one batch per tier, for the chunks no faster tier holds
+        """How many leading tokens of ``token_ids`` are stored (in any variant), and in which tier each chunk is."""
+        chunks = self.variant_keys(token_ids, salt=salt)
+        keys = [k for _, _, ks in chunks for k in ks]
+        holder: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:  # one batch per tier, for the keys no faster tier holds
             todo = [i for i, h in enumerate(holder) if h is None]
             if not todo:
                 break
-            held = self._safe(tier, "contains_many", [chunks[i][0] for i in todo], default=[False] * len(todo))
+            held = self._safe(tier, "contains_many", [keys[i] for i in todo], default=[False] * len(todo))
             for i, yes in zip(todo, held):
                 if yes:
                     holder[i] = tier.name
-        n, where = 0, []
-        for (_, _, e), name in zip(chunks, holder):
+        n, where, v = 0, [], len(self.variants)
+        for c, (_, e, _) in enumerate(chunks):
+            name = next((h for h in holder[c * v:(c + 1) * v][::-1] if h is not None), None)
             if name is None:
                 break
             n, where = e, where + [name]
         return Lookup(n, where)
+
+    def variant_sizes(self, keys: Sequence[str]) -> list[tuple[int, str] | None]:
+        """For each of ``keys``, the size of its value and the fastest tier holding it (None: none does), asking
+        each tier once for the keys no faster tier holds."""
+        out: list[tuple[int, str] | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, o in enumerate(out) if o is None]
+            if not todo:
+                break
+            sizes = self._safe(tier, "value_sizes", [keys[i] for i in todo], default=[None] * len(todo))
+            for i, n in zip(todo, sizes):
+                if n is not None:
+                    out[i] = (int(n), tier.name)
+        return out
 
     def max_bytes(self, tokens: int) -> int:
         """The most a decode of a ``tokens``-token chunk may produce (the engine's shape, or ``max_chunk_bytes``)."""
@@ -450,6 +473,24 @@ class KVStore:
     def close(self) -> None:
         for t in self.tiers:
             t.close()
+
+
+def _variants(codec: str | Codec | Sequence[str | Codec], options: dict[str, Any] | None, model: str) -> list[Codec]:
+    """The store's codecs: one, or a list of variants (smallest first), each resolved for ``model`` (e.g. kvtc's
+    calibration)."""
+    from kvcodec.codecs.registry import codec_from_spec
+
+    if isinstance(codec, (str, Codec)):
+        codecs = [codec if isinstance(codec, Codec) else get_codec(codec, **(options or {}))]
+    else:
+        codecs = [c if isinstance(c, Codec) else codec_from_spec(str(c)) for c in codec]
+        if not codecs or options:
+            raise InvalidInputError("a list of codec variants needs at least one, each with its options in its spec "
+                                    "(\"kvtc:level=0\"), and no codec_options")
+    out = [c.for_cache(SimpleNamespace(model=model)) for c in codecs]
+    if len({(c.codec_id, repr(sorted(c.get_config().items()))) for c in out}) != len(out):
+        raise InvalidInputError(f"the codec variants repeat one: {[repr(c) for c in out]}")
+    return out
 
 
 def concat(parts: Sequence[KVCache], **meta: Any) -> KVCache:

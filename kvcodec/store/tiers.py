@@ -56,6 +56,11 @@ class StorageTier:
         every chunk of a prompt at once)."""
         return [self.contains(k) for k in keys]
 
+    def value_sizes(self, keys: list[str]) -> list[int | None]:
+        """The size in bytes of each of ``keys``' values, None where not held, in one round trip where the tier
+        can: a load plans which variant of each chunk to fetch from them.  (This default reads the values.)"""
+        return [None if (v := self.get(k)) is None else len(v) for k in keys]
+
     def delete(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -133,6 +138,10 @@ class MemoryTier(StorageTier):
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._items
+
+    def value_sizes(self, keys: list[str]) -> list[int | None]:
+        with self._lock:
+            return [None if (v := self._items.get(k)) is None else self._nbytes(v) for k in keys]
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -323,6 +332,16 @@ class DiskTier(StorageTier):
             return stat.S_ISREG(os.lstat(self._file(key)).st_mode)
         except OSError:
             return False
+
+    def value_sizes(self, keys: list[str]) -> list[int | None]:
+        out: list[int | None] = []
+        for key in keys:
+            try:
+                st = os.lstat(self._file(key))
+                out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
+            except OSError:
+                out.append(None)
+        return out
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -525,6 +544,18 @@ class RedisTier(StorageTier):
             return [n == 2 for n in pipe.execute()]
 
         return self._call(ask, [False] * len(keys)) if keys else []
+
+    def value_sizes(self, keys: list[str]) -> list[int | None]:
+        def ask() -> list[int | None]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                payload, meta = self._k(key)
+                pipe.strlen(payload)
+                pipe.exists(meta)
+            got = pipe.execute()
+            return [n if held else None for n, held in zip(got[::2], got[1::2])]
+
+        return self._call(ask, [None] * len(keys)) if keys else []
 
     def delete(self, key: str) -> bool:
         payload, meta = self._k(key)

@@ -30,7 +30,7 @@ from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibratio
                                              register_calibration)
 from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
 from kvcodec.codecs.registry import register_codec
-from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.errors import CorruptDataError, InvalidInputError, MissingCalibrationError
 
 DEAD = 255  # table byte of a component whose symbols are all zero in the chunk: nothing else is stored for it
 MAX_LANE_SYMBOLS = 1 << 16
@@ -104,6 +104,22 @@ class KVTC(Codec):
                 f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
                 "kvcodec.tools.kvtc_calibration.calibrate) and pass calibration=FILE")
         return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std)
+
+    def side_data_name(self) -> str | None:
+        return None if self.calibration == "auto" else f"kvcodec-calibration@{self.calibration}"
+
+    def side_data(self) -> bytes:
+        return self.calibration_data().to_bytes()
+
+    def has_side_data(self) -> bool:
+        try:
+            self.calibration_data()
+            return True
+        except MissingCalibrationError:
+            return False
+
+    def install_side_data(self, data: bytes) -> None:
+        register_calibration(Calibration.from_bytes(bytes(data), self.calibration))
 
     def calibration_data(self) -> Calibration:
         if self._cal is None:

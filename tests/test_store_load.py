@@ -1,0 +1,183 @@
+"""The store's one load path (kvcodec.store.load): streaming, paged writes, per-chunk outcomes, and the planner that
+chooses a stored variant per chunk or stops for the engine to recompute (kvcodec.store.plan)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvcodec.cache import KVCache
+from kvcodec.codecs.raw import Raw
+from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping
+from kvcodec.store import DenseSink, KVStore, MemoryTier, PagedSink, PrefixLoad
+from kvcodec.store.plan import LoadPlanner, Option
+
+CHUNK, LAYERS, HEADS, DIM, BS = 32, 3, 2, 16, 16
+
+
+def _kv(n: int, seed: int = 0) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    return KVCache([(torch.randn(HEADS, n, DIM, generator=g).half(), torch.randn(HEADS, n, DIM, generator=g).half())
+                    for _ in range(LAYERS)], model="m")
+
+
+class SlowTier(MemoryTier):
+    """Memory, but each read takes ``delay`` seconds (a link), and the reads are logged."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__(None)
+        self.delay, self.log = delay, []
+
+    def get(self, key):
+        self.log.append(("fetch", key, time.perf_counter()))
+        time.sleep(self.delay)
+        return super().get(key)
+
+
+def _store(tier, codec="raw") -> tuple[KVStore, list[int], KVCache]:
+    store = KVStore([tier], model="m", codec=codec, chunk_tokens=CHUNK)
+    ids, kv = list(range(1000, 1000 + 4 * CHUNK)), _kv(4 * CHUNK)
+    store.put(ids, kv)
+    return store, ids, kv
+
+
+def test_fetch_of_the_next_chunk_overlaps_the_decode_of_this_one(monkeypatch):
+    tier = SlowTier(0.15)
+    store, ids, kv = _store(tier)
+    decodes = []
+    real = Raw.decode_layer
+
+    def slow(self, data, ctx):
+        decodes.append((ctx.layer, time.perf_counter()))
+        time.sleep(0.05)
+        return real(self, data, ctx)
+
+    monkeypatch.setattr(Raw, "decode_layer", slow)
+    sink = DenseSink()
+    t0 = time.perf_counter()
+    result = PrefixLoad(store, ids, sink).start().finish()
+    took = time.perf_counter() - t0
+    assert result.complete and [c.status for c in result.chunks] == ["loaded"] * 4
+    # serial: 4 x 0.15 s of fetch + 4 x 3 x 0.05 s of decode = 1.2 s; streamed: about 0.15 + 4 x 0.15 = 0.75 s
+    fetch_times = [t for what, _, t in tier.log if what == "fetch"]
+    assert fetch_times[1] < decodes[LAYERS - 1][1]  # chunk 1 was being fetched while chunk 0 decoded
+    assert took < 1.1, took
+    for mine, theirs in zip(sink.cache().layers, kv.layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_a_layer_is_ready_before_the_last_layer_is_decoded(monkeypatch):
+    store, ids, _ = _store(MemoryTier(None))
+    gate = threading.Event()
+    real = Raw.decode_layer
+    last = store.fetch(ids)[-1].sections[LAYERS - 1]  # the last chunk's last layer
+
+    def held(self, data, ctx):
+        if data == last:
+            gate.wait(5)
+        return real(self, data, ctx)
+
+    monkeypatch.setattr(Raw, "decode_layer", held)
+    load = PrefixLoad(store, ids, DenseSink()).start()
+    assert load.wait_layer(0, timeout=5)  # while the last layer of the last chunk is still held back
+    with pytest.raises(TimeoutError):
+        load.wait_layer(LAYERS - 1, timeout=0.2)
+    gate.set()
+    assert load.wait_layer(LAYERS - 1, timeout=5) and load.finish().complete
+
+
+def _paged_sink(n_tokens: int, fill: float = 7.0) -> tuple[PagedSink, list[torch.Tensor], torch.Tensor]:
+    blocks = torch.randperm(16, generator=torch.Generator().manual_seed(3))[: -(-n_tokens // BS)]
+    layers = [torch.full(empty_shape("cpu", 16, BS, HEADS, DIM), fill, dtype=torch.float16) for _ in range(LAYERS)]
+    return PagedSink(layers, blocks.tolist(), BS, "cpu"), layers, blocks
+
+
+def test_a_paged_load_writes_only_the_tokens_asked_for():
+    """Tokens before ``start`` are in blocks the engine holds (maybe shared): never written; nor past ``end``."""
+    store, ids, kv = _store(MemoryTier(None))
+    sink, layers, blocks = _paged_sink(len(ids))
+    start, end = 16, 112  # inside chunk 0 and inside chunk 3
+    result = PrefixLoad(store, ids, sink, start=start, end=end).start().finish()
+    assert result.complete and result.loaded_end == end
+    for paged, layer in zip(layers, kv.layers):
+        k, v = read_paged(paged, slot_mapping(blocks, 0, len(ids), BS), "cpu")
+        assert torch.equal(k[:, start:end], layer.keys[:, start:end]) and torch.equal(v[:, start:end], layer.values[:, start:end])
+        assert bool((k[:, :start] == 7).all()) and bool((v[:, end:] == 7).all())
+
+
+def test_a_missing_chunk_ends_the_load_and_says_so():
+    store, ids, _ = _store(MemoryTier(None))
+    store.tiers[0].delete(store.keys_for(ids)[2][0])
+    result = PrefixLoad(store, ids, DenseSink()).start().finish()
+    assert result.loaded_end == 2 * CHUNK and not result.complete
+    assert [c.status for c in result.chunks] == ["loaded", "loaded", "missing", "skipped"]
+
+
+# --- variants and the planner --------------------------------------------------------------------
+
+def test_every_variant_is_stored_and_found():
+    tier = MemoryTier(None)
+    store, ids, kv = _store(tier, codec=["cachegen", "raw"])
+    assert len(tier.keys()) == 2 * 4 and store.lookup(ids).num_tokens == len(ids)
+    sizes = store.variant_sizes([k for _, _, ks in store.variant_keys(ids) for k in ks])
+    assert all(s is not None for s in sizes) and sizes[0][0] < sizes[1][0] / 3  # cachegen, raw of chunk 0
+    store.tiers[0].delete(store.variant_keys(ids)[0][2][1])  # raw of chunk 0 gone: cachegen still serves it
+    assert store.lookup(ids).num_tokens == len(ids)
+
+
+def _planned(store, ids, **planner) -> list[int]:
+    result = PrefixLoad(store, ids, DenseSink(), planner=LoadPlanner(store, **planner)).start().finish()
+    return [c.variant if c.status == "loaded" else c.status for c in result.chunks]
+
+
+class Pinned:
+    """An estimate that the loads' own observations do not move."""
+
+    def __init__(self, estimate: float) -> None:
+        self.estimate = estimate
+
+    def observe(self, *_: float) -> None:
+        pass
+
+
+def test_the_planner_picks_by_link_and_stops_when_recomputing_is_sooner():
+    store, ids, _ = _store(MemoryTier(None), codec=["cachegen", "raw"])
+    store.decode_rates = {v: Pinned(1e6) for v in store.decode_rates}  # both decode 1 M tokens/s: the link decides
+    store.links["cpu"] = Pinned(1e3)  # a slow link (1 kB/s): the smallest variant
+    assert _planned(store, ids) == [0, 0, 0, 0]
+    store.links["cpu"] = Pinned(1e12)  # a fast link: both decode-bound, and raw is the better one
+    assert _planned(store, ids) == [1, 1, 1, 1]
+    # an engine that recomputes 10 M tokens/s beats any load decoding 1 M/s: nothing is loaded
+    assert _planned(store, ids, recompute_tps=1e7) == ["recompute", "skipped", "skipped", "skipped"]
+    # ... and one at 100 k tokens/s does not
+    assert _planned(store, ids, recompute_tps=1e5) == [1, 1, 1, 1]
+
+
+def test_a_link_that_slows_mid_request_moves_the_rest_to_the_small_variant():
+    tier = SlowTier(0.0)
+    store, ids, _ = _store(tier, codec=["cachegen", "raw"])
+    store.decode_rates = {v: Pinned(1e5) for v in store.decode_rates}  # 0.3 ms a chunk: raw is decode-bound at first
+    real_get = MemoryTier.get
+
+    def slowing(key):  # the third read on crawls (a link dropping from memory speed to ~200 kB/s)
+        n = len(tier.log)
+        tier.log.append(("fetch", key, time.perf_counter()))
+        value = real_get(tier, key)
+        if n >= 2 and value is not None:
+            time.sleep(len(value) / 200e3)
+        return value
+
+    tier.get = slowing
+    chosen = _planned(store, ids)
+    assert chosen[:2] == [1, 1] and chosen[-1] == 0, chosen
+
+
+def test_planner_options_are_checked():
+    store, _, _ = _store(MemoryTier(None))
+    with pytest.raises(Exception, match="recompute_tps"):
+        LoadPlanner(store, recompute_tps=0)
+    assert LoadPlanner(store).choose([], 32, 32) is None
+    assert LoadPlanner(store).choose([Option(0, 10, "cpu")], 32, 64) == Option(0, 10, "cpu")
