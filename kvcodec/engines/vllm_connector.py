@@ -9,7 +9,10 @@ Load it with::
 
 ``kv_connector_extra_config`` keys (all optional):
 
-- ``codec`` (default ``cachegen``) and ``codec_options`` (a dict of the codec's settings);
+- ``codec`` (default ``cachegen``) and ``codec_options`` (a dict of the codec's settings); or a list of variants,
+  smallest first, each a spec with its options (``["kvtc:level=0", "cachegen", "raw"]``): every chunk is saved in
+  each, and each load picks per chunk the one that loads soonest over the link as measured, or stops where vLLM
+  recomputing the rest is sooner (:mod:`kvcodec.store.plan`; kvtc variants need the model's calibration installed);
 - ``chunk_tokens`` (default 256): tokens per stored chunk; ``hash`` (``sha256`` or ``xxh3-128``);
 - ``tiers``: fastest first, each a tier URL (:mod:`kvcodec.store.urls`): ``cpu[:SIZE]`` (default 1 GiB),
   ``gpu[:SIZE]``, ``disk[:FOLDER][?capacity=SIZE&shared=true]`` (default 10 GiB; a bare ``disk`` is the private
@@ -70,6 +73,7 @@ from __future__ import annotations
 
 import enum
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,7 +90,9 @@ from kvcodec.engines.vllm_setup import (  # noqa: F401 (make_tier: part of this 
     vllm_identity,
 )
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
+from kvcodec.adapt import BandwidthEstimator
 from kvcodec.store import ChunkShape, KVStore, PagedSink, PrefixLoad
+from kvcodec.store.plan import LoadPlanner
 
 log = engine_logger(__name__)
 
@@ -175,6 +181,7 @@ class SaveSpec:
 class KVCodecConnectorMetadata(_MetadataBase):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    step_tokens: int = 0  # tokens vLLM computes in this step: the worker times its prefill speed with them
 
 
 # --- the connector -----------------------------------------------------------------------------
@@ -228,6 +235,10 @@ class KVCodecConnector(_ConnectorBase):
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_names: list[str] = []
         self._loads: list[tuple[LoadSpec, PrefixLoad]] = []
+        # vLLM's prefill speed on this worker (tokens per second of steps without loads): a load stops where
+        # recomputing the rest would be sooner (kvcodec.store.plan)
+        self.prefill = BandwidthEstimator()
+        self._step: tuple[float, int] | None = None  # start and tokens of a step without loads
         self._save_parts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests whose load failed in this forward pass: not saved
@@ -281,6 +292,7 @@ class KVCodecConnector(_ConnectorBase):
     def build_connector_meta(self, scheduler_output: Any) -> KVCodecConnectorMetadata:
         meta = KVCodecConnectorMetadata()
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or sum(scheduled.values()))
         for req in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
             rid = req.req_id
             if rid not in self._keyed:  # not looked up here, or not keyable: neither loaded nor saved
@@ -349,15 +361,21 @@ class KVCodecConnector(_ConnectorBase):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Start every request's load: chunks stream from the store straight into the paged memory
-        (:class:`~kvcodec.store.PrefixLoad`), fetch overlapping decode, while vLLM runs."""
+        (:class:`~kvcodec.store.PrefixLoad`), fetch overlapping decode, while vLLM runs.  With several stored
+        variants a planner picks each chunk's, or leaves the rest to vLLM to recompute."""
         meta = self._metadata()
         self._loads = []
-        if meta is None or not meta.loads:
+        if meta is None:
+            return
+        self._step = None if meta.loads or meta.step_tokens < self.block_size else (time.perf_counter(), meta.step_tokens)
+        if not meta.loads:
             return
         layers = [self.kv_caches[name] for name in self.layer_names]
+        recompute_tps = self.prefill.estimate if self.prefill.samples else None
         for spec in meta.loads:
             sink = PagedSink(layers, spec.block_ids, self.block_size, self.layout)
-            load = PrefixLoad(self.store, spec.token_ids, sink, start=spec.start, end=spec.end, salt=spec.salt)
+            load = PrefixLoad(self.store, spec.token_ids, sink, start=spec.start, end=spec.end, salt=spec.salt,
+                              planner=LoadPlanner(self.store, recompute_tps=recompute_tps))
             self._loads.append((spec, load.start()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -372,15 +390,24 @@ class KVCodecConnector(_ConnectorBase):
         for spec, load in self._loads:
             result = load.finish()
             self.stats["loaded_tokens"] += result.loaded_end - result.start
+            loaded = [c for c in result.chunks if c.status == "loaded"]
+            log.info("kvcodec connector: request %s: loaded tokens %d-%d of %d-%d in %.3f s, %d bytes, variants %s",
+                     spec.req_id, result.start, result.loaded_end, spec.start, spec.end, result.seconds,
+                     result.nbytes, [self.store.variants[c.variant].codec_id for c in loaded])
             if result.complete:
                 continue
             first = result.loaded_end // self.block_size
             bad = {int(b) for b in spec.block_ids[first: (spec.end - 1) // self.block_size + 1]}
             why = next((f"chunk {c.key}: {c.error}" if c.error else f"chunk {c.key} is {c.status}"
                         for c in result.chunks if c.status != "loaded"), "")
-            log.warning("kvcodec connector: request %s: tokens %d-%d did not load (%s); their %d blocks are "
-                        "reported as load errors and vLLM recomputes them", spec.req_id, result.loaded_end,
-                        spec.end, why, len(bad))
+            if any(c.status == "recompute" for c in result.chunks):
+                log.info("kvcodec connector: request %s: recomputing tokens %d-%d is sooner than loading them "
+                         "(prefill %.0f tokens/s); their %d blocks go back to vLLM", spec.req_id, result.loaded_end,
+                         spec.end, self.prefill.estimate, len(bad))
+            else:
+                log.warning("kvcodec connector: request %s: tokens %d-%d did not load (%s); their %d blocks are "
+                            "reported as load errors and vLLM recomputes them", spec.req_id, result.loaded_end,
+                            spec.end, why, len(bad))
             self._load_errors |= bad
             self._failed_reqs.add(spec.req_id)
             self.stats["load_error_blocks"] += len(bad)
@@ -401,6 +428,10 @@ class KVCodecConnector(_ConnectorBase):
 
     def wait_for_save(self) -> None:
         self._finish_loads()  # every layer's load is in place before this forward pass ends
+        if self._step is not None:
+            t0, tokens = self._step
+            self.prefill.observe(tokens, time.perf_counter() - t0)
+            self._step = None
         meta = self._metadata()
         parts, self._save_parts = self._save_parts, {}
         failed, self._failed_reqs = self._failed_reqs, set()

@@ -201,10 +201,13 @@ def detect_layout(vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> Paged
         if backend == "CPU_ATTN":
             isa = _cpu_isa(vllm_config, layer, paged)
             if isa not in CPU_ISAS_KNOWN:
+                # vLLM picks "amx" only for bfloat16 (cpu_attn.py), so another dtype runs the "vec" kernels here
+                hint = (" Start vLLM with --dtype float16 (or float32): on this CPU those run vLLM's 'vec' kernels, "
+                        "which the connector reads and writes." if isa == "amx" else "")
                 raise UnsupportedError(
                     f"layer {name}: vLLM's CPU attention runs its {isa!r} kernels here, whose KV block layout the "
                     f"kvcodec connector does not know (it knows {list(CPU_ISAS_KNOWN)}: keys transposed per block and "
-                    "head); refusing rather than reading or writing it blindly")
+                    f"head); refusing rather than reading or writing it blindly.{hint}")
             layouts.add(CPU)
         elif paged.dim() == 5 and paged.shape[0] == 2:
             layouts.add(FLASH)

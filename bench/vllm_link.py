@@ -1,0 +1,154 @@
+"""Time to first token inside vLLM (its CPU build) whose store is Redis behind a real shaped link.
+
+Runs as root in ``.venv-engines`` (``bash scripts/setup_engines.sh``)::
+
+    .venv-engines/bin/python bench/vllm_link.py [--tokens 2048] [--rates 10,100,1000,10000]
+
+Redis runs in a network namespace reached over a veth pair shaped with tbf (``tests/shaped_link.py``) at each rate,
+and at 100 Gbit/s for the "unshaped" row (tbf then never holds a packet back: the veth and Redis set the pace).
+One vLLM engine per strategy: without the connector (recompute), with each fixed codec, and adaptive (the store
+keeps every variant; :mod:`kvcodec.store.plan` picks each chunk's, or stops and lets vLLM recompute).  Per
+engine the prompt (the first ``--tokens`` tokens of ``license:GPL-3``) is saved once at full speed, then at each
+rate the same prompt is asked for with one generated token (its wall time is the time to first token), after one
+unmeasured request at that rate (the adaptive store learns the link from its own reads, as in serving).  "drop":
+the link runs at 1 Gbit/s and falls to 20 Mbit/s ``--drop-after`` seconds into the request.  Bytes moved and the
+variants used come from the connector's log line for the request.  Writes ``bench/results/vllm_link.md``/``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from engine_harness import REPO  # puts tests/engines and tests on sys.path (bench/ is, when this runs as a script)
+
+from redis_process import started_redis  # noqa: E402
+from shaped_link import ShapedLink, unavailable  # noqa: E402
+from vllm_engine import Engine, connector_config  # noqa: E402
+
+from kvcodec.tools.models import export_hf_folder  # noqa: E402
+from kvcodec.tools.texts import load_text  # noqa: E402
+
+OUT = REPO / "bench" / "results" / "vllm_link"
+UNSHAPED = 100_000
+# a small kvtc calibration (seconds to make; the default one takes minutes here): kvtc's quality in this table is
+# that calibration's, its rate close to the default's
+CALIBRATION = {"max_tokens": 1024, "segment_tokens": 512, "group_layers": 1}
+STRATEGIES = {"raw": "raw", "cachegen": "cachegen", "kvtc": "kvtc", "adaptive": ["kvtc", "cachegen", "raw"]}
+LOADED = re.compile(r"loaded tokens (\d+)-(\d+) of (\d+)-(\d+) in ([\d.]+) s, (\d+) bytes, variants \[(.*)\]")
+
+
+def last_load(engine: Engine) -> dict:
+    """What the connector's log says of the last request's load."""
+    lines = engine.grep("kvcodec connector: request")
+    hit = next((LOADED.search(line) for line in reversed(lines) if LOADED.search(line)), None)
+    if hit is None:
+        return {"loaded": 0, "bytes": 0, "variants": ""}
+    variants = [v.strip(" '") for v in hit.group(7).split(",") if v.strip()]
+    counts = {v: variants.count(v) for v in dict.fromkeys(variants)}
+    return {"loaded": int(hit.group(2)) - int(hit.group(1)), "bytes": int(hit.group(6)),
+            "variants": " ".join(f"{v}x{n}" for v, n in counts.items())}
+
+
+def request(engine: Engine, ids: list[int], link: ShapedLink, rate: float, drop_after: float | None = None) -> dict:
+    link.set_rate(rate)
+    engine.generate(ids, 1)  # unmeasured: the link's first reads teach the store its throughput
+    dropper = None
+    if drop_after is not None:
+        link.set_rate(1000)
+        engine.generate(ids, 1)
+        dropper = threading.Timer(drop_after, link.set_rate, (20,))
+    if dropper is not None:
+        dropper.start()
+    reply = engine.generate(ids, 1, timeout_s=1800)
+    if dropper is not None:
+        dropper.join()
+    return {"ttft_s": reply["seconds"], **last_load(engine)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rates", default="10,100,1000,10000", help="Mbit/s, comma-separated (plus unshaped)")
+    ap.add_argument("--drop-after", type=float, default=0.3, help="seconds into the request the link drops")
+    ap.add_argument("--strategies", default=",".join(["recompute", *STRATEGIES]))
+    args = ap.parse_args()
+    why = unavailable()
+    if why:
+        raise SystemExit(f"vllm_link: {why}")
+    from transformers import AutoTokenizer
+
+    model = Path(export_hf_folder("smollm2", REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"))
+    ids = AutoTokenizer.from_pretrained(model)(load_text("license:GPL-3")).input_ids
+    prompt, warmup = ids[: args.tokens], ids[4000:4000 + 256]
+    rates: list[float | str] = [float(r) for r in args.rates.split(",")] + ["unshaped", "drop"]
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="kvcodec-vllm-link-"))
+    with ShapedLink(UNSHAPED) as link:
+        redis = started_redis(work, link)
+        try:
+            for name in args.strategies.split(","):
+                extra = None if name == "recompute" else {
+                    "codec": STRATEGIES[name], "tiers": [redis.url], "redis_timeout_s": 120,
+                    "calibration_options": CALIBRATION}
+                print(f"vllm_link: starting vLLM, {name}", flush=True)
+                with Engine(model, None if extra is None else connector_config(**extra)) as engine:
+                    engine.generate(warmup, 1)
+                    link.set_rate(UNSHAPED)
+                    engine.generate(prompt, 1)  # saved (a miss), at full speed
+                    for rate in rates:
+                        if name == "recompute":
+                            got = {"ttft_s": engine.generate(prompt, 1)["seconds"], "loaded": 0, "bytes": 0,
+                                   "variants": ""}
+                        elif rate == "drop":
+                            got = request(engine, prompt, link, UNSHAPED, args.drop_after)
+                        else:
+                            got = request(engine, prompt, link, UNSHAPED if rate == "unshaped" else rate)
+                        row = {"strategy": name, "rate": rate, **got}
+                        rows.append(row)
+                        print(f"vllm_link: {name} at {rate}: {got['ttft_s']:.2f} s, {got['bytes'] / 1e6:.1f} MB, "
+                              f"{got['loaded']} tokens loaded {got['variants']}", flush=True)
+        finally:
+            redis.stop()
+    write(rows, args)
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    OUT.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    names = list(dict.fromkeys(r["strategy"] for r in rows))
+    cell = {(r["strategy"], r["rate"]): r for r in rows}
+
+    def label(rate: float | str) -> str:
+        return rate if isinstance(rate, str) else f"{rate:g} Mbit/s"
+
+    lines = [f"# Time to first token in vLLM from Redis over a shaped link ({args.tokens}-token prompt)", "",
+             f"`python bench/vllm_link.py --tokens {args.tokens} --rates {args.rates}` on "
+             f"{time.strftime('%Y-%m-%d')}: vLLM CPU 0.32.0, SmolLM2-135M-Instruct in float32, one engine per "
+             "strategy, Redis in a network namespace behind tbf on a veth pair. Seconds to the first token (one "
+             "request after one unmeasured at the same rate); below each, MB moved and the variants loaded.", "",
+             "| strategy | " + " | ".join(label(r) for r in rates) + " |", "|---" * (len(rates) + 1) + "|"]
+    for name in names:
+        cells = []
+        for rate in rates:
+            r = cell.get((name, rate))
+            if r is None:
+                cells.append("")
+                continue
+            extra = "" if name == "recompute" else f"<br>{r['bytes'] / 1e6:.1f} MB, {r['loaded']} tok"
+            if name == "adaptive" and r["variants"]:
+                extra += f"<br>{r['variants']}"
+            cells.append(f"{r['ttft_s']:.2f} s{extra}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""kvcodec's connector inside the real vLLM, its store Redis behind a real shaped link (tests/shaped_link.py, root
+only), keeping each chunk as ``cachegen`` and ``raw``: the variant loaded follows the link, and follows it when
+the link drops in the middle of a request.
+
+One engine; a 2048-token prompt (eight chunks of 12 MB raw, about 1 MB cachegen) saved once at full speed.  Over
+the unshaped link (tbf at 100 Gbit/s) raw chunks load sooner than cachegen ones decode; at 20 Mbit/s raw takes
+about 5 s a chunk and cachegen well under one, or recomputing the rest is sooner still.  Then the link runs at
+1 Gbit/s (raw about 0.1 s a chunk) and drops to 20 Mbit/s 0.25 s into a request.  Every reply's first tokens must
+equal those of the first, computed, request.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+from redis_process import started_redis
+from shaped_link import ShapedLink, unavailable
+from vllm_engine import Engine, connector_config
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+PROMPT = 2048
+FAST, SLOW, BEFORE_DROP = 100_000, 20, 1000
+LOADED = re.compile(r"loaded tokens (\d+)-(\d+) of \d+-\d+ in [\d.]+ s, \d+ bytes, variants \[(.*)\]")
+
+
+def _variants(engine: Engine) -> list[str]:
+    """The variants the connector loaded for the last request (its log line), chunk by chunk."""
+    line = next(l for l in reversed(engine.grep("kvcodec connector: request")) if LOADED.search(l))
+    return [v.strip(" '") for v in LOADED.search(line).group(3).split(",") if v.strip()]
+
+
+@pytest.fixture(scope="module")
+def link():
+    with ShapedLink(FAST) as shaped:
+        yield shaped
+
+
+def test_the_variant_loaded_follows_the_link(smollm2_hf, texts, link, tmp_path):
+    prompt = texts["GPL-3"][:PROMPT]
+    other = texts["MPL-2.0"][:300]
+    redis = started_redis(tmp_path, link)
+    try:
+        extra = {"codec": ["cachegen", "raw"], "tiers": [redis.url], "redis_timeout_s": 60}
+        with Engine(smollm2_hf, connector_config(**extra)) as engine:
+            engine.generate(other, 1)  # the worker times a prefill
+            first = engine.generate(prompt, 8)  # a miss: computed, saved in both variants
+            for _ in range(2):  # the second load plans with what the first measured
+                fast = engine.generate(prompt, 8)
+            assert fast["token_ids"][:4] == first["token_ids"][:4]
+            on_fast = _variants(engine)
+            assert on_fast and on_fast.count("raw") >= len(on_fast) - 1, on_fast
+
+            link.set_rate(SLOW)
+            slow = engine.generate(prompt, 8, timeout_s=300)
+            on_slow = _variants(engine)
+            assert slow["token_ids"][:4] == first["token_ids"][:4]
+            # after at most one chunk read at the old estimate, the small variant, or vLLM recomputes the rest
+            assert on_slow.count("raw") <= 1 and on_slow != on_fast, (on_fast, on_slow)
+
+            # the link drops while a request loads: what is read after the drop is the small variant or nothing
+            link.set_rate(BEFORE_DROP)
+            for _ in range(2):
+                engine.generate(prompt, 1)
+            assert _variants(engine)[0] == "raw"
+            drop = threading.Timer(0.25, link.set_rate, (SLOW,))
+            drop.start()
+            dropped = engine.generate(prompt, 8, timeout_s=300)
+            drop.join()
+            during = _variants(engine)
+            assert dropped["token_ids"][:4] == first["token_ids"][:4]
+            assert during[0] == "raw" and (len(during) < PROMPT // 256 or during[-1] == "cachegen"), during
+    finally:
+        redis.stop()
