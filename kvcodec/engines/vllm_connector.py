@@ -355,6 +355,14 @@ class KVCodecConnector(_ConnectorBase):
         log.info("kvcodec connector: %d layers, paged layout %r, block size %d", len(kv_caches), self.layout.name,
                  self.block_size)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """vLLM binds each step's metadata before its forward pass (a step without loads calls ``start_load_kv``
+        only after it), so a step's prefill is timed from here to ``wait_for_save``."""
+        super().bind_connector_metadata(connector_metadata)
+        meta = self._metadata()
+        timed = meta is not None and not meta.loads and meta.step_tokens >= self.block_size
+        self._step = (time.perf_counter(), meta.step_tokens) if timed else None
+
     def _metadata(self) -> KVCodecConnectorMetadata | None:
         meta = self._connector_metadata
         return meta if isinstance(meta, KVCodecConnectorMetadata) else None
@@ -365,10 +373,7 @@ class KVCodecConnector(_ConnectorBase):
         variants a planner picks each chunk's, or leaves the rest to vLLM to recompute."""
         meta = self._metadata()
         self._loads = []
-        if meta is None:
-            return
-        self._step = None if meta.loads or meta.step_tokens < self.block_size else (time.perf_counter(), meta.step_tokens)
-        if not meta.loads:
+        if meta is None or not meta.loads:
             return
         layers = [self.kv_caches[name] for name in self.layer_names]
         recompute_tps = self.prefill.estimate if self.prefill.samples else None

@@ -1,0 +1,108 @@
+"""Does a store load overlap fetch with decode?  Fetch alone, decode alone and the streamed load, side by side.
+
+Real SmolLM2 KV of a ``--tokens``-token prefix of ``license:GPL-3`` (float16), stored as 256-token chunks in a
+real ``redis-server`` on loopback (unshaped).  Per codec, the median of ``--reps`` runs of:
+
+- fetch: ``KVStore.fetch`` of every chunk (reads and checks, nothing decoded);
+- decode: every fetched chunk decoded into vLLM's CPU paged layout, one after the other, nothing fetched;
+- load: :class:`~kvcodec.store.PrefixLoad` into the same paged memory: fetch of chunk ``i+1`` overlapping the
+  decode of chunk ``i``.
+
+The target (issue 18): a load takes at most max(fetch, decode) + 20%.  kvtc uses a small calibration made here
+(1024 tokens, one basis per layer: seconds), so its rate and speed are close to, not exactly, the default's.
+Writes ``bench/results/load_overlap.md``.
+
+    python bench/load_overlap.py [--tokens 2048] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import engine_harness  # noqa: F401  (puts tests/ on sys.path for the Redis helper)
+import torch
+from redis_process import started_redis
+
+from kvcodec.layouts.paged import empty_shape
+from kvcodec.store import KVStore, PagedSink, PrefixLoad, RedisTier
+from kvcodec.store.load import decode_chunk_into
+from kvcodec.tools.models import load_model
+from kvcodec.tools.texts import load_text
+
+OUT = Path(__file__).parent / "results" / "load_overlap.md"
+BLOCK = 128
+
+
+def paged_sink(kv, tokens: int) -> PagedSink:
+    shape = kv.shapes[0]
+    blocks = -(-tokens // BLOCK)
+    layers = [torch.zeros(empty_shape("cpu", blocks, BLOCK, shape.heads, shape.key_dim), dtype=kv.dtype)
+              for _ in range(kv.num_layers)]
+    return PagedSink(layers, list(range(blocks)), BLOCK, "cpu")
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--codecs", default="raw,cachegen,kvtc")
+    args = ap.parse_args()
+    lm = load_model("smollm2", progress=False)
+    ids = lm.tokenize(load_text("license:GPL-3"))[: args.tokens]
+    kv = lm.prefill(ids, dtype=torch.float16)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        server = started_redis(Path(folder))
+        try:
+            for codec in args.codecs.split(","):
+                options = {}
+                if codec == "kvtc":
+                    from kvcodec.codecs.kvtc import register_calibration
+                    from kvcodec.tools.kvtc_calibration import calibrate
+
+                    cal = register_calibration(calibrate(lm, max_tokens=1024, segment_tokens=512, group_layers=1))
+                    options = {"calibration": cal.digest}
+                store = KVStore([RedisTier(server.host, server.port, timeout_s=30.0)], model=lm.model_id,
+                                codec=codec, codec_options=options)
+                store.put(ids, kv)
+                fetch, decode, load, nbytes = [], [], [], 0
+                for _ in range(args.reps):
+                    chunks: list = []
+                    fetch.append(timed(lambda: chunks.extend(store.fetch(ids))))
+                    nbytes = sum(len(c.data) for c in chunks)
+                    sink = paged_sink(kv, len(ids))
+                    decode.append(timed(lambda: [decode_chunk_into(store, c, sink, 0, len(ids)) for c in chunks]))
+                    sink = paged_sink(kv, len(ids))
+                    load.append(timed(lambda: PrefixLoad(store, ids, sink).start().finish()))
+                f, d, l = (statistics.median(x) for x in (fetch, decode, load))
+                rows.append((codec, nbytes, f, d, l))
+                print(f"load_overlap: {codec}: fetch {f:.3f} s, decode {d:.3f} s, load {l:.3f} s "
+                      f"({l / max(f, d):.2f}x max, {l / (f + d):.2f}x sum)", flush=True)
+                store.evict(ids)
+        finally:
+            server.stop()
+    lines = [f"# Streamed loads: fetch and decode overlap ({args.tokens} tokens, Redis on loopback)", "",
+             f"`python bench/load_overlap.py --tokens {args.tokens} --reps {args.reps}` on {time.strftime('%Y-%m-%d')}: "
+             "real SmolLM2-135M float16 KV in 256-token chunks; medians. Decode is into vLLM's CPU paged layout "
+             "(block 128). Target: load <= 1.2 x max(fetch, decode).", "",
+             "| codec | bytes | fetch s | decode s | load s | load / max(fetch, decode) | load / (fetch + decode) |",
+             "|---|---|---|---|---|---|---|"]
+    for codec, nbytes, f, d, l in rows:
+        lines.append(f"| {codec} | {nbytes:,} | {f:.3f} | {d:.3f} | {l:.3f} | {l / max(f, d):.2f} | {l / (f + d):.2f} |")
+    OUT.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
