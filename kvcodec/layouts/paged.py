@@ -109,7 +109,20 @@ def check_paged_layer(paged: torch.Tensor, shape: LayerShape, slots: torch.Tenso
 def scatter_rows(view: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """Write ``rows`` (``[T, H, D]``) into a ``(num_blocks, block_size, H, D)`` view at flat ``slots``."""
     block_size = view.shape[1]
-    view[slots // block_size, slots % block_size] = rows.to(view.dtype)
+    rows = rows.to(view.dtype)
+    # A block table maps a sequence to runs of consecutive slots, one per block: a strided copy per run is ~10x
+    # faster than indexing every token (measured on the CPU layout's transposed keys), so runs are copied whole.
+    n = int(slots.numel())
+    if n > 1:
+        breaks = torch.nonzero((slots[1:] != slots[:-1] + 1) | (slots[1:] % block_size == 0)).flatten() + 1
+        if len(breaks) < n // 8:
+            starts = [0, *breaks.tolist()]
+            for a, b in zip(starts, [*starts[1:], n]):
+                first = int(slots[a])
+                block, offset = first // block_size, first % block_size
+                view[block, offset:offset + b - a] = rows[a:b]
+            return
+    view[slots // block_size, slots % block_size] = rows
 
 
 def write_paged(paged: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
