@@ -189,8 +189,8 @@ class DecodeRequest:
         meta = self.header.meta
         kv = KVCache(kv.layers, model=meta.get("model"), token_ids=kv.token_ids, rope=meta.get("rope"),
                      positions=header_positions(self.header)[end - n:end])
-        calibration = next((c.calibration_data() for c in self.codecs if c.codec_id == "kvtc"), None)
-        return reposition(kv, self.positions[len(self.positions) - n:], layers=layers, calibration=calibration)
+        rotary = next((r for c in self.codecs if (r := c.rotary()) is not None), None)
+        return reposition(kv, self.positions[len(self.positions) - n:], layers=layers, rotary=rotary)
 
 
 def decode_sections(request: DecodeRequest, codec: Codec, token_start: int, token_count: int,

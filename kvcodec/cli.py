@@ -338,7 +338,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for text in texts:
         _text(text)
     model = load_model(args.model, progress=not args.quiet)
-    if any(c.codec_id == "kvtc" and c.calibration == "auto" for c in codecs):
+    if any(c.needs_model(c.get_config()) for c in codecs):
         from kvcodec.tools.kvtc_calibration import ensure_calibration
 
         ensure_calibration(model, log=None if args.quiet else lambda line: print(line, file=sys.stderr))

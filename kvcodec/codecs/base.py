@@ -64,6 +64,9 @@ class Codec(abc.ABC):
     # A codec whose coding depends on the tokens' positions (kvtc undoes the rotary embedding at them): a store
     # records each chunk's absolute positions for it, which a chunk would otherwise take to start at 0.
     uses_positions: ClassVar[bool] = False
+    # A codec whose steps come from a channel profile of the model (cachegen, kvfetcher): engine hooks find the
+    # model's profile for it, and warn when none matches (the codec then takes its steps from the data).
+    uses_profile: ClassVar[bool] = False
 
     @abc.abstractmethod
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, ctx: LayerContext) -> bytes:
@@ -94,6 +97,17 @@ class Codec(abc.ABC):
     def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Joint codecs: decode the ``wanted`` layers of a frame whose layers holding tokens have ``ctxs``."""
         raise NotImplementedError
+
+    @classmethod
+    def needs_model(cls, config: dict[str, Any]) -> bool:
+        """Whether a codec of ``config`` resolves something made from the model itself, which an engine hook
+        must make at first use when none is installed (kvtc with ``calibration="auto"``: a calibration)."""
+        return False
+
+    def rotary(self) -> Sequence[Any] | None:
+        """The rotary setting of each model layer, where this codec knows it (kvtc: from its calibration), so
+        that its caches' keys can be moved to new positions; None otherwise."""
+        return None
 
     def side_data_name(self) -> str | None:
         """The name of what this codec needs beyond a container's bytes to decode it (kvtc: its calibration, by

@@ -19,12 +19,14 @@ import hashlib
 import os
 from typing import Any, Callable, Iterator
 
+from kvcodec.codecs import codec_class
 from kvcodec.codecs.kvtc import cache_dir, calibration_for_model, register_calibration
 
 
 def wants_calibration(codec: Any, codec_options: dict[str, Any] | None) -> bool:
-    """Whether a store of ``codec`` (an id with ``codec_options``) resolves a kvtc calibration by model."""
-    return codec == "kvtc" and (codec_options or {}).get("calibration", "auto") == "auto"
+    """Whether a store of ``codec`` (an id with ``codec_options``) resolves something made from the model at first
+    use (:meth:`Codec.needs_model`: kvtc's calibration)."""
+    return isinstance(codec, str) and codec_class(codec).needs_model(codec_options or {})
 
 
 def load_served_model(model: str, log: Callable[[str], None]) -> Any:

@@ -215,9 +215,10 @@ class KVCodecConnector(_ConnectorBase):
         self.profile = use_profile_of_config(self.store.model, getattr(model_config, "hf_config", None))
         if self.profile is not None:
             log.info("kvcodec connector: model %s uses the channel profile of %s", self.store.model, self.profile)
-        elif self.store.codec.codec_id in ("cachegen", "kvfetcher"):
-            log.warning("kvcodec connector: no channel profile matches model %s (see `kvcodec profile`); %s falls back "
-                        "to steps from the data, at lower quality", self.store.model, self.store.codec.codec_id)
+        elif any(c.uses_profile for c in self.store.variants):
+            log.warning("kvcodec connector: no channel profile matches model %s (see `kvcodec profile`); %s fall(s) "
+                        "back to steps from the data, at lower quality", self.store.model,
+                        ", ".join(c.codec_id for c in self.store.variants if c.uses_profile))
         if role == KVConnectorRole.SCHEDULER and getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
             log.warning("kvcodec connector: kv_load_failure_policy is 'fail', so a stored chunk that turns out missing or "
                         "damaged fails its request; set \"kv_load_failure_policy\": \"recompute\" in "

@@ -35,10 +35,11 @@ from kvcodec.chunking import DecodeRequest, coding, decode_sections
 from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.layouts.paged import PagedLayout, paged_layout, slot_mapping, write_paged
+from kvcodec.store.chunks import ChunkShape, FetchedChunk
 from kvcodec.store.plan import LoadPlanner, Option
 
 if TYPE_CHECKING:
-    from kvcodec.store.store import FetchedChunk, KVStore
+    from kvcodec.store.store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +301,6 @@ class PrefixLoad:
 
     def _check_shape(self, chunk: FetchedChunk) -> None:
         """Without an engine shape the store checked against, every chunk must match the first one's."""
-        from kvcodec.store.store import ChunkShape
-
         assert chunk.header is not None
         shape = ChunkShape.of_header(chunk.header)
         if self._shape is None:

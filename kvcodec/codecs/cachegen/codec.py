@@ -77,6 +77,7 @@ class CacheGen(Codec):
 
     codec_id = "cachegen"
     lossless = False
+    uses_profile = True
     backends = ("cpu", "triton")
 
     def __init__(self, level: int = DEFAULT_LEVEL, group: int = 1, lane_channels: int = 64, lane_tokens: int = 256,

@@ -65,6 +65,7 @@ class KVFetcher(Codec):
 
     codec_id = "kvfetcher"
     lossless = False
+    uses_profile = True
     # "auto" decodes with NVDEC onto a CUDA device when PyNvVideoCodec is there (bit-exact against FFmpeg on an
     # H200, bench/results/gpu_kvfetcher.md), else with FFmpeg
     backends = ("cpu", "nvdec")

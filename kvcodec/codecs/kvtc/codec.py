@@ -105,6 +105,13 @@ class KVTC(Codec):
                 "kvcodec.tools.kvtc_calibration.calibrate) and pass calibration=FILE")
         return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std)
 
+    @classmethod
+    def needs_model(cls, config: dict[str, Any]) -> bool:
+        return config.get("calibration", "auto") == "auto"
+
+    def rotary(self) -> list[Any]:
+        return [l.rotary for l in self.calibration_data().layers]
+
     def side_data_name(self) -> str | None:
         return None if self.calibration == "auto" else f"kvcodec-calibration@{self.calibration}"
 
