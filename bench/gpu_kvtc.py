@@ -83,8 +83,8 @@ def frame_of(blob: bytes, device: torch.device, backend: str):
 
 def staged_lanes(codec: KVTC, section: bytes, ctxs, device: torch.device):
     """The frame's parts and their lane decode staged on ``device``."""
-    parts = [p for g, present, block in codec._blocks(section, ctxs, {c.layer for c in ctxs})
-             for p in codec._parse_group(g, present, block)[0]]
+    parts = [p for g, present, block in codec.group_blocks(section, ctxs, {c.layer for c in ctxs})
+             for p in codec.parse_group(g, present, block)[0]]
     return parts, gpu.CoefficientLaunch(codec, parts, device)
 
 

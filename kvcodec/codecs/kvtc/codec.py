@@ -173,7 +173,7 @@ class KVTC(Codec):
         return b"".join([struct.pack(f"<{len(blocks)}I", *map(len, blocks))] + blocks)
 
     def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        blocks = self._blocks(data, ctxs, wanted)
+        blocks = self.group_blocks(data, ctxs, wanted)
         if self._on_device(ctxs[0], ctxs[0].device):
             return gpu.decode_frame(self, blocks, wanted, gpu.ContiguousSink())
         out = {}
@@ -192,7 +192,8 @@ class KVTC(Codec):
             raise InvalidInputError("kvtc paged decode: paged tensors and slots must name the same layers of the frame")
         slots = {l: check_paged_layer(paged[l], by_layer[l].shape, slots[l], layout) for l in paged}
         if self._on_device(ctxs[0], next(iter(paged.values())).device):
-            gpu.decode_frame(self, self._blocks(data, ctxs, set(paged)), set(paged), gpu.PagedSink(paged, slots, layout))
+            blocks = self.group_blocks(data, ctxs, set(paged))
+            gpu.decode_frame(self, blocks, set(paged), gpu.PagedSink(paged, slots, layout))
             return
         for layer, (keys, values) in self.decode_frame(data, ctxs, set(paged)).items():
             write_paged(paged[layer], keys, values, slots[layer], layout)
@@ -205,8 +206,10 @@ class KVTC(Codec):
         """Whether the Triton path decodes (``"auto"``: for CUDA tensors), as cachegen chooses its engine."""
         return ctx.backend == "triton" or (ctx.backend == "auto" and dev.type == "cuda")
 
-    def _blocks(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> list[tuple[int, list[LayerContext], memoryview]]:
-        """The section cut into its groups' blocks, ``(group, its layers, block)`` for the groups with a wanted layer."""
+    def group_blocks(self, data: bytes, ctxs: list[LayerContext],
+                     wanted: set[int]) -> list[tuple[int, list[LayerContext], memoryview]]:
+        """The section cut into its groups' blocks: ``(group, its layers, block)`` of each group with a wanted
+        layer."""
         groups = self._groups(ctxs)
         reader = SectionBytes(memoryview(data))
         lengths = reader.take(len(groups), "<u4").astype(np.int64)
@@ -241,8 +244,9 @@ class KVTC(Codec):
             sinks += [k32[:, :s].numpy().astype("<f2").tobytes(), v32[:, :s].numpy().astype("<f2").tobytes()]
             if self._rotated(ctx):
                 k32 = cal.layers[ctx.layer].rotary.rotate(k32, ctx.positions_tensor(), inverse=True)
-            kfeat.append(k32[:, s:].permute(1, 0, 2).reshape(k32.shape[1] - s, -1))
-            vfeat.append(v32[:, s:].permute(1, 0, 2).reshape(v32.shape[1] - s, -1))
+            # widths spelled out: a chunk of sink tokens only has no other tokens, and -1 cannot size an empty row
+            kfeat.append(k32[:, s:].permute(1, 0, 2).reshape(k32.shape[1] - s, k32.shape[0] * k32.shape[2]))
+            vfeat.append(v32[:, s:].permute(1, 0, 2).reshape(v32.shape[1] - s, v32.shape[0] * v32.shape[2]))
         key_step, value_step = LEVELS[self.level]
         parts = [self._encode_part(torch.cat(f, 1), basis, step)
                  for f, basis, step in ((kfeat, cal.keys[g], key_step), (vfeat, cal.values[g], value_step))]
@@ -291,7 +295,8 @@ class KVTC(Codec):
                             min(t0 + self.lane_tokens, tokens) - t0, table)
                 for c0 in range(0, len(live), self.lane_components) for t0 in range(0, tokens, self.lane_tokens)]
 
-    def _parse_group(self, g: int, present: list[LayerContext], data: memoryview) -> tuple[list[CodedPart], list[list[np.ndarray]]]:
+    def parse_group(self, g: int, present: list[LayerContext],
+                    data: memoryview) -> tuple[list[CodedPart], list[list[np.ndarray]]]:
         """A group's block as parsed: its keys and values parts, and per layer its sink keys and values
         (float16 ``[H, S, D]``)."""
         cal = self.calibration_data()
@@ -308,7 +313,8 @@ class KVTC(Codec):
         return parts, sinks
 
     @staticmethod
-    def spans(present: list[LayerContext], wanted: set[int]) -> tuple[dict[int, tuple[slice, slice]], tuple[slice, slice]]:
+    def spans(present: list[LayerContext],
+              wanted: set[int]) -> tuple[dict[int, tuple[slice, slice]], tuple[slice, slice]]:
         """Each layer's key and value feature columns in its group, and the columns that cover the wanted layers
         (one product covers them all)."""
         spans = {}
@@ -328,10 +334,11 @@ class KVTC(Codec):
         t, s = ctx0.shape.tokens, self._sinks(ctx0)
         # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
         # all zero, and at the default level most of the basis is dead in any one chunk
-        coded, sinks = self._parse_group(g, present, data)
+        coded, sinks = self.parse_group(g, present, data)
         parts = [(self.coefficients(p), gb.rows32[:p.span]) for p, gb in zip(coded, (cal.keys[g], cal.values[g]))]
         spans, cover = self.spans(present, wanted)
-        feats = [self.features(*parts[i], gb.mean, gb.weight, cover[i]) for i, gb in enumerate((cal.keys[g], cal.values[g]))]
+        feats = [self.features(*parts[i], gb.mean, gb.weight, cover[i])
+                 for i, gb in enumerate((cal.keys[g], cal.values[g]))]
         out = {}
         for c, sink in zip(present, sinks):
             h, dk, dv = c.shape.heads, c.shape.key_dim, c.shape.value_dim

@@ -68,8 +68,6 @@ class CoefficientLaunch:
             order_at += len(live)
         lane_table = np.concatenate(lanes).astype(np.int64).reshape(-1, 6) if lanes else np.zeros((0, 6), np.int64)
         lengths = np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
-        if len(lengths) != len(lane_table):
-            raise CorruptDataError("kvtc part's lane count does not match its plan")  # _parse_part read as many
         lane_table[1:, 5] = np.cumsum(lengths)[:-1]
         self.num_lanes = len(lane_table)
         if not self.num_lanes:
@@ -85,7 +83,8 @@ class CoefficientLaunch:
                      put(np.concatenate(orders).astype(np.int32)),
                      put(np.concatenate([p.table[:s] for p, s in zip(parts, spans)] + [np.zeros(1, np.uint8)])),
                      *_coding_tables(device)[1:], put(np.zeros(int(chan[-1]) + 1, np.float16)),
-                     put(np.concatenate([p.codes[:s] for p, s in zip(parts, spans)] + [np.zeros(1, np.int64)]).astype(np.uint8)),
+                     put(np.concatenate([p.codes[:s].astype(np.uint8) for p, s in zip(parts, spans)]
+                                        + [np.zeros(1, np.uint8)])),
                      put(np.zeros(1, np.uint8)), _steps(device), put(rows.astype(np.int64)), self.out, self.status,
                      self.num_lanes, int((lane_table[:, 2] * lane_table[:, 4]).max()))
 
@@ -166,12 +165,12 @@ class PagedSink:
 
 def decode_frame(codec: KVTC, blocks: list[tuple[int, list[LayerContext], memoryview]], wanted: set[int],
                  sink: ContiguousSink | PagedSink) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Decode the wanted layers of the groups ``blocks`` (:meth:`KVTC._blocks`) into ``sink``; returns its
+    """Decode the wanted layers of the groups ``blocks`` (:meth:`KVTC.group_blocks`) into ``sink``; returns its
     decoded tensors (none for a paged sink)."""
     if not blocks:
         return sink.out
     device = sink.device(next(c for _, present, _ in blocks for c in present if c.layer in wanted))
-    parsed = [codec._parse_group(g, present, block) for g, present, block in blocks]
+    parsed = [codec.parse_group(g, present, block) for g, present, block in blocks]
     launch = CoefficientLaunch(codec, [p for parts, _ in parsed for p in parts], device)
     launch.run()
     exact = _sink_tokens([s for _, sinks in parsed for layer in sinks for s in layer], device)
@@ -184,8 +183,9 @@ def decode_frame(codec: KVTC, blocks: list[tuple[int, list[LayerContext], memory
         layer_rows = {}
         for c in present:
             if c.layer in wanted:
-                layer_rows[c.layer] = tuple(f[:, span.start - at:span.stop - at].reshape(f.shape[0], c.shape.heads, -1)
-                                            for (f, at), span in zip(feats, spans[c.layer]))
+                layer_rows[c.layer] = tuple(f[:, span.start - at:span.stop - at].reshape(f.shape[0], c.shape.heads, d)
+                                            for (f, at), span, d in zip(feats, spans[c.layer],
+                                                                        (c.shape.key_dim, c.shape.value_dim)))
         _rotate(codec, [c for c in present if c.layer in wanted], layer_rows)
         for c in present:
             pair = (next(exact), next(exact))
