@@ -156,6 +156,22 @@ def test_decode_layer_paged_on_a_one_layer_group(real_kv):
     assert torch.allclose(values.float(), reference.layers[0].values.float(), rtol=2 ** -10, atol=1e-3)
 
 
+def test_paged_decode_refuses_what_does_not_fit(golden):
+    kv, cal = golden
+    blob = kvcodec.encode(kv, KVTC(calibration=cal, **SMALL_LANES), chunk_tokens=24)
+    codec, data, ctxs = next(_frames(blob, "triton"))
+    paged = torch.zeros(empty_shape("flash", 4, 16, 3, 64), dtype=torch.float16)
+    slots = slot_mapping(torch.arange(2), 0, 24, 16)
+    with pytest.raises(kvcodec.InvalidInputError, match="same layers"):
+        codec.decode_frame_paged(data, ctxs, {0: paged}, {1: slots})
+    with pytest.raises(kvcodec.InvalidInputError, match="same layers"):
+        codec.decode_frame_paged(data, ctxs, {9: paged}, {9: slots})
+    with pytest.raises(kvcodec.InvalidInputError, match="slots"):
+        codec.decode_frame_paged(data, ctxs, {0: paged}, {0: slots[:5]})
+    with pytest.raises(kvcodec.InvalidInputError, match="together"):  # one layer of a two-layer group
+        codec.decode_layer_paged(data, ctxs[0], paged, slots)
+
+
 def test_damaged_sections_fail_alike(golden):
     """ANS carries no redundancy: a flipped bit may decode to other symbols or make a lane invalid.  The device
     path must refuse what the CPU path refuses and decode the rest alike."""

@@ -33,6 +33,7 @@ from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibratio
 from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.layouts.paged import check_paged_layer, write_paged
 
 DEAD = 255  # table byte of a component whose symbols are all zero in the chunk: nothing else is stored for it
 MAX_LANE_SYMBOLS = 1 << 16
@@ -185,8 +186,6 @@ class KVTC(Codec):
                            slots: dict[int, torch.Tensor], layout: Any = "flash") -> None:
         """Decode the layers of a frame named in ``paged`` (layer: that layer's paged tensor) into paged memory:
         token ``t`` of layer ``l``'s section goes to flat slot ``slots[l][t]`` (see :meth:`decode_layer_paged`)."""
-        from kvcodec.layouts.paged import check_paged_layer, write_paged
-
         by_layer = {c.layer: c for c in ctxs}
         if not paged or not set(paged) <= set(by_layer) or set(slots) != set(paged):
             raise InvalidInputError("kvtc paged decode: paged tensors and slots must name the same layers of the frame")
@@ -196,7 +195,8 @@ class KVTC(Codec):
             gpu.decode_frame(self, blocks, set(paged), gpu.PagedSink(paged, slots, layout))
             return
         for layer, (keys, values) in self.decode_frame(data, ctxs, set(paged)).items():
-            write_paged(paged[layer], keys, values, slots[layer], layout)
+            on = paged[layer].device
+            write_paged(paged[layer], keys.to(on), values.to(on), slots[layer], layout)
 
     def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
                            layout: Any = "flash") -> None:
