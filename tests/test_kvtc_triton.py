@@ -83,15 +83,17 @@ def test_lanes_are_bit_exact_and_the_decode_within_tolerance(golden, level):
 @settings(max_examples=5, deadline=None)
 @given(layer=st.integers(0, 28), start=st.integers(0, 400), tokens=st.integers(1, 40), level=st.integers(0, 4),
        lane_components=st.integers(1, 12), lane_tokens=st.integers(1, 12), sink_tokens=st.integers(0, 3),
-       min_std=st.sampled_from([0.0, 0.2]), rope=st.sampled_from(["post", "pre"]),
+       min_std=st.sampled_from([0.0, 0.2]), rope=st.sampled_from(["post", "pre"]), shift=st.integers(0, 4000),
        dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
 @example(layer=0, start=0, tokens=1, level=0, lane_components=1, lane_tokens=1, sink_tokens=1, min_std=0.0,
-         rope="post", dtype=torch.float16)  # a chunk of sink tokens only (the encoder could not code one)
+         rope="post", shift=0, dtype=torch.float16)  # a chunk of sink tokens only (the encoder could not code one)
 def test_any_real_slice_decodes_alike(real_kv, layer, start, tokens, level, lane_components, lane_tokens, sink_tokens,
-                                      min_std, rope, dtype):
-    """Two real layers (one calibration group, fitted on them), any window, lane geometry, level and dtype."""
+                                      min_std, rope, shift, dtype):
+    """Two real layers (one calibration group, fitted on them), any window, lane geometry, level, dtype and
+    positions (the keys are rotated back and forth at them)."""
     kv = kvcodec.KVCache([(l.keys[:, start:start + tokens].to(dtype), l.values[:, start:start + tokens].to(dtype))
-                          for l in real_kv.layers[layer:layer + 2]], model=real_kv.model, rope=rope)
+                          for l in real_kv.layers[layer:layer + 2]], model=real_kv.model, rope=rope,
+                         positions=list(range(shift, shift + tokens)))
     codec = KVTC(level=level, calibration=fuzz_calibration(kv), sink_tokens=sink_tokens, min_std=min_std,
                  lane_components=lane_components, lane_tokens=lane_tokens)
     blob = kvcodec.encode(kv, codec)
