@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -57,6 +55,7 @@ from kvcodec.chunking import layer_context, make_header  # noqa: E402
 from kvcodec.codecs.cachegen.device import DecodeLaunch, Target  # noqa: E402
 from kvcodec.container import ContainerFile  # noqa: E402
 from kvcodec.layouts.paged import slot_mapping  # noqa: E402
+from gpu_timing import Timer  # noqa: E402
 
 
 def real_kv() -> kvcodec.KVCache:
@@ -95,35 +94,6 @@ def contexts(pairs: list[tuple[torch.Tensor, torch.Tensor]], backend: str, devic
     header = make_header(kv, [kvcodec.get_codec("cachegen")])
     t = pairs[0][0].shape[1]
     return [layer_context(header, i, (0, t), device, backend) for i in range(len(pairs))]
-
-
-class Timer:
-    """Median seconds of ``fn`` after warm-up: CUDA events on a GPU, the wall clock otherwise."""
-
-    def __init__(self, device: torch.device, repeat: int) -> None:
-        self.cuda, self.repeat = device.type == "cuda", repeat
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        t0 = time.perf_counter()
-        for _ in range(2 if self.cuda else 0):
-            fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        warm = (time.perf_counter() - t0) / 2
-        times = []
-        for _ in range(max(3, min(self.repeat, int(5 / max(warm, 1e-9))))):  # about 5 s per measurement at most
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
 
 
 def check_correctness(kv: kvcodec.KVCache, device: torch.device, say: Callable[[str], None]) -> list[str]:

@@ -6,9 +6,12 @@
 #   device run:  bash scripts/gpu_check.sh cachegen [bench options]     carry: .whl/cachegen, .cache/test-kv
 #                bash scripts/gpu_check.sh kvfetcher [bench options]    carry: .whl/kvfetcher, .cache/gpu-kv (real KV
 #                                                                       cut to fit; else synthetic)
+#                bash scripts/gpu_check.sh kvtc [bench options]         carry: .whl/kvtc (its correctness check reads
+#                                                                       formats/golden; its speed, synthetic 8B-shaped
+#                                                                       chunks); an estimated 4-5 min at its defaults
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bench=${1:?usage: gpu_check.sh cachegen|kvfetcher [bench options]}
+bench=${1:?usage: gpu_check.sh cachegen|kvfetcher|kvtc [bench options]}
 shift
 out=${OUT:-/tmp/kvcodec-gpu}
 mkdir -p "$out"

@@ -12,6 +12,7 @@ fetch() {
 }
 fetch cachegen constriction zstandard
 fetch kvfetcher av PyNvVideoCodec constriction  # kvcodec imports zstandard only when the zstd codec runs
+fetch kvtc constriction pytest pluggy iniconfig packaging pygments  # gpu_kvtc.py imports tests/test_golden.py (SPEC tolerance)
 du -sh .whl/*
 dump=$(ls .cache/test-kv/license-GPL-3-512-float16-*.safetensors 2>/dev/null | tail -1 || true)
 if [ -n "$dump" ] && [ -x .venv/bin/python ]; then

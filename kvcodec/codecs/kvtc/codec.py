@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,16 +27,36 @@ from kvcodec.codecs.base import Codec, LayerContext
 from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane, table_runs
 from kvcodec.codecs.cachegen.parts import SectionBytes
 from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, choose_tables, step_code
+from kvcodec.codecs.kvtc import gpu
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
                                              register_calibration)
 from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError, MissingCalibrationError
+from kvcodec.layouts.paged import check_paged_layer, write_paged
 
 DEAD = 255  # table byte of a component whose symbols are all zero in the chunk: nothing else is stored for it
 MAX_LANE_SYMBOLS = 1 << 16
 DIGEST = re.compile(r"[0-9a-f]{64}")
 OVERRIDE = struct.Struct("<IB")  # component, step code
+
+
+@dataclass
+class CodedPart:
+    """A part (keys or values of a group) as parsed: per coded component its table (``DEAD``: all zero) and step
+    code, the live components, and the lanes' lengths and words."""
+
+    tokens: int
+    table: np.ndarray  # u1 [K]
+    codes: np.ndarray  # int64 [K]
+    live: np.ndarray  # int64, increasing
+    lengths: np.ndarray  # int64 [lanes]
+    words: np.ndarray  # '<u4' [sum of lengths]
+
+    @property
+    def span(self) -> int:
+        """The components up to the last live one: those a decode multiplies by the basis."""
+        return int(self.live[-1]) + 1 if len(self.live) else 0
 
 
 @register_codec
@@ -44,6 +65,7 @@ class KVTC(Codec):
 
     codec_id = "kvtc"
     lossless = False
+    backends = ("cpu", "triton")  # "triton": lanes, transform and RoPE on the device (kvcodec/codecs/kvtc/gpu.py)
     joint_sections = True
     uses_positions = True
 
@@ -175,16 +197,52 @@ class KVTC(Codec):
         return b"".join([struct.pack(f"<{len(blocks)}I", *map(len, blocks))] + blocks)
 
     def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        blocks = self.group_blocks(data, ctxs, wanted)
+        if self._on_device(ctxs[0], ctxs[0].device):
+            return gpu.decode_frame(self, blocks, wanted, gpu.ContiguousSink())
+        out = {}
+        for g, present, block in blocks:
+            out |= self._decode_group(g, present, block, wanted)
+        return out
+
+    def decode_frame_paged(self, data: bytes, ctxs: list[LayerContext], paged: dict[int, torch.Tensor],
+                           slots: dict[int, torch.Tensor], layout: Any = "flash") -> None:
+        """Decode the layers of a frame named in ``paged`` (layer: that layer's paged tensor) into paged memory:
+        token ``t`` of layer ``l``'s section goes to flat slot ``slots[l][t]`` (see :meth:`decode_layer_paged`)."""
+        by_layer = {c.layer: c for c in ctxs}
+        if not paged or not set(paged) <= set(by_layer) or set(slots) != set(paged):
+            raise InvalidInputError("kvtc paged decode: paged tensors and slots must name the same layers of the frame")
+        slots = {l: check_paged_layer(paged[l], by_layer[l].shape, slots[l], layout) for l in paged}
+        if self._on_device(ctxs[0], next(iter(paged.values())).device):
+            blocks = self.group_blocks(data, ctxs, set(paged))
+            gpu.decode_frame(self, blocks, set(paged), gpu.PagedSink(paged, slots, layout))
+            return
+        for layer, (keys, values) in self.decode_frame(data, ctxs, set(paged)).items():
+            on = paged[layer].device
+            write_paged(paged[layer], keys.to(on), values.to(on), slots[layer], layout)
+
+    def decode_layer_paged(self, data: bytes, ctx: LayerContext, paged: torch.Tensor, slots: torch.Tensor,
+                           layout: Any = "flash") -> None:
+        self.decode_frame_paged(data, [ctx], {ctx.layer: paged}, {ctx.layer: slots}, layout)
+
+    def _on_device(self, ctx: LayerContext, dev: torch.device) -> bool:
+        """Whether the Triton path decodes (``"auto"``: for CUDA tensors), as cachegen chooses its engine."""
+        return ctx.backend == "triton" or (ctx.backend == "auto" and dev.type == "cuda")
+
+    def group_blocks(self, data: bytes, ctxs: list[LayerContext],
+                     wanted: set[int]) -> list[tuple[int, list[LayerContext], memoryview]]:
+        """The section cut into its groups' blocks: ``(group, its layers, block)`` of each group with a wanted
+        layer."""
         groups = self._groups(ctxs)
         reader = SectionBytes(memoryview(data))
         lengths = reader.take(len(groups), "<u4").astype(np.int64)
         if reader.pos + int(lengths.sum()) != len(data):
             raise CorruptDataError("kvtc section's group lengths do not add up to its length")
-        out = {}
+        out = []
         pos = reader.pos
         for (g, present), n in zip(groups, lengths):
             if any(c.layer in wanted for c in present):
-                out |= self._decode_group(g, present, memoryview(data)[pos:pos + int(n)], wanted)
+                out.append((g, present, memoryview(data)[pos:pos + int(n)]))
             pos += int(n)
         return out
 
@@ -209,8 +267,9 @@ class KVTC(Codec):
             sinks += [k32[:, :s].numpy().astype("<f2").tobytes(), v32[:, :s].numpy().astype("<f2").tobytes()]
             if self._rotated(ctx):
                 k32 = cal.layers[ctx.layer].rotary.rotate(k32, ctx.positions_tensor(), inverse=True)
-            kfeat.append(k32[:, s:].permute(1, 0, 2).reshape(k32.shape[1] - s, -1))
-            vfeat.append(v32[:, s:].permute(1, 0, 2).reshape(v32.shape[1] - s, -1))
+            # widths spelled out: a chunk of sink tokens only has no other tokens, and -1 cannot size an empty row
+            kfeat.append(k32[:, s:].permute(1, 0, 2).reshape(k32.shape[1] - s, k32.shape[0] * k32.shape[2]))
+            vfeat.append(v32[:, s:].permute(1, 0, 2).reshape(v32.shape[1] - s, v32.shape[0] * v32.shape[2]))
         key_step, value_step = LEVELS[self.level]
         parts = [self._encode_part(torch.cat(f, 1), basis, step)
                  for f, basis, step in ((kfeat, cal.keys[g], key_step), (vfeat, cal.values[g], value_step))]
@@ -259,31 +318,49 @@ class KVTC(Codec):
                             min(t0 + self.lane_tokens, tokens) - t0, table)
                 for c0 in range(0, len(live), self.lane_components) for t0 in range(0, tokens, self.lane_tokens)]
 
-    def _decode_group(self, g: int, present: list[LayerContext], data: memoryview,
-                      wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def parse_group(self, g: int, present: list[LayerContext],
+                    data: memoryview) -> tuple[list[CodedPart], list[list[np.ndarray]]]:
+        """A group's block as parsed: its keys and values parts, and per layer its sink keys and values
+        (float16 ``[H, S, D]``)."""
         cal = self.calibration_data()
-        ctx0 = present[0]
-        t, s = ctx0.shape.tokens, self._sinks(ctx0)
+        t, s = present[0].shape.tokens, self._sinks(present[0])
         reader = SectionBytes(data)
-        # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
-        # all zero, and at the default level most of the basis is dead in any one chunk
-        parts = [self._decode_part(reader, gb, step, t - s) for gb, step in zip((cal.keys[g], cal.values[g]),
-                                                                                  LEVELS[self.level])]
+        parts = [self._parse_part(reader, gb, step, t - s) for gb, step in zip((cal.keys[g], cal.values[g]),
+                                                                                 LEVELS[self.level])]
         sinks = []
         for c in present:
             h = c.shape.heads
             sinks.append([reader.take(h * s * d, "<f2").reshape(h, s, d) for d in (c.shape.key_dim, c.shape.value_dim)])
         if reader.pos != len(data):
             raise CorruptDataError(f"kvtc group has {len(data) - reader.pos} bytes too many")
-        # each layer's features are a column span of the group's; one product covers the wanted layers' spans
+        return parts, sinks
+
+    @staticmethod
+    def spans(present: list[LayerContext],
+              wanted: set[int]) -> tuple[dict[int, tuple[slice, slice]], tuple[slice, slice]]:
+        """Each layer's key and value feature columns in its group, and the columns that cover the wanted layers
+        (one product covers them all)."""
         spans = {}
         k_off = v_off = 0
         for c in present:
             h = c.shape.heads
             spans[c.layer] = (slice(k_off, k_off + h * c.shape.key_dim), slice(v_off, v_off + h * c.shape.value_dim))
             k_off, v_off = spans[c.layer][0].stop, spans[c.layer][1].stop
-        feats = [self._features(*parts[i], gb, slice(min(spans[l][i].start for l in wanted if l in spans),
-                                                      max(spans[l][i].stop for l in wanted if l in spans)), t - s)
+        cover = tuple(slice(min(spans[l][i].start for l in wanted if l in spans),
+                            max(spans[l][i].stop for l in wanted if l in spans)) for i in range(2))
+        return spans, cover  # type: ignore[return-value]
+
+    def _decode_group(self, g: int, present: list[LayerContext], data: memoryview,
+                      wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        cal = self.calibration_data()
+        ctx0 = present[0]
+        t, s = ctx0.shape.tokens, self._sinks(ctx0)
+        # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
+        # all zero, and at the default level most of the basis is dead in any one chunk
+        coded, sinks = self.parse_group(g, present, data)
+        parts = [(self.coefficients(p), gb.rows32[:p.span]) for p, gb in zip(coded, (cal.keys[g], cal.values[g]))]
+        spans, cover = self.spans(present, wanted)
+        feats = [self.features(*parts[i], gb.mean, gb.weight, cover[i])
                  for i, gb in enumerate((cal.keys[g], cal.values[g]))]
         out = {}
         for c, sink in zip(present, sinks):
@@ -300,9 +377,8 @@ class KVTC(Codec):
                 out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
         return out
 
-    def _decode_part(self, reader: SectionBytes, gb: GroupBasis, step: float, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One part's dequantized coefficients ``[T, L]`` float32 of its components up to the last live one,
-        and those components' basis rows ``[L, F]``."""
+    def _parse_part(self, reader: SectionBytes, gb: GroupBasis, step: float, t: int) -> CodedPart:
+        """One part's header and lanes, every count checked against the codec and the calibration."""
         k = self._coded(gb, step)
         table = reader.take(k, "u1")
         base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
@@ -316,27 +392,29 @@ class KVTC(Codec):
             codes[comp] = code
         if int(table[live].max(initial=0)) >= NUM_TABLES:
             raise CorruptDataError("kvtc part names a table outside the codebook")
-        plan = self._plan(live, t, table)
-        lengths = reader.take(len(plan), "<u2").astype(np.int64)
-        words = reader.take(int(lengths.sum()), "<u4")
-        q = np.zeros((k, t), np.int32)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        for j, runs in enumerate(plan):
-            for r, symbols in zip(runs, decode_lane(words[offsets[j]:offsets[j + 1]].astype(np.uint32),
+        lanes = -(-len(live) // self.lane_components) * -(-t // self.lane_tokens)  # as many as _plan makes
+        lengths = reader.take(lanes, "<u2").astype(np.int64)
+        return CodedPart(t, table, codes, live, lengths, reader.take(int(lengths.sum()), "<u4"))
+
+    def coefficients(self, part: CodedPart) -> torch.Tensor:
+        """A part's dequantized coefficients ``[T, part.span]`` float32, its lanes decoded on the CPU."""
+        q = np.zeros((len(part.table), part.tokens), np.int32)
+        offsets = np.concatenate([[0], np.cumsum(part.lengths)])
+        for j, runs in enumerate(self._plan(part.live, part.tokens, part.table)):
+            for r, symbols in zip(runs, decode_lane(part.words[offsets[j]:offsets[j + 1]].astype(np.uint32),
                                                      [(r.size, r.table) for r in runs])):
                 r.scatter(q, symbols)
         # |q| <= 255 and a float32 step: the float32 product is the exact product rounded once
         # up to the last live component: the basis rows are then a view (no copy), and dead components before
         # it contribute zeros
-        n = int(live[-1]) + 1 if len(live) else 0
-        coeff = q[:n].T.astype(np.float32) * STEPS[codes[:n]][None, :]
-        return torch.from_numpy(coeff), gb.rows32[:n]
+        n = part.span
+        return torch.from_numpy(q[:n].T.astype(np.float32) * STEPS[part.codes[:n]][None, :])
 
     @staticmethod
-    def _features(coeff: torch.Tensor, rows: torch.Tensor, gb: GroupBasis, cols: slice,
-                  t: int) -> tuple[torch.Tensor, int]:
+    def features(coeff: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, weight: torch.Tensor,
+                 cols: slice) -> tuple[torch.Tensor, int]:
         """Features ``cols`` of the group ``[T, cols]`` back from live coefficients and their basis rows
-        (``coeff @ rows[:, cols] / w + mean``), and where they start."""
-        if not t:
-            return torch.zeros(0, cols.stop - cols.start), cols.start
-        return torch.addcdiv(gb.mean[cols], coeff @ rows[:, cols], gb.weight[cols]), cols.start
+        (``coeff @ rows[:, cols] / weight + mean``), and where they start; on the tensors' device."""
+        if not coeff.shape[0]:
+            return torch.zeros(0, cols.stop - cols.start, device=coeff.device), cols.start
+        return torch.addcdiv(mean[cols], coeff @ rows[:, cols], weight[cols]), cols.start
