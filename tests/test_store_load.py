@@ -181,3 +181,28 @@ def test_planner_options_are_checked():
         LoadPlanner(store, recompute_tps=0)
     assert LoadPlanner(store).choose([], 32, 32) is None
     assert LoadPlanner(store).choose([Option(0, 10, "cpu")], 32, 64) == Option(0, 10, "cpu")
+
+
+def test_a_joint_codec_decodes_whole_chunks_straight_into_paged_memory(monkeypatch):
+    """kvtc codes a chunk's layers together: whole chunks go through its frame-wise paged decode, a chunk cut by
+    ``start`` through the dense one; both land where the dense decode puts them."""
+    from kvcodec.codecs.kvtc import KVTC, register_calibration
+    from kvcodec.tools.fuzz.seeds import fuzz_calibration
+
+    kv = _kv(4 * CHUNK)
+    kv = KVCache([(l.keys, l.values) for l in kv.layers], model="m", rope="post")
+    cal = register_calibration(fuzz_calibration(kv))
+    store = KVStore([MemoryTier(None)], model="m", codec="kvtc", codec_options={"calibration": cal.digest},
+                    chunk_tokens=CHUNK)
+    ids = list(range(1000, 1000 + 4 * CHUNK))
+    store.put(ids, kv)
+    fused = []
+    real = KVTC.decode_frame_paged
+    monkeypatch.setattr(KVTC, "decode_frame_paged", lambda self, *a, **k: fused.append(1) or real(self, *a, **k))
+    dense = store.get(ids)
+    sink, layers, blocks = _paged_sink(len(ids))
+    assert PrefixLoad(store, ids, sink, start=16).start().finish().complete
+    assert len(fused) == 3  # chunks 1-3; chunk 0 starts before the load
+    for paged, layer in zip(layers, dense.layers):
+        k, v = read_paged(paged, slot_mapping(blocks, 0, len(ids), BS), "cpu")
+        assert torch.equal(k[:, 16:], layer.keys[:, 16:]) and torch.equal(v[:, 16:], layer.values[:, 16:])

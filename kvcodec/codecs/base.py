@@ -144,6 +144,18 @@ class Codec(abc.ABC):
         keys, values = self.decode_layer(data, ctx)
         write_paged(paged, keys, values, slots, layout)
 
+    def decode_frame_paged(self, data: bytes, ctxs: list[LayerContext], paged: dict[int, torch.Tensor],
+                           slots: dict[int, torch.Tensor], layout: Any = "flash") -> None:
+        """Joint codecs: decode the layers of a frame named in ``paged`` (layer: its paged tensor) into paged
+        memory at ``slots[layer]``, as :meth:`decode_layer_paged` does for one section.  Codecs with a fused path
+        override this."""
+        from kvcodec.layouts.paged import check_paged_layer, write_paged
+
+        by_layer = {c.layer: c for c in ctxs}
+        checked = {l: check_paged_layer(paged[l], by_layer[l].shape, slots[l], layout) for l in paged}
+        for layer, (keys, values) in self.decode_frame(data, ctxs, set(paged)).items():
+            write_paged(paged[layer], keys, values, checked[layer], layout)
+
     @abc.abstractmethod
     def get_config(self) -> dict[str, Any]:
         """The keyword arguments that rebuild this codec with :meth:`from_config`."""

@@ -148,6 +148,18 @@ class PagedSink:
             chunk.sections[layer], ctx, self.layers[layer], self.slots(chunk.start, tokens), self.layout))
 
 
+    def decode_frame_into(self, chunk: FetchedChunk, request: DecodeRequest) -> None:
+        """Decode every layer of a chunk of a joint codec (one section for the frame) lying wholly inside the load
+        straight into the memory."""
+        codec, tokens = chunk.codec, chunk.end - chunk.start
+        assert codec is not None and chunk.header is not None
+        layers = range(len(chunk.header.layers))
+        ctxs = [request.context(l, (0, tokens)) for l in layers]
+        slots = self.slots(chunk.start, tokens)
+        coding(request.threads, lambda: codec.decode_frame_paged(
+            chunk.sections[0], ctxs, {l: self.layers[l] for l in layers}, {l: slots for l in layers}, self.layout))
+
+
 def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | PagedSink, start: int, end: int, *,
                       device: torch.device | str | None = None, on_layer: Any = None) -> None:
     """Decode a checked chunk's tokens ``start .. end-1`` into ``sink``, layer by layer (a codec coding a chunk's
@@ -160,7 +172,13 @@ def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | Pag
     lo, hi = max(start, chunk.start) - chunk.start, min(end, chunk.end) - chunk.start
     if isinstance(sink, DenseSink):
         sink.rope = header.meta.get("rope")
-    fused = isinstance(sink, PagedSink) and (lo, hi) == (0, tokens) and not codec.joint_sections
+    fused = isinstance(sink, PagedSink) and (lo, hi) == (0, tokens)
+    if fused and codec.joint_sections:
+        sink.decode_frame_into(chunk, request)  # type: ignore[union-attr]
+        for l in layers:
+            if on_layer is not None:
+                on_layer(l)
+        return
 
     def dense(wanted: Sequence[int]) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
         return decode_sections(request, codec, 0, tokens, chunk.sections if codec.joint_sections else
