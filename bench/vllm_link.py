@@ -98,7 +98,9 @@ def main() -> None:
                     "codec": STRATEGIES[name], "tiers": [redis.url], "redis_timeout_s": 120,
                     "calibration_options": CALIBRATION}
                 print(f"vllm_link: starting vLLM, {name}", flush=True)
-                with Engine(model, None if extra is None else connector_config(**extra)) as engine:
+                # kvtc's calibration is made for this run, in a cache folder of its own
+                with Engine(model, None if extra is None else connector_config(**extra),
+                            env={"XDG_CACHE_HOME": str(work / "cache")}) as engine:
                     engine.generate(warmup, 1)
                     link.set_rate(UNSHAPED)
                     engine.generate(prompt, 1)  # saved (a miss), at full speed
