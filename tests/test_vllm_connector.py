@@ -436,3 +436,26 @@ def test_write_paged_refuses_what_it_would_broadcast():
     with pytest.raises(InvalidInputError, match="heads"):
         write_paged(paged, one, one, slot_mapping(torch.tensor([0]), 0, 8, BS))
     assert not paged.any()
+
+
+def test_the_worker_times_prefill_and_leaves_a_load_to_vllm_when_recomputing_is_sooner(monkeypatch):
+    """A step without loads times vLLM's prefill (tokens over the time from binding its metadata to its end); a
+    later load whose every variant would arrive later than recomputing stops, and its blocks go back to vLLM."""
+    store = KVStore([MemoryTier(None)], model="m", codec=["cachegen", "raw"], chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids, kv = _ids(100), _kv(100)
+    clock = iter([0.0, 0.001])  # the prefill step: 100 tokens in 1 ms
+    monkeypatch.setattr(vc.time, "perf_counter", lambda: next(clock))
+    _prefill(sched, worker, caches, "a", ids, kv, _table(100, seed=1))
+    monkeypatch.undo()
+    assert worker.prefill.samples == (100 / 0.001,)
+    for v in store.decode_rates:  # both variants decode 1 k tokens/s here: far slower than that prefill
+        store.decode_rates[v].observe(1000, 1.0)
+    ids2 = ids + _ids(10, seed=7)
+    req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
+    ext, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, ext)
+    blocks = _table(len(ids2), seed=2)
+    meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
+    assert ext == 96 and _forward(worker, meta, _paged()) == set(blocks[: 96 // BS])
+    assert worker.stats["loaded_tokens"] == 0 and store.lookup(ids).num_tokens == 100  # nothing evicted
