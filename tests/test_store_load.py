@@ -145,7 +145,7 @@ class Pinned:
 
 def test_the_planner_picks_by_link_and_stops_when_recomputing_is_sooner():
     store, ids, _ = _store(MemoryTier(None), codec=["cachegen", "raw"])
-    store.decode_rates = {v: Pinned(1e6) for v in store.decode_rates}  # both decode 1 M tokens/s: the link decides
+    store.decode_rate = lambda codec: Pinned(1e6)  # both decode 1 M tokens/s: the link decides
     store.links["cpu"] = Pinned(1e3)  # a slow link (1 kB/s): the smallest variant
     assert _planned(store, ids) == [0, 0, 0, 0]
     store.links["cpu"] = Pinned(1e12)  # a fast link: both decode-bound, and raw is the better one
@@ -159,7 +159,7 @@ def test_the_planner_picks_by_link_and_stops_when_recomputing_is_sooner():
 def test_a_link_that_slows_mid_request_moves_the_rest_to_the_small_variant():
     tier = SlowTier(0.0)
     store, ids, _ = _store(tier, codec=["cachegen", "raw"])
-    store.decode_rates = {v: Pinned(1e5) for v in store.decode_rates}  # 0.3 ms a chunk: raw is decode-bound at first
+    store.decode_rate = lambda codec: Pinned(1e5)  # 0.3 ms a chunk: raw is decode-bound at first
     real_get = MemoryTier.get
 
     def slowing(key):  # the third read on crawls (a link dropping from memory speed to ~200 kB/s)
@@ -206,3 +206,13 @@ def test_a_joint_codec_decodes_whole_chunks_straight_into_paged_memory(monkeypat
     for paged, layer in zip(layers, dense.layers):
         k, v = read_paged(paged, slot_mapping(blocks, 0, len(ids), BS), "cpu")
         assert torch.equal(k[:, 16:], layer.keys[:, 16:]) and torch.equal(v[:, 16:], layer.values[:, 16:])
+
+
+def test_a_store_switches_codec_and_old_chunks_miss_rather_than_mix():
+    store, ids, kv = _store(MemoryTier(None), codec="cachegen")
+    assert store.lookup(ids).num_tokens == len(ids)
+    store.use_codec("raw")
+    assert store.codec.codec_id == "raw" and store.lookup(ids).num_tokens == 0  # cachegen's keys are not raw's
+    store.put(ids, kv)
+    got = store.get(ids)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(got.layers, kv.layers))

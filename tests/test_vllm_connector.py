@@ -3,6 +3,7 @@ carrying only the attributes the connector reads, real paged tensors and a real 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Callable
 
@@ -449,8 +450,8 @@ def test_the_worker_times_prefill_and_leaves_a_load_to_vllm_when_recomputing_is_
     _prefill(sched, worker, caches, "a", ids, kv, _table(100, seed=1))
     monkeypatch.undo()
     assert worker.prefill.samples == (100 / 0.001,)
-    for v in store.decode_rates:  # both variants decode 1 k tokens/s here: far slower than that prefill
-        store.decode_rates[v].observe(1000, 1.0)
+    for codec in store.variants:  # both variants decode 1 k tokens/s here: far slower than that prefill
+        store.decode_rate(codec).observe(1000, 1.0)
     ids2 = ids + _ids(10, seed=7)
     req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
     ext, _ = sched.get_num_new_matched_tokens(req, 0)
@@ -459,3 +460,37 @@ def test_the_worker_times_prefill_and_leaves_a_load_to_vllm_when_recomputing_is_
     meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
     assert ext == 96 and _forward(worker, meta, _paged()) == set(blocks[: 96 // BS])
     assert worker.stats["loaded_tokens"] == 0 and store.lookup(ids).num_tokens == 100  # nothing evicted
+
+
+def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_path, monkeypatch):
+    """No calibration installed: the store serves with cachegen at once, calibrates (a stand-in fit here), then
+    switches to kvtc; "now" would have waited for it."""
+    import threading
+
+    from kvcodec.codecs.kvtc import calibration as calmod
+    from kvcodec.engines import vllm_setup
+    from kvcodec.tools.fuzz.seeds import fuzz_calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(calmod.ENV_PATH, raising=False)
+    monkeypatch.setattr(calmod, "_registered", {})
+    release = threading.Event()
+    calls = []
+
+    def fit(name, load, log, options=None):
+        calls.append(name)
+        release.wait(10)
+        return calmod.register_calibration(fuzz_calibration(_kv(64))).digest
+
+    monkeypatch.setattr(vllm_setup, "ensure_model_calibration", fit)
+    monkeypatch.setattr("kvcodec.engines.auto_calibration.ensure_model_calibration", fit)
+    store = build_store({"codec": "kvtc", "tiers": ["cpu"]}, "m")
+    assert store.codec.codec_id == "cachegen"  # serving already, the fit still running
+    release.set()
+    for _ in range(100):
+        if store.codec.codec_id == "kvtc":
+            break
+        time.sleep(0.05)
+    assert store.codec.codec_id == "kvtc" and calls == ["m"]
+    with pytest.raises(Exception, match="background"):
+        build_store({"codec": "kvtc", "tiers": ["cpu"], "calibrate": "later"}, "m")

@@ -17,6 +17,7 @@ import dataclasses
 import fcntl
 import hashlib
 import os
+import threading
 from typing import Any, Callable, Iterator
 
 from kvcodec.codecs import codec_class
@@ -65,3 +66,27 @@ def ensure_model_calibration(model: str, load: Callable[[], Any], log: Callable[
 
         loaded = dataclasses.replace(load(), model_id=model)  # the calibration is named as the store names the model
         return ensure_calibration(loaded, log=log, **(options or {})).digest
+
+
+def calibrate_in_background(store: Any, load: Callable[[], Any], log: Callable[[str], None],
+                            codec_options: dict[str, Any] | None = None,
+                            calibration_options: dict[str, Any] | None = None) -> threading.Thread:
+    """Calibrate the model of ``store`` (named ``store.model``) in a thread, then switch the store to kvtc with
+    ``codec_options``: until then it saves and loads with the codec it has.  A first request then waits for
+    nothing; a failed calibration is logged and the store keeps its codec."""
+    def run() -> None:
+        try:
+            digest = ensure_model_calibration(store.model, load, log, calibration_options)
+            store.use_codec("kvtc", {**(codec_options or {}), "calibration": digest})
+            log(f"kvtc: calibration {digest} of {store.model} installed; saving and loading kvtc chunks from now on")
+        except Exception as e:  # noqa: BLE001 - the engine keeps serving with the codec it has
+            log(f"kvtc: calibrating {store.model} failed ({type(e).__name__}: {e}); keeping {store.codec.codec_id}")
+
+    thread = threading.Thread(target=run, name="kvcodec-calibrate", daemon=True)
+    thread.start()
+    return thread
+
+
+def needs_first_calibration(codec: Any, codec_options: dict[str, Any] | None, model: str) -> bool:
+    """Whether a store of ``codec`` for ``model`` would have to make a calibration before its first save."""
+    return wants_calibration(codec, codec_options) and calibration_for_model(model) is None

@@ -27,7 +27,9 @@ Load it with::
 - ``calibration_options``: for ``codec`` ``kvtc`` with its calibration ``"auto"`` (the default), the settings of
   the calibration made when none is installed for the model (:func:`kvcodec.tools.kvtc_calibration.calibrate`'s options, e.g.
   ``{"max_tokens": 4096}``): the connector then loads the served folder with transformers on the CPU, calibrates
-  it once into the cache folder and says so in the log; later starts find it installed.
+  it once into the cache folder and says so in the log; later starts find it installed.  ``calibrate``:
+  ``"background"`` (default: vLLM serves at once, saving and loading with ``fallback_codec``, default
+  ``cachegen``, until the calibration is installed, then with kvtc) or ``"now"`` (the engine's start waits for it).
 
 vLLM runs the scheduler-side and worker-side connector in different processes, each with its own
 store object.  A ``cpu`` / ``gpu`` tier is private to its process, so every chunk is also written to

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from kvcodec.engines.auto_calibration import ensure_model_calibration, load_served_model, wants_calibration
+from kvcodec.engines.auto_calibration import (calibrate_in_background, ensure_model_calibration, load_served_model,
+                                              needs_first_calibration, wants_calibration)
 from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
 from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
@@ -74,14 +75,24 @@ def build_store(extra: dict[str, Any] | None, model: str, *, identity: CacheIden
         log.warning("kvcodec connector: tiers %s are private to each process, and vLLM runs its scheduler and its "
                     "workers in different processes: the scheduler will never find what a worker saved. Add a "
                     "shared tier (\"disk:<folder>\" or \"redis://host:port\") to \"tiers\".", specs)
-    name, codec = str(extra.get("model", model)), extra.get("codec", "cachegen")
-    if wants_calibration(codec, extra.get("codec_options")):
-        ensure_model_calibration(name, lambda: load_served_model(model, log.info), log.info, extra.get("calibration_options"))
+    name, codec, options = str(extra.get("model", model)), extra.get("codec", "cachegen"), extra.get("codec_options")
+    load = lambda: load_served_model(model, log.info)  # noqa: E731
+    when = extra.get("calibrate", "background")
+    if when not in ("background", "now"):
+        raise InvalidInputError(f"calibrate must be \"background\" or \"now\", not {when!r}")
+    later = when == "background" and needs_first_calibration(codec, options, name)
+    if wants_calibration(codec, options) and not later:
+        ensure_model_calibration(name, load, log.info, extra.get("calibration_options"))
     identity = dataclasses.replace(identity or cache_identity(model), namespace=str(extra.get("namespace", "")))
-    return KVStore(tiers, model=name, codec=codec,
-                   codec_options=extra.get("codec_options"), chunk_tokens=int(extra.get("chunk_tokens", 256)),
-                   hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared), identity=identity,
-                   secret=_secret(extra))
+    store = KVStore(tiers, model=name, codec=extra.get("fallback_codec", "cachegen") if later else codec,
+                    codec_options=None if later else options, chunk_tokens=int(extra.get("chunk_tokens", 256)),
+                    hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared), identity=identity,
+                    secret=_secret(extra))
+    if later:
+        log.info("kvtc: no calibration of %s installed; serving with %s while it is made in the background", name,
+                 store.codec.codec_id)
+        calibrate_in_background(store, load, log.info, options, extra.get("calibration_options"))
+    return store
 
 
 def _secret(extra: dict[str, Any]) -> bytes | None:

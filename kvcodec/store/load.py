@@ -212,9 +212,10 @@ class PrefixLoad:
         self.end = len(token_ids) if end is None else min(int(end), len(token_ids))
         if not 0 <= self.start_token <= self.end:
             raise InvalidInputError(f"cannot load tokens {start}..{end} of a {len(token_ids)}-token prompt")
+        self.planner = planner or LoadPlanner(store)
+        self.variants = self.planner.variants
         self.chunks = [ChunkOutcome(keys, s, e) for s, e, keys in store.variant_keys(token_ids, salt=salt)
                        if e > self.start_token and s < self.end]
-        self.planner = planner or LoadPlanner(store)
         self.loaded_end = self.start_token
         self._queue: queue.Queue[tuple[int, FetchedChunk] | None] = queue.Queue(maxsize=max(1, prefetch))
         self._cond = threading.Condition()
@@ -250,9 +251,9 @@ class PrefixLoad:
 
     def _fetch(self) -> None:
         try:
-            adaptive = len(self.store.variants) > 1
+            n = len(self.variants)
+            adaptive = n > 1
             held = self.store.variant_sizes([k for c in self.chunks for k in c.keys]) if adaptive else []
-            n = len(self.store.variants)
             for i, outcome in enumerate(self.chunks):
                 if self._stop.is_set():
                     return
@@ -297,8 +298,8 @@ class PrefixLoad:
                 finally:
                     outcome.decode_s = time.perf_counter() - t0
                 outcome.status = "loaded"
-                self.store.decode_rates[outcome.variant % len(self.store.variants)].observe(
-                    chunk.end - chunk.start, outcome.decode_s)
+                self.store.decode_rate(self.variants[outcome.variant]).observe(chunk.end - chunk.start,
+                                                                              outcome.decode_s)
                 self.loaded_end = min(chunk.end, self.end)
         except BaseException:  # noqa: BLE001
             log.warning("loading a stored prefix failed", exc_info=True)

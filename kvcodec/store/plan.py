@@ -5,7 +5,7 @@ A store may keep each chunk in several variants (``KVStore(codec=["kvtc:level=0"
 first; every variant must meet the deployment's quality floor).  A load streams chunks, fetch overlapping decode,
 so a chunk's cost is the slower of the two: its bytes over the estimated throughput of the tier holding it
 (:attr:`KVStore.links`, from the store's own recent reads: the harmonic mean of the last few, which drops at once
-when the link does) and its tokens at the variant's decode rate (:attr:`KVStore.decode_rates`, from the store's own
+when the link does) and its tokens at the variant's decode rate (:meth:`KVStore.decode_rate`, from the store's own
 recent decodes).  Before a chunk is fetched the planner takes the variant that costs least, or the best (latest
 listed) of those within ``slack`` of it, and compares loading the rest of the prompt at that cost with the engine
 recomputing it at ``recompute_tps`` (tokens per second of prefill the engine hook observed): when recomputing is
@@ -44,11 +44,12 @@ class LoadPlanner:
         if not 0 <= slack < 1:
             raise InvalidInputError(f"slack must be in [0, 1), not {slack!r}")
         self.store, self.recompute_tps, self.slack = store, recompute_tps, slack
+        self.variants = store.variants  # as the load's keys were made, whatever the store switches to meanwhile
 
     def cost_s(self, option: Option, tokens: int) -> float:
         """Seconds to load one chunk of ``tokens`` tokens in ``option``: the slower of fetch and decode."""
         fetch = option.nbytes / self.store.links[option.tier].estimate
-        decode = tokens / self.store.decode_rates[option.variant].estimate
+        decode = tokens / self.store.decode_rate(self.variants[option.variant]).estimate
         return max(fetch, decode)
 
     def choose(self, options: Sequence[Option], tokens: int, remaining_tokens: int) -> Option | None:

@@ -99,8 +99,6 @@ class KVStore:
             raise InvalidInputError(f"max_chunk_bytes must be a positive integer, not {max_chunk_bytes!r}")
         self.tiers = list(tiers)
         self.model = model
-        self.variants = _variants(codec, codec_options, model)
-        self.codec = self.variants[-1]
         self.chunk_tokens = chunk_tokens
         self.hash = hash
         self.policy = policy or PlacementPolicy()
@@ -109,18 +107,45 @@ class KVStore:
         self.secret = check_secret(secret)
         self.shape = shape
         self.max_chunk_bytes = max_chunk_bytes
-        self.seeds = [namespace(model, c.codec_id, c.get_config(), chunk_tokens, hash, self.identity, self.secret)
-                      for c in self.variants]
-        self.seed = self.seeds[-1]
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "promoted": 0, "demoted": 0, "puts": 0}
         # each tier's read throughput, from this store's own reads (what load-time adaptation plans with)
         self.links = {t.name: BandwidthEstimator() for t in self.tiers}
-        # each variant's decode rate in tokens per second, from this store's own loads; unmeasured, a variant is
-        # taken to decode for free, so that the first load that could use it does, and measures it
-        self.decode_rates = {v: BandwidthEstimator(prior_bps=1e12) for v in range(len(self.variants))}
+        # each codec's decode rate in tokens per second, from this store's own loads (by repr(codec))
+        self.decode_rates: dict[str, BandwidthEstimator] = {}
         self._lock = threading.Lock()
+        self.use_codec(codec, codec_options)
         for i, tier in enumerate(self.tiers):
             tier.on_evict = self._demoter(i)
+
+    def use_codec(self, codec: str | Codec | Sequence[str | Codec], codec_options: dict[str, Any] | None = None) -> None:
+        """Save and load with ``codec`` (one, or variants smallest first) from now on.  Chunks saved with another
+        codec stay stored under their own keys (a codec is part of every key), so loads and saves that race with
+        the switch miss, never mix."""
+        variants = _variants(codec, codec_options, self.model)
+        seeds = [namespace(self.model, c.codec_id, c.get_config(), self.chunk_tokens, self.hash, self.identity,
+                           self.secret) for c in variants]
+        with self._lock:
+            self._state = (variants, seeds)
+
+    @property
+    def variants(self) -> list[Codec]:
+        """The codecs every chunk is saved in, smallest first (one unless the store was given a list)."""
+        return self._state[0]
+
+    @property
+    def codec(self) -> Codec:
+        """The best (last) variant."""
+        return self._state[0][-1]
+
+    @property
+    def seed(self) -> bytes:
+        return self._state[1][-1]
+
+    def decode_rate(self, codec: Codec) -> BandwidthEstimator:
+        """``codec``'s decode rate in tokens per second, from this store's own loads.  Unmeasured, a codec is taken
+        to decode for free, so that the first load that could use it does, and measures it."""
+        with self._lock:
+            return self.decode_rates.setdefault(repr(codec), BandwidthEstimator(prior_bps=1e12))
 
     # keys ------------------------------------------------------------------------------------
     def keys_for(self, token_ids: Sequence[int], *, salt: str | bytes | None = None,
@@ -128,15 +153,18 @@ class KVStore:
         """``(key, start, end)`` of every chunk of ``token_ids`` in ``variant`` (an index into :attr:`variants`;
         default the best); ``salt`` (vLLM's ``cache_salt``) keeps a request's chunks apart from those of requests
         without the same salt."""
+        return self._keys(token_ids, salt, self._state[1][variant])
+
+    def _keys(self, token_ids: Sequence[int], salt: str | bytes | None, seed: bytes) -> list[tuple[str, int, int]]:
         bounds = chunk_bounds(len(token_ids), self.chunk_tokens, self.save_partial)
-        seed = salted(self.seeds[variant], salt, self.hash, self.secret)
+        seed = salted(seed, salt, self.hash, self.secret)
         digests = chunk_hashes(token_ids, self.chunk_tokens, seed, self.hash, self.save_partial, self.secret)
         return [(format_key(self.model, d, self.identity.namespace), s, e) for d, (s, e) in zip(digests, bounds)]
 
     def variant_keys(self, token_ids: Sequence[int], *, salt: str | bytes | None = None
                      ) -> list[tuple[int, int, list[str]]]:
         """``(start, end, keys)`` of every chunk of ``token_ids``: its key in each of :attr:`variants`."""
-        per_variant = [self.keys_for(token_ids, salt=salt, variant=v) for v in range(len(self.variants))]
+        per_variant = [self._keys(token_ids, salt, seed) for seed in self._state[1]]
         return [(s, e, [keys[i][0] for keys in per_variant]) for i, (_, s, e) in enumerate(per_variant[0])]
 
     def tier(self, name: str) -> StorageTier:
@@ -187,9 +215,11 @@ class KVStore:
             raise InvalidInputError(f"the cache is of shape {ChunkShape.of(kv)}, the store's engine {self.shape}")
         targets = self._put_tiers()
         written = 0
-        for s, e, keys in self.variant_keys(token_ids, salt=salt):
+        variants, seeds = self._state
+        per_variant = [self._keys(token_ids, salt, seed) for seed in seeds]
+        for i, (_, s, e) in enumerate(per_variant[0]):
             wrote = False
-            for codec, key in zip(self.variants, keys):
+            for codec, key in zip(variants, [keys[i][0] for keys in per_variant]):
                 if not replicate and any(self._safe(t, "contains", key, default=False) for t in self.tiers):
                     continue
                 missing = [t for t in targets if not self._safe(t, "contains", key, default=False)]

@@ -22,7 +22,7 @@ SMALL_CALIBRATION = {"max_tokens": 256, "segment_tokens": 128, "group_layers": 1
 def kvtc_engine(smollm2_hf, tmp_path_factory):
     cache = tmp_path_factory.mktemp("xdg-cache")  # where calibrations are installed: empty
     extra = {"codec": "kvtc", "tiers": [f"disk:{tmp_path_factory.mktemp('kv-kvtc')}"],
-             "calibration_options": SMALL_CALIBRATION}
+             "calibration_options": SMALL_CALIBRATION, "calibrate": "now"}
     with Engine(smollm2_hf, connector_config(**extra), env={"XDG_CACHE_HOME": str(cache)}) as engine:
         yield engine, extra, cache
 
