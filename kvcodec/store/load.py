@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -161,11 +161,15 @@ class PagedSink:
 
 
 def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | PagedSink, start: int, end: int, *,
-                      device: torch.device | str | None = None, on_layer: Any = None) -> None:
+                      device: torch.device | str | None = None,
+                      on_layer: Callable[[int], None] = lambda layer: None) -> None:
     """Decode a checked chunk's tokens ``start .. end-1`` into ``sink``, layer by layer (a codec coding a chunk's
-    layers jointly decodes them at once), calling ``on_layer(l)`` after each layer is in."""
+    layers jointly decodes them at once), calling ``on_layer(l)`` after each layer is in.  A dense decode runs on
+    ``device``, by default a paged sink's own."""
     header, codec, tokens = chunk.header, chunk.codec, chunk.end - chunk.start
     assert header is not None and codec is not None, "decode a chunk the store checked"
+    if device is None and isinstance(sink, PagedSink) and sink.layers:
+        device = sink.layers[0].device
     layers = range(len(header.layers))
     request = DecodeRequest.make(device=device, max_bytes=store.max_bytes(tokens)).bind(header, [codec]) \
         .select(0, tokens, layers)
@@ -176,8 +180,7 @@ def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | Pag
     if fused and codec.joint_sections:
         sink.decode_frame_into(chunk, request)  # type: ignore[union-attr]
         for l in layers:
-            if on_layer is not None:
-                on_layer(l)
+            on_layer(l)
         return
 
     def dense(wanted: Sequence[int]) -> dict[int, tuple[int, torch.Tensor, torch.Tensor]]:
@@ -191,8 +194,7 @@ def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | Pag
         else:
             _, k, v = decoded.pop(l) if decoded else dense([l])[l]
             sink.write(l, chunk.start + lo, k[:, lo:hi], v[:, lo:hi])
-        if on_layer is not None:
-            on_layer(l)
+        on_layer(l)
 
 
 class PrefixLoad:
@@ -200,7 +202,8 @@ class PrefixLoad:
 
     :meth:`start` starts the fetch and decode threads and returns at once; :meth:`wait_layer` waits for one
     layer; :meth:`finish` waits for the whole load and says how far it got.  ``salt`` as for
-    :meth:`KVStore.keys_for`; ``device`` is where a dense decode runs (a paged sink's memory sets its own).
+    :meth:`KVStore.keys_for`; ``device`` is where a dense decode runs (default: a paged sink's memory's, else the
+    CPU).
     """
 
     def __init__(self, store: KVStore, token_ids: Sequence[int], sink: DenseSink | PagedSink, *, start: int = 0,
@@ -283,7 +286,7 @@ class PrefixLoad:
             while (item := self._next()) is not None:
                 i, chunk = item
                 outcome = self.chunks[i]
-                on_layer = self._layer_ready if i == last else None
+                on_layer = self._layer_ready if i == last else (lambda layer: None)
                 t0 = time.perf_counter()
                 try:
                     self._check_shape(chunk)
