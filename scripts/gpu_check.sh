@@ -9,15 +9,17 @@
 #                bash scripts/gpu_check.sh kvtc [bench options]         carry: .whl/kvtc (its correctness check reads
 #                                                                       formats/golden; its speed, synthetic 8B-shaped
 #                                                                       chunks); an estimated 4-5 min at its defaults
+#                bash scripts/gpu_check.sh load [bench options]         carry: .whl/cachegen (the store's load path
+#                                                                       into GPU paged layouts, bit-exact, then GB/s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bench=${1:?usage: gpu_check.sh cachegen|kvfetcher|kvtc [bench options]}
+bench=${1:?usage: gpu_check.sh cachegen|kvfetcher|kvtc|load [bench options]}
 shift
 out=${OUT:-/tmp/kvcodec-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/kvcodec-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$PYTHONPATH" \
-    .whl/"$bench"/*.whl
+    .whl/"$([ "$bench" = load ] && echo cachegen || echo "$bench")"/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$PYTHONPATH" .
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
