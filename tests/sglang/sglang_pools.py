@@ -12,14 +12,15 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
 
 def make_host_pool(layout: str, *, dtype: torch.dtype = torch.float16, page_size: int = PAGE, heads: int = HEADS):
-    """SGLang's host pool of ``layout`` (room for 1024 tokens and SGLang's padding page), from its CPU device pool."""
+    """SGLang's host pool of ``layout`` (2048 tokens and SGLang's padding page), from its CPU device pool.  Not
+    smaller: SGLang builds per-layer views of a pool's first pages, so it needs more pages than layers."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     device = MHATokenToKVPool(size=512, page_size=page_size, dtype=dtype, head_num=heads, head_dim=DIM,
                               layer_num=LAYERS, device="cpu", enable_memory_saver=False, start_layer=0,
                               end_layer=LAYERS - 1)
-    return MHATokenToKVPoolHost(device._mha_buffer_info(), 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+    return MHATokenToKVPoolHost(device._mha_buffer_info(), 4.0, 0, page_size, layout, pin_memory=False, device="cpu",
                                 device_capacity_tokens=512, start_layer=0, end_layer=LAYERS - 1)
 
 

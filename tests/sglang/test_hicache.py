@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 import kvcodec
 from kvcodec.cache import KVCache
 from kvcodec.engines.sglang_hicache import KVCodecHiCacheStorage
-from kvcodec.errors import InvalidInputError
+from kvcodec.errors import InvalidInputError, KVCodecError
 
 DYNAMIC = {"backend_name": "kvcodec", "module_path": "kvcodec.engines.sglang_hicache",
            "class_name": "KVCodecHiCacheStorage"}
@@ -220,7 +220,7 @@ def test_bad_calls_are_misses_not_exceptions(real_pages):
     ({"tiers": []}, "list of tier URLs"),
 ])
 def test_bad_settings_stop_start_up_with_a_clear_error(extra, error):
-    with pytest.raises(InvalidInputError, match=error):
+    with pytest.raises(KVCodecError, match=error):
         StorageBackendFactory.create_backend("dynamic", config(make_host_pool("layer_first"), **extra), None)
 
 
