@@ -10,8 +10,10 @@ is loaded through SGLang's ``StorageBackendFactory`` with its ``dynamic`` backen
           "interface_v1":1,"tiers":["disk:/var/cache/kvcodec","redis://127.0.0.1:6379/0"],"codec":"cachegen"}'
 
 Its own settings in that JSON: ``tiers`` (tier URLs of :mod:`kvcodec.store.urls`, fastest first; default
-``["cpu"]``), ``codec`` (default ``cachegen``), ``codec_options`` (the codec's settings, e.g. ``{"bits": 4}``) and
-``namespace`` (keeps deployments apart).  ``"interface_v1": 1`` makes SGLang call the page methods
+``["cpu"]``), ``codec`` (default ``cachegen``), ``codec_options`` (the codec's settings, e.g. ``{"bits": 4}``),
+``namespace`` (keeps deployments apart) and ``model``: the name kvcodec knows the model by, which keys the pages and
+picks cachegen's and kvfetcher's profile (default SGLang's model path with ``/`` as ``-``, which names no shipped
+profile: ``"model": "SmolLM2-135M-Instruct"`` picks the one kvcodec ships; the backend warns when none is found).  ``"interface_v1": 1`` makes SGLang call the page methods
 (``batch_get_v1``/``batch_set_v1``), which read and write its host pool in place; without it SGLang copies each
 page through a flat buffer (``batch_get``/``batch_set``).  ``$KVCODEC_STORE_SECRET`` authenticates every value, as
 for the other hooks.
@@ -44,6 +46,7 @@ from kvcodec.api import encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import get_codec
 from kvcodec.errors import InvalidInputError
+from kvcodec.profiles import find_profile
 from kvcodec.store import CacheIdentity, ChunkShape, FetchedChunk, KVStore, StorageTier, format_key, tier_from_url
 from kvcodec.store.auth import seal, secret_from_env
 from kvcodec.store.keys import hasher
@@ -150,7 +153,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
             raise InvalidInputError(f"codec {self.codec.codec_id} needs each token's position, which SGLang's page "
                                     "calls do not give; use raw, cachegen, kivi or kvfetcher")
         self.tiers: list[StorageTier] = [tier_from_url(s) for s in _tier_specs(extra.get("tiers", ["cpu"]))]
-        self.model = (storage_config.model_name or "").replace("/", "-") or "unnamed"
+        self.model = str(extra.get("model") or (storage_config.model_name or "").replace("/", "-") or "unnamed")
         self.config = storage_config
         self.namespace = str(extra.get("namespace", ""))
         self.secret = secret_from_env()
@@ -170,6 +173,10 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         self.store = KVStore(self.tiers, model=self.model, codec=self.codec, chunk_tokens=pages.page_size,
                              identity=identity, secret=self.secret, shape=pages.shape())
         self.pages = pages
+        if getattr(self.codec, "profile", None) == "auto" and find_profile(self.model) is None:
+            log.warning("kvcodec HiCache backend: no %s profile of model %r; keys get steps from the data (set "
+                        "\"model\" in the extra config to a profile's model name, or run `kvcodec profile`)",
+                        self.codec.codec_id, self.model)
         log.info("kvcodec HiCache backend: codec %s, tiers %s, pages of %d tokens x %d layers x %d heads x %d (%s, "
                  "layout %s)", self.codec.codec_id, [t.name for t in self.tiers], pages.page_size, pages.layers,
                  pages.heads, pages.dim, pages.shape().dtype, mem_pool_host.layout)

@@ -99,12 +99,13 @@ def test_cachegen_pages_are_its_decode_within_its_error(real_pages):
     kv, ids = real_pages
     pool = make_host_pool("page_first")
     write_tokens(pool, SAVED, kv)
-    backend = attach(pool, codec="cachegen", interface_v1=1)
+    backend = attach(pool, codec="cachegen", interface_v1=1, model="SmolLM2-135M-Instruct")  # its shipped profile
     assert save(backend, pool, ids, zero_copy=True)
     assert prefetch(backend, pool, ids, zero_copy=True) == (TOKENS, TOKENS // PAGE)
     got = read_tokens(pool, LOADED)
     for p in range(TOKENS // PAGE):  # each page is exactly what kvcodec's own API makes of it
-        page = KVCache([(l.keys[:, p * PAGE:(p + 1) * PAGE], l.values[:, p * PAGE:(p + 1) * PAGE]) for l in kv.layers])
+        page = KVCache([(l.keys[:, p * PAGE:(p + 1) * PAGE], l.values[:, p * PAGE:(p + 1) * PAGE]) for l in kv.layers],
+                       model="SmolLM2-135M-Instruct")
         direct = kvcodec.decode(kvcodec.encode(page, "cachegen", chunk_tokens=PAGE))
         assert all(torch.equal(g.keys[:, p * PAGE:(p + 1) * PAGE], d.keys) and
                    torch.equal(g.values[:, p * PAGE:(p + 1) * PAGE], d.values) for g, d in zip(got.layers, direct.layers))
