@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "sglang"))
+sys.path.insert(0, str(REPO / "tests" / "sglang_hicache"))
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-sglang (when missing): SGLang 0.5.23's package without its serving stack, next to kvcodec itself
-# (editable), for the tests of kvcodec's HiCache storage backend (tests/sglang/) against SGLang's own classes.
+# (editable), for the tests of kvcodec's HiCache storage backend (tests/sglang_hicache/) against SGLang's own classes.
 #
 # Why not a CPU torch: every SGLang host KV pool imports sglang.srt.configs, which imports torchvision, and PyPI's
 # torchvision wheels need a CUDA torch (with torch 2.13.0+cpu, 'import torchvision' fails: operator torchvision::nms

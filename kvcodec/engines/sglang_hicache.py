@@ -310,7 +310,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
     def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
         ps = self.pages.page_size if self.pages is not None else 0
         if not ps or host_indices is None or host_indices.numel() != len(keys) * ps:
-            log.warning("kvcodec HiCache backend: %s host slots for %d pages of %d tokens", 
+            log.warning("kvcodec HiCache backend: %s host slots for %d pages of %d tokens",
                         None if host_indices is None else host_indices.numel(), len(keys), ps)
             return None
         return [int(x) for x in host_indices.reshape(-1)[::ps].tolist()]

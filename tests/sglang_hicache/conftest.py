@@ -1,7 +1,7 @@
 """Fixtures for the tests of kvcodec's HiCache storage backend against SGLang's own classes, on the CPU.
 
 These tests run in ``.venv-sglang`` (``bash scripts/setup_sglang.sh``, then
-``.venv-sglang/bin/python -m pytest -q tests/sglang``).  The pools are SGLang's: a device pool
+``.venv-sglang/bin/python -m pytest -q tests/sglang_hicache``).  The pools are SGLang's: a device pool
 (``MHATokenToKVPool``) built on the CPU, and host pools (``MHATokenToKVPoolHost``, SGLang's L2) in each of the
 layouts the backend reads, sized for SmolLM2-135M (30 layers, 3 KV heads of 64).
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("sglang") is None:
-    raise pytest.UsageError("tests/sglang/ needs sglang: run them in .venv-sglang (bash scripts/setup_sglang.sh; "
-                            ".venv-sglang/bin/python -m pytest -q tests/sglang)")
+    raise pytest.UsageError("tests/sglang_hicache/ needs sglang: run them in .venv-sglang (bash scripts/setup_sglang.sh; "
+                            ".venv-sglang/bin/python -m pytest -q tests/sglang_hicache)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sglang_pools.py
 

@@ -69,7 +69,7 @@ def same_bits(a: KVCache, b: KVCache) -> bool:
                torch.equal(x.values.view(torch.int16), y.values.view(torch.int16)) for x, y in zip(a.layers, b.layers))
 
 
-def test_the_factory_makes_the_backend(real_pages):
+def test_the_factory_makes_the_backend():
     pool = make_host_pool("layer_first")
     backend = attach(pool, codec="raw")
     assert type(backend) is KVCodecHiCacheStorage and backend.mem_pool_host is pool
