@@ -254,3 +254,22 @@ def test_any_page_bits_round_trip_through_raw(layout, dtype, seed):
     assert backend.set("page", bits.view(dtype))
     back = backend.get("page", pool.get_dummy_flat_data_page())
     assert back is not None and torch.equal(back.view(torch.int16), bits)
+
+
+def test_prefetch_and_backup_threads_at_once(real_pages):
+    """SGLang's prefetch thread reads while its backup thread writes, through one backend."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kv, ids = real_pages
+    pool = make_host_pool("page_first")
+    write_tokens(pool, SAVED, kv)
+    backend = attach(pool, codec="raw", tiers=["cpu"])
+    first, second = ids[:256], [t + 7 for t in ids[256:]]  # two prompts of 4 pages each
+    assert save(backend, pool, first, zero_copy=True)
+    hashes_2 = get_storage_hash_str(second, None, page_size=PAGE)
+    with ThreadPoolExecutor(2) as workers:
+        reads = [workers.submit(prefetch, backend, pool, first, zero_copy=True) for _ in range(3)]
+        write = workers.submit(backend.batch_set_v1, hashes_2, SAVED[256:])
+        assert [r.result() for r in reads] == [(256, 4)] * 3 and write.result() == [True] * 4
+    assert same_bits(read_tokens(pool, LOADED[:256]), KVCache([(l.keys[:, :256], l.values[:, :256]) for l in kv.layers]))
+    assert backend.batch_exists(hashes_2) == 4
