@@ -20,6 +20,9 @@ CACHE_DIR = Path(os.environ.get("KVCODEC_TEST_CACHE", REPO / ".cache" / "test-kv
 # tests/engines/ runs against the real vLLM (CPU build) and LMCache, which live in their own virtual environment
 # (.venv-engines, made by scripts/setup_engines.sh): scripts/test.sh runs them there with that environment's python.
 collect_ignore = [] if importlib.util.find_spec("vllm") and importlib.util.find_spec("lmcache") else ["engines"]
+# tests/sglang_hicache/ runs against SGLang's own classes in .venv-sglang (scripts/setup_sglang.sh).
+if importlib.util.find_spec("sglang") is None:
+    collect_ignore.append("sglang_hicache")
 
 
 def _dump_version() -> str:

@@ -174,8 +174,8 @@ class KVStore:
         raise InvalidInputError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
 
     @staticmethod
-    def _safe(tier: StorageTier, op: str, *args: Any, default: Any = None) -> Any:
-        """Call a tier operation; a tier that raises counts as a miss (built-in tiers never raise)."""
+    def call_tier(tier: StorageTier, op: str, *args: Any, default: Any = None) -> Any:
+        """Call a tier operation; a tier that raises counts as a miss (built-in tiers never raise), with a warning."""
         try:
             return getattr(tier, op)(*args)
         except Exception:
@@ -220,9 +220,9 @@ class KVStore:
         for i, (_, s, e) in enumerate(per_variant[0]):
             wrote = False
             for codec, key in zip(variants, [keys[i][0] for keys in per_variant]):
-                if not replicate and any(self._safe(t, "contains", key, default=False) for t in self.tiers):
+                if not replicate and any(self.call_tier(t, "contains", key, default=False) for t in self.tiers):
                     continue
-                missing = [t for t in targets if not self._safe(t, "contains", key, default=False)]
+                missing = [t for t in targets if not self.call_tier(t, "contains", key, default=False)]
                 if not missing:
                     continue
                 positions = kv.positions[s:e] if kv.positions is not None else (
@@ -230,7 +230,7 @@ class KVStore:
                 part = KVCache([(l.keys[:, s:e], l.values[:, s:e]) for l in kv.layers], model=self.model,
                                rope=kv.rope, positions=positions)
                 value = seal(self.secret, key, encode(part, codec, chunk_tokens=e - s, meta={STORE_KEY_META: key}))
-                if any([self._safe(t, "put", key, value, default=False) for t in missing]):
+                if any([self.call_tier(t, "put", key, value, default=False) for t in missing]):
                     wrote = True
             written += wrote
         if written:
@@ -246,8 +246,8 @@ class KVStore:
             if key is None:
                 continue
             for t in targets:
-                if not self._safe(t, "contains", key, default=False):
-                    self._safe(t, "put", key, codec.side_data())
+                if not self.call_tier(t, "contains", key, default=False):
+                    self.call_tier(t, "put", key, codec.side_data())
 
     def fetch_side_data(self) -> None:
         """Make what the variants need beyond their bytes (kvtc's calibration) available here, from the tiers if
@@ -257,7 +257,7 @@ class KVStore:
             if key is None or codec.has_side_data():
                 continue
             for t in self.tiers:
-                data = self._safe(t, "get", key)
+                data = self.call_tier(t, "get", key)
                 if data is not None:
                     try:
                         codec.install_side_data(data)
@@ -270,9 +270,9 @@ class KVStore:
             if not self.policy.demote_on_evict:
                 return
             for lower in self.tiers[index + 1:]:
-                if self._safe(lower, "contains", key, default=False):
+                if self.call_tier(lower, "contains", key, default=False):
                     return
-                if self._safe(lower, "put", key, value, default=False):
+                if self.call_tier(lower, "put", key, value, default=False):
                     self._count("demoted")
                     return
         return demote
@@ -287,7 +287,7 @@ class KVStore:
             todo = [i for i, h in enumerate(holder) if h is None]
             if not todo:
                 break
-            held = self._safe(tier, "contains_many", [keys[i] for i in todo], default=[False] * len(todo))
+            held = self.call_tier(tier, "contains_many", [keys[i] for i in todo], default=[False] * len(todo))
             for i, yes in zip(todo, held):
                 if yes:
                     holder[i] = tier.name
@@ -307,7 +307,7 @@ class KVStore:
             todo = [i for i, o in enumerate(out) if o is None]
             if not todo:
                 break
-            sizes = self._safe(tier, "value_sizes", [keys[i] for i in todo], default=[None] * len(todo))
+            sizes = self.call_tier(tier, "value_sizes", [keys[i] for i in todo], default=[None] * len(todo))
             for i, n in zip(todo, sizes):
                 if n is not None:
                     out[i] = (int(n), tier.name)
@@ -347,7 +347,7 @@ class KVStore:
         if isinstance(reason, (CorruptDataError, LimitExceededError)):
             log.warning("chunk %s in tier %s is bad (%s); evicted", chunk.key, chunk.tier, reason)
             self._count("corrupt")
-            self._safe(self.tier(chunk.tier), "delete", chunk.key)
+            self.call_tier(self.tier(chunk.tier), "delete", chunk.key)
         else:
             log.warning("chunk %s from tier %s could not be loaded here (%s: %s); treated as a miss, left stored",
                         chunk.key, chunk.tier, type(reason).__name__, reason)
@@ -358,7 +358,7 @@ class KVStore:
         A hit in a slower tier is promoted as the policy says.  None when no tier holds it intact."""
         for i, tier in enumerate(self.tiers):
             t0 = time.perf_counter()
-            value = self._safe(tier, "get", key)
+            value = self.call_tier(tier, "get", key)
             if value is None:
                 continue
             self.links[tier.name].observe(len(value), time.perf_counter() - t0)
@@ -368,7 +368,7 @@ class KVStore:
                 self.discard(FetchedChunk(key, tier.name, start, end, b""), err)
                 continue
             if self.policy.promote_on_hit and i > self.policy.promote_to:
-                if self._safe(self.tiers[self.policy.promote_to], "put", key, value, default=False):
+                if self.call_tier(self.tiers[self.policy.promote_to], "put", key, value, default=False):
                     self._count("promoted")
             self._count("hits")
             return chunk
@@ -413,7 +413,7 @@ class KVStore:
               salt: str | bytes | None = None) -> int:
         """Delete the chunks of ``token_ids`` from ``tiers`` (default all); returns deletions."""
         targets = self.tiers if tiers is None else [self.tier(n) for n in tiers]
-        return sum(bool(self._safe(t, "delete", key, default=False))
+        return sum(bool(self.call_tier(t, "delete", key, default=False))
                    for key, _, _ in self.keys_for(token_ids, salt=salt) for t in targets)
 
     def promote(self, token_ids: Sequence[int], *, to: str | None = None, salt: str | bytes | None = None) -> int:
@@ -421,12 +421,12 @@ class KVStore:
         target = self.tiers[0] if to is None else self.tier(to)
         n = 0
         for key, _, _ in self.keys_for(token_ids, salt=salt):
-            if self._safe(target, "contains", key, default=False):
+            if self.call_tier(target, "contains", key, default=False):
                 continue
-            data = next((d for t in self.tiers if t is not target and (d := self._safe(t, "get", key)) is not None), None)
+            data = next((d for t in self.tiers if t is not target and (d := self.call_tier(t, "get", key)) is not None), None)
             if data is None:
                 break
-            if self._safe(target, "put", key, data, default=False):
+            if self.call_tier(target, "put", key, data, default=False):
                 n += 1
         self._count("promoted", n)
         return n

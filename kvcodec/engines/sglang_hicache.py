@@ -1,0 +1,336 @@
+"""An SGLang HiCache storage backend: SGLang's KV pages, each compressed by a kvcodec codec, kept in kvcodec tiers.
+
+SGLang's hierarchical cache keeps KV in GPU memory, then host memory (its host pool, "L2"), then a storage backend
+("L3") that it reads and writes a page at a time under its own page hashes (chained over the tokens).  This backend
+is loaded through SGLang's ``StorageBackendFactory`` with its ``dynamic`` backend config::
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+        '{"backend_name":"kvcodec","module_path":"kvcodec.engines.sglang_hicache","class_name":"KVCodecHiCacheStorage",
+          "interface_v1":1,"tiers":["disk:/var/cache/kvcodec","redis://127.0.0.1:6379/0"],"codec":"cachegen"}'
+
+Its own settings in that JSON: ``tiers`` (tier URLs of :mod:`kvcodec.store.urls`, fastest first; default
+``["cpu"]``), ``codec`` (default ``cachegen``), ``codec_options`` (the codec's settings, e.g. ``{"bits": 4}``),
+``namespace`` (keeps deployments apart) and ``model``: the name kvcodec knows the model by, which keys the pages and
+picks cachegen's and kvfetcher's profile (default SGLang's model path with ``/`` as ``-``, which names no shipped
+profile: ``"model": "SmolLM2-135M-Instruct"`` picks the one kvcodec ships; the backend warns when none is found).  ``"interface_v1": 1`` makes SGLang call the page methods
+(``batch_get_v1``/``batch_set_v1``), which read and write its host pool in place; without it SGLang copies each
+page through a flat buffer (``batch_get``/``batch_set``).  ``$KVCODEC_STORE_SECRET`` authenticates every value, as
+for the other hooks.
+
+Every page is stored as a single-chunk container of ``page_size`` tokens, of all the pool's layers and this rank's
+heads, whatever the host pool's layout (a page written from a ``layer_first`` pool loads into a ``page_first``
+one).  It is kept by a :class:`~kvcodec.store.KVStore` (its tiers, codec, identity, secret and engine shape) under a
+key derived from the store's namespace (model, codec and its settings, page size, KV dtype, TP and PP rank, namespace)
+and SGLang's page hash, so caches of another model, codec or rank never meet.  A value is only served once
+:meth:`KVStore.check_chunk` accepts it for that key and the pool's shape (checksums, the key it names, token count,
+layers, heads, dtype; bounded before anything is decoded): anything else is a miss, evicted when the value itself is
+bad, and no exception reaches SGLang.  A value is written to every tier that lacks it; a hit in a slower tier is
+copied to the fastest.
+
+Not handled, refused at start-up with an error that says so: MLA and other rank-replicated pools, context
+parallelism, FP8 KV, keys and values of different head sizes, and codecs that need each token's position (``kvtc``:
+SGLang does not pass positions to the page calls).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kvcodec.api import encode
+from kvcodec.cache import KVCache
+from kvcodec.codecs import get_codec
+from kvcodec.errors import InvalidInputError
+from kvcodec.profiles import find_profile
+from kvcodec.store import CacheIdentity, ChunkShape, KVStore, StorageTier, format_key, tier_from_url
+from kvcodec.store.auth import seal, secret_from_env
+from kvcodec.store.keys import hasher
+from kvcodec.store.store import STORE_KEY_META
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+except ImportError as err:  # pragma: no cover - the backend only exists inside SGLang
+    raise ImportError("kvcodec.engines.sglang_hicache runs inside SGLang: install sglang (scripts/setup_sglang.sh "
+                      f"makes a virtual environment with it): {err}") from err
+
+log = logging.getLogger(__name__)
+
+KEY_CONTEXT = b"sglang-hicache/1\0"
+# How each host pool layout's page (``get_data_page(i, flat=False)``) becomes ``(2, layers, heads, tokens, dim)``:
+# keys then values, each layer's ``[heads, tokens, dim]`` as a KVCache holds it.  All are views of the page.
+CANONICAL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "layer_first": lambda p: p.permute(0, 1, 3, 2, 4),              # (2, L, T, H, D)
+    "page_first": lambda p: p.permute(0, 2, 3, 1, 4),               # (2, T, L, H, D)
+    "page_first_direct": lambda p: p[:, 0].permute(0, 1, 3, 2, 4),  # (2, 1, L, T, H, D)
+    "page_head": lambda p: p[:, 0].permute(0, 3, 1, 2, 4),          # (2, 1, H, T, L, D)
+}
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _tier_specs(value: Any) -> list[str]:
+    specs = [value] if isinstance(value, str) else value
+    if not (isinstance(specs, list) and specs and all(isinstance(s, str) for s in specs)):
+        raise InvalidInputError(f"'tiers' is a list of tier URLs (e.g. [\"disk:/var/cache/kvcodec\"]), not {value!r}")
+    return specs
+
+
+def _never_raises(default: Any) -> Callable:
+    """SGLang's storage threads must not die on a storage fault: log it, answer ``default`` (a miss)."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(self: KVCodecHiCacheStorage, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:
+                log.warning("kvcodec HiCache backend: %s failed; answered as a miss", fn.__name__, exc_info=True)
+                return default([] if not args else args[0]) if callable(default) else default
+        return call
+    return wrap
+
+
+class PoolPages:
+    """SGLang's MHA host pool, page by page, as KVCaches: reads and writes go through views of the pool's memory."""
+
+    def __init__(self, pool: Any) -> None:
+        layout = getattr(pool, "layout", None)
+        if not hasattr(pool, "kv_buffer") or getattr(pool, "head_dim", None) != getattr(pool, "v_head_dim", None):
+            raise InvalidInputError(f"kvcodec's HiCache backend takes MHA host pools whose keys and values have one "
+                                    f"head size (MHATokenToKVPoolHost), not {type(pool).__name__}")
+        if layout not in CANONICAL:
+            raise InvalidInputError(f"host pool layout {layout!r} is not supported; use one of {sorted(CANONICAL)}")
+        if pool.dtype not in DTYPES:
+            raise InvalidInputError(f"KV in {pool.dtype} is not supported (float16, bfloat16 or float32)")
+        self.pool, self.to_canonical = pool, CANONICAL[layout]
+        self.page_size, self.layers, self.heads, self.dim = pool.page_size, pool.layer_num, pool.head_num, pool.head_dim
+        self.page_shape = tuple(pool.get_data_page(0, flat=False).shape)
+        self.page_numel = 2 * self.layers * self.heads * self.page_size * self.dim
+
+    def shape(self) -> ChunkShape:
+        return ChunkShape(self.layers, self.heads, self.dim, self.dim, str(self.pool.dtype).removeprefix("torch."))
+
+    def at(self, index: int) -> torch.Tensor:
+        """The canonical view of the page that starts at token slot ``index`` of the pool."""
+        return self.to_canonical(self.pool.get_data_page(int(index), flat=False))
+
+    def of_flat(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The canonical view of a flat page (laid out as the pool's ``get_data_page(i)``), None if it is not one."""
+        if not isinstance(flat, torch.Tensor) or flat.numel() != self.page_numel or flat.dtype != self.pool.dtype:
+            return None
+        return self.to_canonical(flat.view(self.page_shape))
+
+    def to_kv(self, page: torch.Tensor, model: str) -> KVCache:
+        return KVCache([(page[0, l], page[1, l]) for l in range(self.layers)], model=model)
+
+    @staticmethod
+    def fill(page: torch.Tensor, kv: KVCache) -> None:
+        for l, layer in enumerate(kv.layers):
+            page[0, l].copy_(layer.keys)
+            page[1, l].copy_(layer.values)
+
+
+class KVCodecHiCacheStorage(HiCacheStorage):
+    """SGLang's ``HiCacheStorage`` over a kvcodec :class:`KVStore` (see the module docstring).  SGLang makes it with
+    ``(storage_config, kwargs)`` and then hands it its host pool (:meth:`register_mem_pool_host`), which fixes the
+    page shape: until then every read misses and every write fails."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if storage_config.is_mla_model:
+            raise InvalidInputError("kvcodec's HiCache backend does not handle MLA (rank-replicated) KV pools")
+        if storage_config.attn_cp_size > 1 or storage_config.dcp_size > 1:
+            raise InvalidInputError("kvcodec's HiCache backend does not handle context-parallel KV (each rank holds "
+                                    "part of every page)")
+        options = extra.get("codec_options") or {}
+        if not isinstance(options, dict):
+            raise InvalidInputError(f"'codec_options' is a JSON object of codec settings, not {options!r}")
+        self.codec = get_codec(str(extra.get("codec", "cachegen")), **options)
+        if self.codec.uses_positions:
+            raise InvalidInputError(f"codec {self.codec.codec_id} needs each token's position, which SGLang's page "
+                                    "calls do not give; use raw, cachegen, kivi or kvfetcher")
+        self.tiers: list[StorageTier] = [tier_from_url(s) for s in _tier_specs(extra.get("tiers", ["cpu"]))]
+        self.model = str(extra.get("model") or (storage_config.model_name or "").replace("/", "-") or "unnamed")
+        self.config = storage_config
+        self.namespace = str(extra.get("namespace", ""))
+        self.secret = secret_from_env()
+        self.pages: PoolPages | None = None
+        self.store: KVStore | None = None
+        self.stats = {"hits": 0, "misses": 0, "puts": 0}
+        self._lock = threading.Lock()
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang's host pool: its layout, page size and shape make the store (an unsupported pool stops SGLang's
+        start-up with an error naming it)."""
+        super().register_mem_pool_host(mem_pool_host)
+        pages = PoolPages(mem_pool_host)
+        c = self.config
+        identity = CacheIdentity(kv_dtype=pages.shape().dtype, tp_rank=c.tp_rank, tp_size=c.tp_size,
+                                 pp_rank=c.pp_rank, pp_size=c.pp_size, namespace=self.namespace)
+        self.store = KVStore(self.tiers, model=self.model, codec=self.codec, chunk_tokens=pages.page_size,
+                             identity=identity, secret=self.secret, shape=pages.shape())
+        self.pages = pages
+        if getattr(self.codec, "profile", None) == "auto" and find_profile(self.model) is None:
+            log.warning("kvcodec HiCache backend: no %s profile of model %r; keys get steps from the data (set "
+                        "\"model\" in the extra config to a profile's model name, or run `kvcodec profile`)",
+                        self.codec.codec_id, self.model)
+        log.info("kvcodec HiCache backend: codec %s, tiers %s, pages of %d tokens x %d layers x %d heads x %d (%s, "
+                 "layout %s)", self.codec.codec_id, [t.name for t in self.tiers], pages.page_size, pages.layers,
+                 pages.heads, pages.dim, pages.shape().dtype, mem_pool_host.layout)
+
+    # keys and the store -------------------------------------------------------------------------
+    def key(self, page_hash: str) -> str:
+        """The tier key of SGLang's page ``page_hash``: the store's namespace and the hash, hashed (HMAC under a
+        secret), so that it names the model, codec, page size, dtype and rank too."""
+        store = self._store()
+        digest = hasher(store.hash, store.secret)(store.seed + KEY_CONTEXT + str(page_hash).encode())
+        return format_key(self.model, digest, store.identity.namespace)
+
+    def _store(self) -> KVStore:
+        if self.store is None:
+            raise InvalidInputError("SGLang has not registered its host pool with the backend yet")
+        return self.store
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.stats[name] += 1
+
+    def _load(self, page_hash: str, dest: torch.Tensor) -> bool:
+        """Fill ``dest`` (a canonical page view) from the fastest tier holding the page intact; False: a miss."""
+        store = self._store()
+        chunk = store.read_chunk(self.key(page_hash), 0, self.pages.page_size)
+        if chunk is not None:
+            try:
+                PoolPages.fill(dest, store.decode_chunk(chunk))
+                self._count("hits")
+                return True
+            except Exception as err:
+                store.discard(chunk, err)
+        self._count("misses")
+        return False
+
+    def _save(self, page_hash: str, page: torch.Tensor) -> bool:
+        """Encode the page (a canonical view) once and write it to every tier that lacks it."""
+        store, key = self._store(), self.key(page_hash)
+        missing = [t for t in store.tiers if not KVStore.call_tier(t, "contains", key, default=False)]
+        if not missing:
+            return True
+        container = encode(self.pages.to_kv(page, self.model), store.codec, chunk_tokens=self.pages.page_size,
+                           meta={STORE_KEY_META: key})
+        value = seal(store.secret, key, container)
+        stored = [bool(KVStore.call_tier(t, "put", key, value, default=False)) for t in missing]
+        if any(stored):
+            self._count("puts")
+        return any(stored)
+
+    # SGLang's interface ----------------------------------------------------------------------------
+    @_never_raises(None)
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """The page ``key`` in ``target_location`` (a flat page as the host pool lays it out; a new one if None)."""
+        pages = self.pages
+        if pages is None:
+            return None
+        target = pages.pool.get_dummy_flat_data_page() if target_location is None else target_location
+        dest = pages.of_flat(target)
+        if dest is None:
+            log.warning("kvcodec HiCache backend: a target of %s elements for a page of %d; a miss",
+                        getattr(target, "numel", lambda: "?")(), pages.page_numel)
+            return None
+        return target if self._load(key, dest) else None
+
+    @_never_raises(lambda keys: [None] * len(keys))
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+        """The pages of ``keys``; SGLang uses the leading hits only, so after the first miss nothing is read."""
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        targets = target_locations if target_locations is not None else [None] * len(keys)
+        for i, (key, target) in enumerate(zip(keys, targets)):
+            out[i] = self.get(key, target)
+            if out[i] is None:
+                break
+        return out
+
+    @_never_raises(False)
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store the flat page ``value`` (as the host pool's ``get_data_page(i)`` gives it) under ``key``."""
+        if self.pages is None:
+            return False
+        page = self.pages.of_flat(value.contiguous() if isinstance(value, torch.Tensor) else value)
+        if page is None:
+            log.warning("kvcodec HiCache backend: %s is not a page of this pool; not stored", key)
+            return False
+        return self._save(key, page)
+
+    @_never_raises(False)
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if values is None or len(values) != len(keys):
+            return False
+        return all([self.set(k, v) for k, v in zip(keys, values)])
+
+    @_never_raises(False)
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    @_never_raises(0)
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many of ``keys``, from the first, are stored: each tier is asked once, for the keys no faster tier
+        holds."""
+        if self.store is None or not keys:
+            return 0
+        wanted = [self.key(k) for k in keys]
+        held = [False] * len(wanted)
+        for tier in self.store.tiers:
+            todo = [i for i, h in enumerate(held) if not h]
+            if not todo:
+                break
+            answers = KVStore.call_tier(tier, "contains_many", [wanted[i] for i in todo], default=[False] * len(todo))
+            for i, yes in zip(todo, answers):
+                held[i] = bool(yes)
+        return held.index(False) if False in held else len(held)
+
+    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
+        ps = self.pages.page_size if self.pages is not None else 0
+        if not ps or host_indices is None or host_indices.numel() != len(keys) * ps:
+            log.warning("kvcodec HiCache backend: %s host slots for %d pages of %d tokens",
+                        None if host_indices is None else host_indices.numel(), len(keys), ps)
+            return None
+        return [int(x) for x in host_indices.reshape(-1)[::ps].tolist()]
+
+    @_never_raises(lambda keys: [False] * len(keys))
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Load the pages of ``keys`` straight into the host pool at ``host_indices`` (``page_size`` slots per
+        key); after the first miss nothing is read (SGLang keeps the leading hits only)."""
+        starts = self._page_starts(keys, host_indices)
+        out = [False] * len(keys)
+        for i, (key, start) in enumerate(zip(keys, starts or [])):
+            out[i] = self._load(key, self.pages.at(start))
+            if not out[i]:
+                break
+        return out
+
+    @_never_raises(lambda keys: [False] * len(keys))
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the host pool's pages at ``host_indices`` under ``keys``."""
+        starts = self._page_starts(keys, host_indices)
+        if starts is None:
+            return [False] * len(keys)
+        return [self._save(key, self.pages.at(start)) for key, start in zip(keys, starts)]
+
+    @_never_raises(False)
+    def clear(self) -> bool:
+        """Delete every page of this model and namespace from every tier."""
+        prefix = format_key(self.model, b"", self.namespace)
+        for tier in self.tiers:
+            for key in KVStore.call_tier(tier, "keys", default=[]):
+                if key.startswith(prefix):
+                    KVStore.call_tier(tier, "delete", key)
+        return True
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            KVStore.call_tier(tier, "close")
