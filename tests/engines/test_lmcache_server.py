@@ -10,7 +10,6 @@ deserializer: bit-exact with ``raw``, and with ``cachegen``/``kvtc`` exactly wha
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from lmcache_server import KVClient, LMCacheServer
+from mooncake_process import master_class
 
 import kvcodec
 from kvcodec.engines.lmcache_plugin import LMCacheChunkCodec
@@ -27,21 +27,6 @@ TOKENS = 512
 BENCH_SHAPE = f"(2,128,16,{H},{D}):float16:{L}"
 MODULE = "kvcodec.engines.lmcache_server"
 SEQ = 100  # LMCache's bench uses sequences 0 and 1; the real KV goes under another one
-
-
-def _mooncake_master():
-    """``tests/test_mooncake_tier.Master``; under CI a missing Mooncake is a failure (set-up installs it)."""
-    try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: F401
-    except ImportError as e:
-        why = (f"Mooncake Store is unavailable in this venv ({e}): bash scripts/setup_engines.sh installs "
-               "mooncake-transfer-engine-non-cuda (and needs libibverbs1 ibverbs-providers)")
-        if os.environ.get("CI"):
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
-    from test_mooncake_tier import Master
-
-    return Master
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +119,7 @@ def test_fs_adapter_kvtc_calibrated_in_the_server(real_kv, smollm2_hf, tmp_path,
 
 @pytest.mark.parametrize("codec", ["raw", "cachegen"])
 def test_mooncake_tier_adapter(codec, real_kv, tmp_path):
-    master = _mooncake_master()(tmp_path)
+    master = master_class()(tmp_path)
     master.start()
     try:
         url = f"mooncake://{master.address}?segment=256MiB&buffer=64MiB&admin={master.admin}"

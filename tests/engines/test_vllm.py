@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from mooncake_process import SegmentHolder, master_class
 from redis_process import free_port, started_redis
 from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store
 
@@ -241,44 +242,16 @@ def test_cache_salt_keeps_tenants_apart_over_http(server, prompts, smollm2_hf):
 
 # --- engines 5 and 6: the Mooncake tier -----------------------------------------------------------------
 
-# Mooncake keeps a value in the segment of the client that mounted it, and a segment goes with its process: the
-# engines mount none (segment=0) and this process, started by the test and outliving both engines, lends its memory.
-SEGMENT_HOLDER = """
-import sys, time
-from kvcodec.store.mooncake import MooncakeTier
-tier = MooncakeTier(sys.argv[1], segment_bytes=256 << 20, buffer_bytes=1 << 20, timeout_s=5, name="segment-holder")
-assert tier.available, "the segment holder could not set up with the master"
-print("ready", flush=True)
-sys.stdin.read()  # until the test closes our stdin
-tier.close()
-"""
-
-
 @pytest.fixture()
 def mooncake_segment(tmp_path):
-    """A real ``mooncake_master`` and a process lending 256 MiB of memory to it; the master's address."""
-    try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: F401
-    except ImportError as e:
-        why = f"Mooncake Store is unavailable in this venv ({e}): bash scripts/setup_engines.sh installs it"
-        if os.environ.get("CI"):
-            pytest.fail(why, pytrace=False)
-        pytest.skip(why)
-    from test_mooncake_tier import Master
-
-    master = Master(tmp_path)
+    """A real ``mooncake_master`` and a process of the test's lending 256 MiB of memory to it (the engines lend none:
+    a value lives in the segment of the process that put it and goes with that process); the master."""
+    master = master_class()(tmp_path)
     master.start()
-    holder = subprocess.Popen([sys.executable, "-c", SEGMENT_HOLDER, master.address], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "ready", "the segment holder did not start"
-        yield master
+        with SegmentHolder(master.address):
+            yield master
     finally:
-        holder.stdin.close()
-        try:
-            holder.wait(30)
-        except subprocess.TimeoutExpired:
-            holder.kill()
         master.kill()
 
 
