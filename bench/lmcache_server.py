@@ -7,7 +7,7 @@ One server per serde, each with one L2 adapter, kvcodec's ``KVCodecFSL2Adapter``
 serialized objects at their real length) on a folder of this machine's disk, and a 1 GB L1.  The serdes:
 ``none`` (LMCache's own path, no serde: the KV bytes as they are; the MP server's counterpart of the old
 ``naive`` serde), LMCache's ``fp8`` (``float8_e4m3fn``), and kvcodec's with ``raw``, ``cachegen`` and ``kvtc``
-(SmolLM2's calibration, computed once and installed when there is none).  The KV is real: SmolLM2's float16 cache
+(SmolLM2's calibration from 4096 tokens, ``bench/mooncake_tier.py``'s).  The KV is real: SmolLM2's float16 cache
 over ``license:GPL-3``, ``--requests`` requests of 512 tokens (two 256-token chunks each, 5.9 MB of KV a chunk)
 written into the paged blocks of LMCache's own bench client (``ServerBenchClient``, KV shared with the server over
 POSIX SHM).  Store: STORE of every request, timed until the L2 folder holds all their objects (serializing and
@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "engines"))
+sys.path[:0] = [str(REPO / "tests" / "engines"), str(REPO / "bench")]
 
 import torch  # noqa: E402
 from lmcache_server import KVClient, LMCacheServer  # noqa: E402
+from mooncake_tier import ensure_kvtc_calibration  # noqa: E402
 
 import kvcodec  # noqa: E402
 from kvcodec.cli import main as kvcodec_main  # noqa: E402
@@ -48,16 +49,6 @@ def real_kv(requests: int) -> list[torch.Tensor]:
                              "--dtype", "float16", "-o", str(path), "--quiet"]) == 0
     kv = kvcodec.KVCache.load_safetensors(path).to_lmcache()
     return [kv[:, :, i * TOKENS:(i + 1) * TOKENS].contiguous() for i in range(requests)]
-
-
-def kvtc_model() -> str:
-    """SmolLM2's model name, with its kvtc calibration installed (computed now when there is none)."""
-    from kvcodec.tools.kvtc_calibration import ensure_calibration
-    from kvcodec.tools.models import load_model
-
-    loaded = load_model("smollm2", progress=False)
-    ensure_calibration(loaded, log=lambda line: print(line, file=sys.stderr))
-    return loaded.model_id
 
 
 def run(name: str, serde: dict | None, kvs: list[torch.Tensor], folder: Path) -> dict:
@@ -94,7 +85,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     args = ap.parse_args()
     kvs = real_kv(args.requests)
-    model = kvtc_model()
+    model = ensure_kvtc_calibration()  # the servers inherit its XDG_CACHE_HOME
     serdes = [("none (LMCache's own path)", None),
               ("fp8 (LMCache)", {"type": "fp8", "fp8_dtype": "float8_e4m3fn"}),
               ("kvcodec raw", {"type": "kvcodec", "codec": "raw", "num_heads": H}),

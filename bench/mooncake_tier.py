@@ -4,8 +4,8 @@ Mooncake's own put/get of the same bytes, against a real ``mooncake_master`` and
     .venv/bin/python bench/mooncake_tier.py [--reps 20]
 
 The chunks are real: SmolLM2's float16 cache over 512 tokens of ``license:GPL-3`` (``kvcodec dump``), made by a
-``KVStore`` into 256-token single-chunk containers with ``raw``, ``cachegen`` and ``kvtc`` (SmolLM2's calibration,
-computed once and installed when there is none).  A writer Mooncake tier (lending a 256 MiB segment) puts each
+``KVStore`` into 256-token single-chunk containers with ``raw``, ``cachegen`` and ``kvtc`` (SmolLM2's calibration
+from 4096 tokens, computed once into ``.cache/bench-kvtc``).  A writer Mooncake tier (lending a 256 MiB segment) puts each
 container ``--reps`` times under fresh keys and a reader tier in a second client (lending none) gets them back;
 "Mooncake" is ``put``/``get`` of the same bytes on the same two clients, without kvcodec's header, checksum, size
 check and worker thread; "Redis" is kvcodec's Redis tier (one client) on the same bytes.  All clients live in this
@@ -17,6 +17,7 @@ compression ratio (the float16 KV it stands for); "with the codec" adds the code
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -46,11 +47,23 @@ def real_kv(tokens: int) -> kvcodec.KVCache:
     return kvcodec.KVCache.load_safetensors(path)
 
 
-def ensure_kvtc_calibration() -> None:
+# kvtc's calibration of SmolLM2 for the benches: from 4096 calibration tokens (the default, every calibration text,
+# takes over 15 minutes on this shared machine), installed in a folder of the benches' own so it never stands in
+# for the full one elsewhere.
+BENCH_CALIBRATIONS = REPO / ".cache" / "bench-kvtc"
+CALIBRATION_TOKENS = 4096
+
+
+def ensure_kvtc_calibration() -> str:
+    """SmolLM2's model name, its bench calibration installed (computed first when missing) and
+    ``XDG_CACHE_HOME`` pointing at it, for this process and the ones it starts."""
+    os.environ["XDG_CACHE_HOME"] = str(BENCH_CALIBRATIONS)
     from kvcodec.tools.kvtc_calibration import ensure_calibration
     from kvcodec.tools.models import load_model
 
-    ensure_calibration(load_model("smollm2", progress=False), log=lambda line: print(line, file=sys.stderr))
+    loaded = load_model("smollm2", progress=False)
+    ensure_calibration(loaded, log=lambda line: print(line, file=sys.stderr), max_tokens=CALIBRATION_TOKENS)
+    return loaded.model_id
 
 
 def timed(fn) -> float:
