@@ -136,3 +136,14 @@ def test_mooncake_tier_adapter(codec, real_kv, tmp_path):
         assert torch.equal(got, expected)
     finally:
         master.kill()
+
+
+@pytest.mark.parametrize("params, why", [({}, "needs adapter_params"), ({"url": "memory://", "workers": 0}, "workers"),
+                                         ({"url": "memory://", "path": "/x"}, "unknown adapter_params"),
+                                         ({"url": "nosuch://x"}, "")])
+def test_tier_adapter_refuses_bad_params(params, why):
+    from kvcodec.engines.lmcache_server import KVCodecTierL2Adapter
+    from kvcodec.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=why):
+        KVCodecTierL2Adapter(params)
