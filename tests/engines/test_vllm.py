@@ -1,6 +1,6 @@
 """kvcodec's connector inside the real vLLM (its CPU build, 0.32.0), end to end, on SmolLM2.
 
-Four engine starts, shared by the tests in this file, which run in order:
+Six engine starts, shared by the tests in this file, which run in order:
 
 1. vLLM without the connector: the reference greedy tokens and log-probabilities of every prompt;
 2. the connector with ``raw`` on a disk folder and a real Redis: first request saves, the same prompt and the same
@@ -8,7 +8,9 @@ Four engine starts, shared by the tests in this file, which run in order:
 3. the same settings in a new process: hits from disk alone and from Redis alone; a damaged chunk is reported as a
    load error and recomputed; Redis killed mid-run and the engine keeps serving;
 4. vLLM's OpenAI-compatible server (what ``vllm serve`` runs) with ``cachegen``: two completion requests over HTTP,
-   the second loads from the store, and its 16 greedy tokens equal the reference (the model's profile was found).
+   the second loads from the store, and its 16 greedy tokens equal the reference (the model's profile was found);
+5. and 6. the connector with ``raw`` on the Mooncake tier (a real ``mooncake_master``, the engines mounting no
+   segment and a process of the test's lending one): the first engine saves, a second engine process loads it.
 
 Every engine pins ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (see ``vllm_engine.ENGINE_ENV``) and runs with vLLM's own
 prefix cache off, so every hit is the connector's.
@@ -25,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from mooncake_process import SegmentHolder, master_class
 from redis_process import free_port, started_redis
 from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store
 
@@ -235,3 +238,33 @@ def test_cache_salt_keeps_tenants_apart_over_http(server, prompts, smollm2_hf):
     cached = [(_post(port, body | {"cache_salt": salt})["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
               or 0 for salt in ("tenant-b", "tenant-b", "tenant-c")]
     assert cached == [0, HIT, 0]
+
+
+# --- engines 5 and 6: the Mooncake tier -----------------------------------------------------------------
+
+@pytest.fixture()
+def mooncake_segment(tmp_path):
+    """A real ``mooncake_master`` and a process of the test's lending 256 MiB of memory to it (the engines lend none:
+    a value lives in the segment of the process that put it and goes with that process); the master."""
+    master = master_class()(tmp_path)
+    master.start()
+    try:
+        with SegmentHolder(master.address):
+            yield master
+    finally:
+        master.kill()
+
+
+def test_mooncake_tier_a_second_engine_hits_what_the_first_saved(mooncake_segment, reference, prompts, smollm2_hf):
+    extra = {"codec": "raw", "tiers": [f"mooncake://{mooncake_segment.address}?segment=0&timeout=5"]}
+    with Engine(smollm2_hf, connector_config(**extra)) as first:
+        saved = first.generate(prompts["A"], MAX_TOKENS)
+    assert saved["num_cached_tokens"] == 0
+    _same(saved, reference["A"])
+    store = _store(extra, smollm2_hf)
+    assert store.lookup(prompts["A"]).where == ["mooncake"] * 3  # held by the segment holder, not the first engine
+    store.close()
+    with Engine(smollm2_hf, connector_config(**extra)) as second:
+        got = second.generate(prompts["A"], MAX_TOKENS)
+    assert got["num_cached_tokens"] == HIT
+    _same(got, reference["A"])

@@ -1,0 +1,149 @@
+"""kvcodec's serializer inside a real LMCache multiprocess server (``lmcache server``, LMCache 0.5.6), through the
+plugin L2 adapters of :mod:`kvcodec.engines.lmcache_server`: LMCache's ``fs`` adapter that loads serialized objects
+at their real length, and kvcodec's Mooncake tier against a real ``mooncake_master``.
+
+With ``raw``, each server first takes LMCache's own ``lmcache bench server`` traffic (cold store, warm retrieve, its
+checksums; random KV); then LMCache's bench client stores real SmolLM2 KV (two 256-token chunks), the server's L1 is
+cleared, and the same request is looked up and retrieved, so the chunks come back from L2 through the
+deserializer: bit-exact with ``raw``, and with ``cachegen``/``kvtc`` exactly what that codec makes of each chunk
+(its own encode and decode, the codec's error and no other).  One server start per case (8-40 s)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from lmcache_server import KVClient, LMCacheServer
+from mooncake_process import master_class
+
+import kvcodec
+from kvcodec.engines.lmcache_plugin import LMCacheChunkCodec
+
+L, H, D = 30, 3, 64
+TOKENS = 512
+BENCH_SHAPE = f"(2,128,16,{H},{D}):float16:{L}"
+MODULE = "kvcodec.engines.lmcache_server"
+SEQ = 100  # LMCache's bench uses sequences 0 and 1; the real KV goes under another one
+
+
+@pytest.fixture(scope="module")
+def real_kv(real_dump) -> torch.Tensor:
+    """512 tokens of SmolLM2's real float16 KV in LMCache's ``[2, L, T, H*D]``."""
+    return kvcodec.KVCache.load_safetensors(real_dump("license:GPL-3", 600)).to_lmcache()[:, :, :TOKENS].contiguous()
+
+
+def _serde(codec: str, **more) -> dict:
+    return {"type": "kvcodec", "codec": codec, "num_heads": H, **more}
+
+
+def _wait_until(what: str, cond, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def _through_l2(server: LMCacheServer, kv: torch.Tensor, stored: callable, *, bench: bool) -> torch.Tensor:
+    """LMCache's bench traffic (when ``bench``), then ``kv`` stored, L1 cleared once ``stored(n)`` says L2 holds
+    ``n`` objects, and retrieved: what came back."""
+    if bench:
+        report = server.bench(BENCH_SHAPE)["results"]
+        assert report["total_requests"] == 2 and report["checksum_ok"] == 2 and report["checksum_fail"] == 0, report
+    with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:
+        client.store(SEQ, kv)
+        _wait_until("the L2 store", lambda: stored(6 if bench else 2))  # the bench's 2 x 2 chunks and these 2
+        server.clear_l1()
+        assert client.lookup(SEQ) == TOKENS  # prefetched from L2 into L1
+        got, _ = client.retrieve(SEQ)
+    return got
+
+
+def _codec_round_trip(kv: torch.Tensor, codec: str, **options) -> torch.Tensor:
+    own = LMCacheChunkCodec(codec, num_heads=H, **options)
+    return torch.cat([own.decode(own.encode(kv[:, :, s:s + 256])) for s in range(0, TOKENS, 256)], 2).to(kv.dtype)
+
+
+def _fs_adapter(folder: Path, serde: dict) -> dict:
+    return {"type": "plugin", "module_path": MODULE, "class_name": "KVCodecFSL2Adapter",
+            "adapter_params": {"base_path": str(folder)}, "serde": serde}
+
+
+def _files(folder: Path) -> list[int]:
+    return sorted(p.stat().st_size for p in folder.glob("*.data"))
+
+
+@pytest.mark.parametrize("codec", ["raw", "cachegen"])
+def test_fs_adapter(codec, real_kv, tmp_path):
+    folder = tmp_path / "l2"
+    folder.mkdir()
+    with LMCacheServer(tmp_path, _fs_adapter(folder, _serde(codec))) as server:
+        got = _through_l2(server, real_kv, lambda n: len(_files(folder)) >= n, bench=codec == "raw")
+        sizes = _files(folder)
+        if codec == "raw":
+            assert torch.equal(got, real_kv)
+            chunk_bytes = real_kv[:, :, :256].numel() * 2
+            assert all(chunk_bytes < n < chunk_bytes + 4096 for n in sizes), sizes  # raw bytes plus the container
+        else:
+            assert torch.equal(got, _codec_round_trip(real_kv, codec))
+            assert 0 < float((got.float() - real_kv.float()).abs().max())  # lossy: it went through cachegen
+            assert max(sizes) < real_kv[:, :, :256].numel() * 2 / 4, sizes  # stored compressed, not padded
+        # a damaged object is a miss, never wrong KV: truncate every stored chunk, then ask again
+        for path in folder.glob("*.data"):
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        server.clear_l1()
+        with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:
+            assert client.lookup(SEQ, timeout_s=3) == 0
+        assert server.proc.poll() is None
+
+
+def test_fs_adapter_kvtc_calibrated_in_the_server(real_kv, smollm2_hf, tmp_path, monkeypatch):
+    """``codec: kvtc`` with the served model and no calibration installed: the server calibrates it when it builds
+    the serializer (a small calibration keeps this short), and the chunks come back as kvtc makes them."""
+    from kvcodec.codecs.kvtc import calibration as calmod
+
+    xdg, folder, model = tmp_path / "xdg", tmp_path / "l2", str(smollm2_hf)
+    folder.mkdir()
+    serde = _serde("kvtc", model=model,
+                   calibration_options={"max_tokens": 256, "segment_tokens": 128, "group_layers": 1})
+    with LMCacheServer(tmp_path, _fs_adapter(folder, serde), env={"XDG_CACHE_HOME": str(xdg)}) as server:
+        got = _through_l2(server, real_kv, lambda n: len(_files(folder)) >= n, bench=False)
+    assert list((xdg / "kvcodec" / "calibrations").glob("*.kvtc")), "the server installed no calibration"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))  # this process finds the server's calibration
+    monkeypatch.setattr(calmod, "_registered", {})
+    assert torch.equal(got, _codec_round_trip(real_kv, "kvtc", model=model))
+    assert 0 < float((got.float() - real_kv.float()).abs().max())
+
+
+@pytest.mark.parametrize("codec", ["raw", "cachegen"])
+def test_mooncake_tier_adapter(codec, real_kv, tmp_path):
+    master = master_class()(tmp_path)
+    master.start()
+    try:
+        url = f"mooncake://{master.address}?segment=256MiB&buffer=64MiB&admin={master.admin}"
+        adapter = {"type": "plugin", "module_path": MODULE, "class_name": "KVCodecTierL2Adapter",
+                   "adapter_params": {"url": url}, "serde": _serde(codec)}
+
+        def keys() -> list[str]:
+            with urllib.request.urlopen(f"http://{master.admin}/get_all_keys", timeout=5) as r:
+                return [k for k in r.read().decode().split() if k.startswith("kvcodec:lmcache@")]
+
+        with LMCacheServer(tmp_path, adapter) as server:
+            got = _through_l2(server, real_kv, lambda n: len(keys()) >= n, bench=codec == "raw")
+        expected = real_kv if codec == "raw" else _codec_round_trip(real_kv, codec)
+        assert torch.equal(got, expected)
+    finally:
+        master.kill()
+
+
+@pytest.mark.parametrize("params, why", [({}, "needs adapter_params"), ({"url": "memory://", "workers": 0}, "workers"),
+                                         ({"url": "memory://", "path": "/x"}, "unknown adapter_params"),
+                                         ({"url": "nosuch://x"}, "")])
+def test_tier_adapter_refuses_bad_params(params, why):
+    from kvcodec.engines.lmcache_server import KVCodecTierL2Adapter
+    from kvcodec.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=why):
+        KVCodecTierL2Adapter(params)
