@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--rates", default="10,100,1000,10000", help="Mbit/s, comma-separated (plus unshaped)")
     ap.add_argument("--drop-after", type=float, default=0.3, help="seconds into the request the link drops")
     ap.add_argument("--strategies", default=",".join(["recompute", *STRATEGIES]))
+    ap.add_argument("--keep", action="store_true", help="keep the other strategies' rows of the last run's JSON")
     args = ap.parse_args()
     why = unavailable()
     if why:
@@ -122,6 +123,11 @@ def main() -> None:
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
+    kept = []
+    if args.keep and OUT.with_suffix(".json").exists():
+        ran = {r["strategy"] for r in rows}
+        kept = [r for r in json.loads(OUT.with_suffix(".json").read_text()) if r["strategy"] not in ran]
+    rows = kept + rows
     OUT.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     rates = list(dict.fromkeys(r["rate"] for r in rows))
     names = list(dict.fromkeys(r["strategy"] for r in rows))
@@ -134,7 +140,9 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
              f"`python bench/vllm_link.py --tokens {args.tokens} --rates {args.rates}` on "
              f"{time.strftime('%Y-%m-%d')}: vLLM CPU 0.32.0, SmolLM2-135M-Instruct in float32, one engine per "
              "strategy, Redis in a network namespace behind tbf on a veth pair. Seconds to the first token (one "
-             "request after one unmeasured at the same rate); below each, MB moved and the variants loaded.", "",
+             "request after one unmeasured at the same rate); below each, MB moved and the variants loaded."
+             + (f" Rows of {', '.join(sorted({r['strategy'] for r in kept}))} are from the previous run (--keep)."
+                if kept else ""), "",
              "| strategy | " + " | ".join(label(r) for r in rates) + " |", "|---" * (len(rates) + 1) + "|"]
     for name in names:
         cells = []

@@ -298,6 +298,9 @@ def test_redis_tier_layout(redis_server):
     tier = RedisTier(port=redis_server.port)
     assert tier.put("kvc@m@01", b"payload") and tier.contains("kvc@m@01")
     assert tier.get("kvc@m@01") == b"payload" and tier.keys() == ["kvc@m@01"] and tier.size() == 7
+    assert tier.value_sizes(["kvc@m@01", "kvc@m@02"]) == [7, None]
+    assert tier.get_range("kvc@m@01", 2, 3) == b"ylo" and tier.get_range("kvc@m@01", 5, 10) == b"ad"
+    assert tier.get_range("kvc@m@02", 0, 3) is None
     raw = redis.Redis(port=redis_server.port)
     assert raw.get("kvcodec:kvc@m@01:data") == b"payload" and len(raw.get("kvcodec:kvc@m@01:meta")) == 28
     raw.set("kvcodec:kvc@m@01:data", b"payloaX")  # a payload that does not match its metadata is a miss

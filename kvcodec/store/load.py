@@ -7,6 +7,10 @@ engine's paged memory through :meth:`Codec.decode_layer_paged` (the codec's fuse
 kvfetcher's frame-wise restore), :class:`DenseSink` keeps tensors for a hook that wants them.  At most
 ``prefetch`` fetched chunks wait for the decoder, which bounds the memory a load holds.
 
+With several stored variants, a value large enough is read in pieces from a tier that can (``get_range``): when
+the pieces show the link has slowed so far that the rest of it would arrive well after all of another variant, the
+load abandons it for that variant (the rule of a video player abandoning a segment download).
+
 Layer ``l`` is *ready* (:meth:`PrefixLoad.wait_layer`) once every chunk's layer ``l`` is in: chunks are decoded
 in order and each chunk layer by layer, so an engine runs its first layers while the last chunk's later layers are
 still decoding.  Only tokens ``start .. end-1`` are written: a chunk reaching outside them (the engine already
@@ -44,6 +48,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFETCH = 2
+# A large value is read in pieces of this size, so that a load notices a slower link within one piece (0.4 s at
+# 20 Mbit/s) and can abandon the value for a smaller variant of the chunk...
+PIECE_BYTES = 1 << 20
+# ... when the rest of it would take this many times longer than all of that variant.
+ABANDON_RATIO = 1.5
 
 
 @dataclass
@@ -268,7 +277,10 @@ class PrefixLoad:
                         break
                     outcome.variant = pick.variant
                 t0 = time.perf_counter()
-                chunk = self.store.read_chunk(outcome.key, outcome.start, outcome.end)
+                if adaptive:
+                    chunk = self._read_or_switch(outcome, pick, options)
+                else:
+                    chunk = self.store.read_chunk(outcome.key, outcome.start, outcome.end)
                 outcome.fetch_s = time.perf_counter() - t0
                 if chunk is None:
                     outcome.status = "missing"
@@ -279,6 +291,36 @@ class PrefixLoad:
         except BaseException:  # noqa: BLE001 - the load ends here; the engine recomputes the rest
             log.warning("fetching a stored prefix failed", exc_info=True)
         self._put(None)
+
+    def _read_or_switch(self, outcome: ChunkOutcome, pick: Option, options: list[Option]) -> FetchedChunk | None:
+        """Read the chosen variant, in pieces where its tier can (a video player's abandonment rule): when the
+        pieces show that the rest of it would now arrive later than all of another variant, abandon it and read
+        that one instead."""
+        store, tokens, remaining = self.store, outcome.end - outcome.start, self.end - outcome.start
+        tier = store.tier(pick.tier)
+        if not tier.ranged_reads or pick.nbytes < 2 * PIECE_BYTES:
+            return store.read_chunk(outcome.key, outcome.start, outcome.end)
+        parts: list[bytes] = []
+        got = 0
+        while got < pick.nbytes:
+            t0 = time.perf_counter()
+            piece = store.call_tier(tier, "get_range", outcome.key, got, PIECE_BYTES)
+            seconds = time.perf_counter() - t0
+            if not piece:
+                return store.read_chunk(outcome.key, outcome.start, outcome.end)  # gone here: any tier holding it
+            store.links[tier.name].observe(len(piece), seconds)
+            parts.append(piece)
+            got += len(piece)
+            left_s = (pick.nbytes - got) * seconds / len(piece)
+            others = [o for o in options if o.variant != pick.variant]
+            switch = self.planner.choose(others, tokens, remaining) if others and got < pick.nbytes else None
+            if switch is not None and left_s > ABANDON_RATIO * self.planner.cost_s(switch, tokens):
+                log.info("abandoning variant %d of chunk %s after %d of %d bytes: the link slowed to %.1f MB/s",
+                         pick.variant, outcome.key, got, pick.nbytes, len(piece) / seconds / 1e6)
+                outcome.variant = switch.variant
+                return self._read_or_switch(outcome, switch, others)
+        chunk = store.accept(outcome.key, tier.name, b"".join(parts), outcome.start, outcome.end, evict=False)
+        return chunk if chunk is not None else store.read_chunk(outcome.key, outcome.start, outcome.end)
 
     def _decode(self) -> None:
         last = len(self.chunks) - 1

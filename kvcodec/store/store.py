@@ -356,24 +356,35 @@ class KVStore:
         """The chunk of tokens ``start .. end-1`` stored under ``key``, from the fastest tier that holds it intact
         (:meth:`check_chunk`); a bad value is evicted from its tier (:meth:`discard`) and the next tier is tried.
         A hit in a slower tier is promoted as the policy says.  None when no tier holds it intact."""
-        for i, tier in enumerate(self.tiers):
+        for tier in self.tiers:
             t0 = time.perf_counter()
             value = self.call_tier(tier, "get", key)
             if value is None:
                 continue
             self.links[tier.name].observe(len(value), time.perf_counter() - t0)
-            try:
-                chunk = self.check_chunk(key, value, end - start, tier.name, start)
-            except Exception as err:
-                self.discard(FetchedChunk(key, tier.name, start, end, b""), err)
-                continue
-            if self.policy.promote_on_hit and i > self.policy.promote_to:
-                if self.call_tier(self.tiers[self.policy.promote_to], "put", key, value, default=False):
-                    self._count("promoted")
-            self._count("hits")
-            return chunk
+            chunk = self.accept(key, tier.name, value, start, end)
+            if chunk is not None:
+                return chunk
         self._count("misses")
         return None
+
+    def accept(self, key: str, tier: str, value: bytes, start: int, end: int, *,
+               evict: bool = True) -> FetchedChunk | None:
+        """``value``, read from ``tier`` under ``key``, as the checked chunk of tokens ``start .. end-1``, promoted
+        as the policy says; None when it fails its check (and, with ``evict``, evicted when the value itself is
+        bad: not for a value read in pieces, which a concurrent rewrite can tear)."""
+        try:
+            chunk = self.check_chunk(key, value, end - start, tier, start)
+        except Exception as err:
+            if evict:
+                self.discard(FetchedChunk(key, tier, start, end, b""), err)
+            return None
+        index = [t.name for t in self.tiers].index(tier)
+        if self.policy.promote_on_hit and index > self.policy.promote_to:
+            if self.call_tier(self.tiers[self.policy.promote_to], "put", key, value, default=False):
+                self._count("promoted")
+        self._count("hits")
+        return chunk
 
     def fetch(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> list[FetchedChunk]:
         """The checked chunks of the stored prefix of ``token_ids``, as :meth:`read_chunk` reads them, up to the

@@ -61,6 +61,16 @@ class StorageTier:
         can: a load plans which variant of each chunk to fetch from them.  (This default reads the values.)"""
         return [None if (v := self.get(k)) is None else len(v) for k in keys]
 
+    # Tiers that can read part of a value say so: a load then reads a large value in pieces and can abandon it
+    # for a smaller variant when the link slows down under it.
+    ranged_reads = False
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        """Bytes ``offset .. offset+length-1`` of ``key``'s value (fewer at its end), None when not held.  Nothing
+        checks them: the caller checks the whole value it assembles."""
+        value = self.get(key)
+        return None if value is None else value[offset:offset + length]
+
     def delete(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -142,6 +152,12 @@ class MemoryTier(StorageTier):
     def value_sizes(self, keys: list[str]) -> list[int | None]:
         with self._lock:
             return [None if (v := self._items.get(k)) is None else self._nbytes(v) for k in keys]
+
+    ranged_reads = True
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        value = self.get(key)  # a memory tier's get is a reference (or one device copy), not a transfer
+        return None if value is None else value[offset:offset + length]
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -556,6 +572,21 @@ class RedisTier(StorageTier):
             return [n if held else None for n, held in zip(got[::2], got[1::2])]
 
         return self._call(ask, [None] * len(keys)) if keys else []
+
+    ranged_reads = True
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        payload, _ = self._k(key)
+        length = max(0, min(length, self.max_value_bytes - offset))
+
+        def read() -> list[Any]:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.exists(payload)
+            pipe.getrange(payload, offset, offset + length - 1)
+            return pipe.execute()
+
+        got = self._call(read, None) if length else None
+        return None if not got or not got[0] else bytes(got[1])
 
     def delete(self, key: str) -> bool:
         payload, meta = self._k(key)
