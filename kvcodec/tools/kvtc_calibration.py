@@ -6,6 +6,7 @@ what a decoder needs of a calibration (the file, its lookup); this half runs mod
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -230,13 +231,17 @@ def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_T
     moments = {kind: [Moments(sum(layers[i].heads * getattr(layers[i], dim) for i in members)) for members in groups]
                for kind, dim in (("keys", "key_dim"), ("values", "value_dim"))}
     taps = _AttentionTaps(blocks, nq)
+    # the decoder stack without its language-model head: the logits (a fifth of the work, and 400 MB a segment
+    # for SmolLM2's 49k-token vocabulary) are not needed
+    body = model.model
+    cache_arg = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
     try:
         for seg in (progress(segments, len(segments)) if progress else segments):
             # A cache without the model's config keeps every token of every layer (a sliding-window layer's own
             # cache keeps only its window): the keys and values do not depend on it, and windowed layers then
             # give as many feature rows as the others.
             cache = DynamicCache()
-            out = model(torch.tensor([seg]), use_cache=True, output_hidden_states=True, **loaded._cache_arg(cache))
+            out = body(torch.tensor([seg]), use_cache=True, output_hidden_states=True, **{cache_arg: cache})
             kv = KVCache.from_hf(cache)
             n = len(seg)
             rows: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}
