@@ -8,7 +8,7 @@ The default grouping rule (``default_groups``: the fewest groups of consecutive 
 distinct width is measured once, in a process of its own (its peak resident memory is the group's), and a
 shape's totals are that cost times its groups, for keys and values.  Features are synthetic: Gaussian rows with
 a power-law spectrum whose floor (the truncation) keeps the fraction ``--kept`` of the components (SmolLM2's
-real default calibration keeps about 0.6 of each group; 0.1 shows the randomized solver).  The moments are
+real calibration keeps 0.5-0.65 of each group; 0.1 shows the randomized solver).  The moments are
 measured on 4096 rows and scaled to ``--tokens`` (SmolLM2's default calibration text is 14,468 tokens).  The
 70B-class row (80 layers of 8 × 128) is extrapolated from the 8B-class group, which has the same width.
 Writes bench/results/kvtc_fit.md.

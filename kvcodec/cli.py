@@ -618,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tokens", type=int, default=None, help="at most this many calibration tokens (default: all)")
     sp.add_argument("--group-layers", type=int, default=None,
                     help="layers per PCA basis (default: the fewest groups of consecutive layers of one kind with at "
-                         "most 4096 features each)")
+                         "most 6144 features each)")
     sp.add_argument("--install", action="store_true", help="also install it in the cache folder as its model's calibration")
     sp.add_argument("-o", "--output", required=True, help="output calibration file")
 

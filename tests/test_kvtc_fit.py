@@ -14,7 +14,7 @@ from kvcodec.codecs.kvtc import Calibration
 from kvcodec.codecs.kvtc.calibration import LayerInfo
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.tools import kvtc_eigen
-from kvcodec.tools.kvtc_calibration import MAX_GROUP_FEATURES, Statistics, default_groups, fit_calibration
+from kvcodec.tools.kvtc_calibration import Statistics, default_groups, fit_calibration
 from kvcodec.tools.kvtc_eigen import components_above, leading_eigenpairs
 from kvcodec.tools.kvtc_moments import Moments
 
@@ -82,20 +82,20 @@ def test_randomized_fit_matches_the_exact_leading_components(monkeypatch):
 def test_grouping_rule_bounds_the_features_per_group():
     """The fewest groups of consecutive layers with at most MAX_GROUP_FEATURES features, sizes within one."""
     llama8b = [LayerInfo(8, 128, 128, None)] * 32
-    assert default_groups(llama8b, None) == [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    assert [len(g) for g in default_groups(llama8b, None)] == [6, 6, 5, 5, 5, 5]
+    assert sum(default_groups(llama8b, None), []) == list(range(32))
     smol = [LayerInfo(3, 64, 64, None)] * 30
-    assert default_groups(smol, None) == [list(range(15)), list(range(15, 30))]
-    assert default_groups(smol, None, max_features=6144) == [list(range(30))]
+    assert default_groups(smol, None) == [list(range(30))]
+    assert default_groups(smol, None, max_features=4096) == [list(range(15)), list(range(15, 30))]
     assert default_groups(smol, 7) == [list(range(i, min(i + 7, 30))) for i in range(0, 30, 7)]
     odd = [LayerInfo(3, 500, 500, None)] * 5  # 1500 features a layer: two fit under 4096, three do not
-    assert [len(g) for g in default_groups(odd, None)] == [2, 2, 1]
+    assert [len(g) for g in default_groups(odd, None, max_features=4096)] == [2, 2, 1]
     windowed = [i % 3 != 2 for i in range(9)]
     assert default_groups([LayerInfo(1, 256, 256, None)] * 9, None, windowed) == [[0, 1, 3, 4, 6, 7], [2, 5, 8]]
     with pytest.raises(InvalidInputError, match="over the group limit"):
-        default_groups([LayerInfo(40, 128, 128, None)], None)
+        default_groups([LayerInfo(64, 128, 128, None)], None)
     with pytest.raises(InvalidInputError, match="group_layers"):
         default_groups(smol, 0)
-    assert all(len(g) * 1024 <= MAX_GROUP_FEATURES for g in default_groups(llama8b, None))
 
 
 def _rows(layers: int, width: int, n: int, seed: int) -> list[torch.Tensor]:

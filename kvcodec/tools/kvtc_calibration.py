@@ -32,10 +32,13 @@ SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
 # smaller std is never coded then); a codec asking for a smaller min_std codes all the file holds.
 TRUNCATE_FRACTION = DEFAULT_MIN_STD
 # The layer-grouping rule: the layers of a kind are split into the fewest groups of consecutive layers (of sizes
-# differing by at most one) whose features are at most this wide.  A group's covariance is then at most 134 MB
-# (float64) and its eigendecomposition seconds, and a basis at most 4096² float16 values per K/V: a calibration
-# is at most (KV width per token) × 4096 × 4 bytes, 3.3% of Llama-3-8B's fp16 weights (see bench/kvtc_fit.py).
-MAX_GROUP_FEATURES = 4096
+# differing by at most one) whose features are at most this wide.  A group's covariance is then at most 302 MB
+# (float64) and a basis at most 6144² float16 values per K/V: Llama-3-8B (32 layers of 8 × 128) gets groups of
+# 6, 6, 5, 5, 5, 5 layers and a calibration of at most 722 MB, 4.5% of its fp16 weights, with every component
+# kept.  SmolLM2 (5,760 features) and Gemma 3 270M keep one basis per kind: measured on SmolLM2, splitting it in
+# two groups of 15 layers (a 4096 limit) cost 11% more bits and missed the default level's targets
+# (bench/results/kvtc_grouping.md).
+MAX_GROUP_FEATURES = 6144
 WEIGHT_FLOOR = 1e-3
 
 
