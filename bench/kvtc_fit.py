@@ -10,8 +10,10 @@ shape's totals are that cost times its groups, for keys and values.  Features ar
 a power-law spectrum whose floor (the truncation) keeps the fraction ``--kept`` of the components (SmolLM2's
 real calibration keeps 0.5-0.65 of each group; 0.1 shows the randomized solver).  The moments are
 measured on 4096 rows and scaled to ``--tokens`` (SmolLM2's default calibration text is 14,468 tokens).  The
-70B-class row (80 layers of 8 × 128) is extrapolated from the 8B-class group, which has the same width.
-Writes bench/results/kvtc_fit.md.
+70B-class row (80 layers of 8 × 128) is extrapolated from the 8B-class groups, which have the same widths.
+Each measurement is also appended to bench/results/kvtc_fit.jsonl; ``--reuse`` takes those already there (same
+width, kept fraction and device) instead of measuring them again, so a run cut short on a busy machine can be
+resumed.  Writes bench/results/kvtc_fit.md.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def main() -> None:
                    help="fractions of each group's components kept (the second and later: 8B-class width only)")
     p.add_argument("--tokens", type=int, default=14468, help="calibration tokens the moments are scaled to")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--reuse", action="store_true", help="take measurements already in kvtc_fit.jsonl")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: measure one width
     args = p.parse_args()
     if args.one:
@@ -102,20 +105,33 @@ def main() -> None:
     load = os.getloadavg()[0]
     shapes = {name: (spec, shape_groups(*spec[:3], spec[4])) for name, spec in SHAPES.items()}
     widths = sorted({len(members) * spec[1] * spec[2] for spec, groups in shapes.values() for members in groups})
-    runs = [(w, args.kept[0]) for w in widths] + [(MAX_GROUP_FEATURES, k) for k in args.kept[1:]]
+    wide = sorted({len(members) * 8 * 128 for members in shapes["Llama-3-8B (synthetic)"][1]})
+    runs = [(w, args.kept[0]) for w in widths] + [(w, k) for k in args.kept[1:] for w in wide]
+    log = RESULTS / "kvtc_fit.jsonl"
     measured = {}
+    if args.reuse and log.exists():
+        for line in log.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("device", "cpu") == args.device:
+                measured[r["width"], r["kept_asked"]] = r
+    RESULTS.mkdir(exist_ok=True)
     for width, kept in runs:
+        if (width, kept) in measured:
+            continue
         out = subprocess.run([sys.executable, __file__, "--one", str(width), "--kept", str(kept), "--device", args.device],
                              check=True, capture_output=True, text=True).stdout
-        measured[width, kept] = json.loads(out.strip().splitlines()[-1])
+        measured[width, kept] = json.loads(out.strip().splitlines()[-1]) | {"kept_asked": kept, "device": args.device}
+        with log.open("a") as f:
+            f.write(json.dumps(measured[width, kept]) + "\n")
         print(measured[width, kept], flush=True)
     lines = [f"# kvtc calibration cost against KV width ({args.device})", "",
              f"Default grouping: the fewest groups of consecutive layers of one kind with at most {MAX_GROUP_FEATURES} "
              f"features. Moments scaled to {args.tokens} calibration tokens; time and CPU time are for keys and values "
              "of every group (one group of each width measured, in its own process); peak RSS is that process's "
              "(the torch runtime included), moments MB what all groups' float64 moments hold while the model runs. "
-             "Calibration MB: the fp16 bases at the kept fraction (means, weights, variances add under 0.1%).", "",
-             "| model shape | KV width / token | groups (width) | kept | solver | moments s (CPU s) | fit s (CPU s) "
+             "Calibration MB: the fp16 bases of the components kept (the sample spectrum keeps a little less than "
+             "asked; means, weights, variances add under 0.1%).", "",
+             "| model shape | K+V width / token | groups (width) | kept (asked) | solver | moments s (CPU s) | fit s (CPU s) "
              "| peak RSS MB (one group) | moments MB (all groups) | calibration MB | % of fp16 model |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for kept in args.kept:
@@ -123,7 +139,7 @@ def main() -> None:
             if kept != args.kept[0] and not (heads, dim) == (8, 128):
                 continue
             gw = [len(members) * heads * dim for members in groups]
-            rows = [measured[w, kept if (w, kept) in measured else args.kept[0]] for w in gw]
+            rows = [measured[w, kept] for w in gw]
             moments_s = 2 * sum(r["moments_s_per_row"] for r in rows) * args.tokens
             moments_cpu = 2 * sum(r["moments_cpu_per_row"] for r in rows) * args.tokens
             fit_s, fit_cpu = 2 * sum(r["fit_s"] for r in rows), 2 * sum(r["fit_cpu"] for r in rows)
