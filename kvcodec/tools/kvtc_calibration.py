@@ -67,7 +67,8 @@ def default_groups(layers: Sequence[LayerInfo], group_layers: int | None, window
                    max_features: int = MAX_GROUP_FEATURES) -> list[list[int]]:
     """The layers of each kind (shape, rotary, sliding window or not) in order, at most ``group_layers`` per group;
     None: the fewest groups of consecutive layers, of sizes differing by at most one, whose key and value features
-    are each at most ``max_features`` wide (all layers of a kind when they fit)."""
+    are each at most ``max_features`` wide (all layers of a kind when they fit; one layer per group when a layer
+    alone is wider)."""
     def kind(i: int) -> tuple:
         l = layers[i]
         return (l.heads, l.key_dim, l.value_dim, None if l.rotary is None else l.rotary.inv_freq.tobytes(),
@@ -85,9 +86,9 @@ def default_groups(layers: Sequence[LayerInfo], group_layers: int | None, window
             continue
         l = layers[members[0]]
         per_layer = l.heads * max(l.key_dim, l.value_dim)
-        if per_layer > max_features:
-            raise InvalidInputError(f"one layer has {per_layer} features, over the group limit of {max_features}")
-        n = -(-len(members) // (max_features // per_layer))  # the fewest groups
+        # the fewest groups; a layer wider than the limit on its own (a large model without grouped queries) is
+        # its own group, the finest the format has
+        n = -(-len(members) // max(1, max_features // per_layer))
         size, extra = divmod(len(members), n)
         starts = [j * size + min(j, extra) for j in range(n + 1)]
         groups += [members[a:b] for a, b in zip(starts, starts[1:])]
