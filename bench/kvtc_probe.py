@@ -2,7 +2,7 @@
 
     python bench/kvtc_probe.py [--text license:GPL-3] [--tokens 1024] [--continuation 256] [--max-tokens 8192]
 
-Collects calibration features once (kvcodec.tools.kvtc_calibration.DEFAULT_CALIBRATION_TEXTS, none of them an
+Collects calibration statistics once (all layers pooled) (kvcodec.tools.kvtc_calibration.DEFAULT_CALIBRATION_TEXTS, none of them an
 evaluation text), fits each grouping from them, and evaluates each at a few (key step, value step) pairs on the
 evaluation text: bits per element (every container byte counted; the calibration file is not in the
 container, its basis size is its own column), perplexity change when the model continues from the decoded
@@ -20,16 +20,17 @@ from pathlib import Path
 
 from kvcodec.codecs.kvtc import KVTC
 from kvcodec.codecs.kvtc import codec as kvtc_codec
-from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_features
+from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
 from kvcodec.tools.evaluate import evaluate, prepare
 from kvcodec.tools.models import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGS = [("all layers, weighted", dict(group_layers=None)), ("groups of 10, weighted", dict(group_layers=10)),
+ALL = 30  # SmolLM2's layers
+CONFIGS = [("all layers, weighted", dict(group_layers=ALL)), ("groups of 10, weighted", dict(group_layers=10)),
            ("groups of 5, weighted", dict(group_layers=5)),
            ("per layer, keys unweighted", dict(group_layers=1, weight_keys=False)),
-           ("all layers, keys unweighted", dict(group_layers=None, weight_keys=False))]
+           ("all layers, keys unweighted", dict(group_layers=ALL, weight_keys=False))]
 STEPS = [(0.2, 0.6), (0.1, 0.4)]  # (key step, value step) in the weighted domain
 PROBE_LEVEL = 100  # a level number outside the codec's table, set per measurement
 
@@ -43,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
     model = load_model("smollm2")
     t0 = time.time()
-    feats = collect_features(model, max_tokens=args.max_tokens)
+    feats = collect_statistics(model, group_layers=ALL, max_tokens=args.max_tokens)
     case = prepare(model, args.text, args.tokens, args.continuation)
     lines = [f"# kvtc design measurements ({model.model_id})", "",
              f"Calibration: {feats.settings['tokens']} tokens of {', '.join(DEFAULT_CALIBRATION_TEXTS)}. Evaluation: "
@@ -55,7 +56,7 @@ def main() -> None:
     cache.mkdir(parents=True, exist_ok=True)
     for label, options in CONFIGS:
         t = time.time()
-        cal = calibrate(model, features=feats, finest_steps=(0.05, 0.2), **options)
+        cal = calibrate(model, statistics=feats, finest_steps=(0.05, 0.2), **options)
         fit_s = time.time() - t
         cal.save(cache / f"probe-{label.replace(' ', '').replace(',', '-')}.kvtc")
         comps = f"{sum(b.components for b in cal.keys)} / {sum(b.components for b in cal.values)}"

@@ -413,17 +413,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvcodec.codecs.kvtc import install
-    from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_features
+    from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
     from kvcodec.tools.models import load_model
 
     model = load_model(args.model, progress=not args.quiet)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
-    features = collect_features(model, texts, max_tokens=args.tokens,
-                                progress=_progress(args, "calibrate: run the model", unit="segment"))
-    if not args.quiet:  # the fit has no steps to count and takes minutes
-        print(f"calibrate: fitting the PCA bases of {features.settings['tokens']} tokens "
-              "(several minutes on 2 cores for an all-layer basis)", file=sys.stderr)
-    cal = calibrate(model, texts, group_layers=args.group_layers, features=features)
+    stats = collect_statistics(model, texts, group_layers=args.group_layers, max_tokens=args.tokens,
+                               progress=_progress(args, "calibrate: run the model", unit="segment"))
+    if not args.quiet:  # the fit has no steps to count
+        print(f"calibrate: fitting the PCA bases of {len(stats.groups)} layer group(s) from "
+              f"{stats.settings['tokens']} tokens", file=sys.stderr)
+    cal = calibrate(model, texts, group_layers=args.group_layers, statistics=stats)
     digest = cal.save(args.output)
     installed = install(cal) if args.install else None
     obj = {"output": args.output, "sha256": digest, "model": cal.model, "groups": len(cal.groups),
@@ -603,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=texts_help + " (repeatable; default: four licenses kvcodec eval does not use)")
     sp.add_argument("--tokens", type=int, default=None, help="at most this many calibration tokens (default: all)")
     sp.add_argument("--group-layers", type=int, default=None,
-                    help="layers per PCA basis (default: all layers of one kind in one basis)")
+                    help="layers per PCA basis (default: the fewest groups of consecutive layers of one kind with at "
+                         "most 6144 features each)")
     sp.add_argument("--install", action="store_true", help="also install it in the cache folder as its model's calibration")
     sp.add_argument("-o", "--output", required=True, help="output calibration file")
 

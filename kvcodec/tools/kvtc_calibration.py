@@ -6,6 +6,7 @@ what a decoder needs of a calibration (the file, its lookup); this half runs mod
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -15,9 +16,11 @@ import torch
 from kvcodec.cache import KVCache
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, LayerInfo, cache_dir, calibration_for_model,
                                              install, register_calibration)
-from kvcodec.codecs.kvtc.levels import LEVELS
+from kvcodec.codecs.kvtc.levels import DEFAULT_MIN_STD, LEVELS
 from kvcodec.codecs.kvtc.rope import Rotary
 from kvcodec.errors import InvalidInputError
+from kvcodec.tools.kvtc_eigen import leading_eigenpairs
+from kvcodec.tools.kvtc_moments import Moments
 from kvcodec.tools.texts import load_text
 
 # Calibration texts: every machine has them, and none is one of the default evaluation texts
@@ -25,9 +28,17 @@ from kvcodec.tools.texts import load_text
 DEFAULT_CALIBRATION_TEXTS = ("license:GFDL-1.3", "license:LGPL-2.1", "license:Apache-2.0", "license:Artistic")
 SEGMENT_TOKENS = 2048
 SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
-# A component whose std is below this fraction of the finest step rounds to zero at every level
-# (|c| >= step/2 needs a 3.3-sigma excursion), so the basis drops it.
-TRUNCATE_FRACTION = 0.15
+# The basis keeps the components the codec codes at its finest level with its default min_std (a component with a
+# smaller std is never coded then); a codec asking for a smaller min_std codes all the file holds.
+TRUNCATE_FRACTION = DEFAULT_MIN_STD
+# The layer-grouping rule: the layers of a kind are split into the fewest groups of consecutive layers (of sizes
+# differing by at most one) whose features are at most this wide.  A group's covariance is then at most 302 MB
+# (float64) and a basis at most 6144² float16 values per K/V: Llama-3-8B (32 layers of 8 × 128) gets groups of
+# 6, 6, 5, 5, 5, 5 layers and a calibration of at most 722 MB, 4.5% of its fp16 weights, with every component
+# kept.  SmolLM2 (5,760 features) and Gemma 3 270M keep one basis per kind: measured on SmolLM2, splitting it in
+# two groups of 15 layers (a 4096 limit) cost 11% more bits and missed the default level's targets
+# (bench/results/kvtc_grouping.md).
+MAX_GROUP_FEATURES = 6144
 WEIGHT_FLOOR = 1e-3
 
 
@@ -52,35 +63,87 @@ def model_layers(model: Any) -> list[LayerInfo]:
     return out
 
 
-def default_groups(layers: Sequence[LayerInfo], group_layers: int | None, window_layers: Sequence[bool] = ()) -> list[list[int]]:
-    """The layers of each kind (shape, rotary, sliding window or not) in order, at most ``group_layers`` per group
-    (None: as many as there are)."""
+def default_groups(layers: Sequence[LayerInfo], group_layers: int | None, window_layers: Sequence[bool] = (),
+                   max_features: int = MAX_GROUP_FEATURES) -> list[list[int]]:
+    """The layers of each kind (shape, rotary, sliding window or not) in order, at most ``group_layers`` per group;
+    None: the fewest groups of consecutive layers, of sizes differing by at most one, whose key and value features
+    are each at most ``max_features`` wide (all layers of a kind when they fit; one layer per group when a layer
+    alone is wider)."""
     def kind(i: int) -> tuple:
         l = layers[i]
         return (l.heads, l.key_dim, l.value_dim, None if l.rotary is None else l.rotary.inv_freq.tobytes(),
                 window_layers[i] if i < len(window_layers) else False)
 
+    if group_layers is not None and (not isinstance(group_layers, int) or group_layers < 1):
+        raise InvalidInputError(f"group_layers must be a positive integer or None, not {group_layers!r}")
     kinds: dict[tuple, list[int]] = {}
     for i in range(len(layers)):
         kinds.setdefault(kind(i), []).append(i)
-    size = group_layers or len(layers)
-    groups = [members[j:j + size] for members in kinds.values() for j in range(0, len(members), size)]
+    groups = []
+    for members in kinds.values():
+        if group_layers is not None:
+            groups += [members[j:j + group_layers] for j in range(0, len(members), group_layers)]
+            continue
+        l = layers[members[0]]
+        per_layer = l.heads * max(l.key_dim, l.value_dim)
+        # the fewest groups; a layer wider than the limit on its own (a large model without grouped queries) is
+        # its own group, the finest the format has
+        n = -(-len(members) // max(1, max_features // per_layer))
+        size, extra = divmod(len(members), n)
+        starts = [j * size + min(j, extra) for j in range(n + 1)]
+        groups += [members[a:b] for a, b in zip(starts, starts[1:])]
     return sorted(groups)
 
 
 @dataclass
-class Features:
-    """What a model run over calibration text yields, before any grouping: per layer the feature rows of the
-    keys (rotary embedding undone) and values ``[N, H * D]``, and the channel weights ``[H * D]``."""
+class Statistics:
+    """What a model run over calibration text yields: per layer group the streamed moments of the keys' (rotary
+    embedding undone) and the values' feature rows, and per layer the channel weights ``[H * D]``."""
 
     model: str
     layers: list[LayerInfo]
     windowed: list[bool]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    groups: list[list[int]]
+    keys: list[Moments]
+    values: list[Moments]
     key_weights: list[torch.Tensor]
     value_weights: list[torch.Tensor]
     settings: dict[str, Any]
+
+    def regroup(self, groups: list[list[int]]) -> Statistics:
+        """These statistics for other groups, each within one of these (a block of its moments)."""
+        if groups == self.groups:
+            return self
+        where = {l: (g, j) for g, members in enumerate(self.groups) for j, l in enumerate(members)}
+        keys, values = [], []
+        for members in groups:
+            owners = {where[l][0] for l in members}
+            if len(owners) != 1:
+                raise InvalidInputError(f"layers {members} were not collected in one group: collect the statistics "
+                                        "with a coarser grouping")
+            g = owners.pop()
+            for kind, out in (("keys", keys), ("values", values)):
+                dim = "key_dim" if kind == "keys" else "value_dim"
+                offsets = [0]
+                for l in self.groups[g]:
+                    offsets.append(offsets[-1] + self.layers[l].heads * getattr(self.layers[l], dim))
+                cols = [c for l in members for c in range(offsets[where[l][1]], offsets[where[l][1] + 1])]
+                out.append(getattr(self, kind)[g].select(cols))
+        return Statistics(self.model, self.layers, self.windowed, groups, keys, values, self.key_weights,
+                          self.value_weights, self.settings)
+
+    @classmethod
+    def from_rows(cls, model: str, layers: list[LayerInfo], groups: list[list[int]], keys_pre: list[torch.Tensor],
+                  values: list[torch.Tensor], key_weights: list[torch.Tensor], value_weights: list[torch.Tensor],
+                  settings: dict[str, Any] | None = None) -> Statistics:
+        """The statistics of per-layer feature rows ``[N, H * D]`` already in memory (keys rotated back)."""
+        stats = cls(model, layers, [False] * len(layers), groups, [], [], key_weights, value_weights, settings or {})
+        for members in groups:
+            for rows, out in ((keys_pre, stats.keys), (values, stats.values)):
+                m = Moments(sum(rows[i].shape[1] for i in members))
+                m.add(torch.cat([rows[i] for i in members], 1))
+                out.append(m)
+        return stats
 
 
 class _AttentionTaps:
@@ -135,13 +198,14 @@ class _AttentionTaps:
 
 
 @torch.no_grad()
-def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *,
-                     segment_tokens: int = SEGMENT_TOKENS, max_tokens: int | None = None, undo_rope: bool = True,
-                     progress: Any = None) -> Features:
+def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *,
+                       group_layers: int | None = None, segment_tokens: int = SEGMENT_TOKENS,
+                       max_tokens: int | None = None, undo_rope: bool = True, progress: Any = None) -> Statistics:
     """Run ``loaded`` (a :class:`kvcodec.tools.models.LoadedModel`) over ``texts`` (specs for
-    :func:`kvcodec.tools.texts.load_text`) in segments of ``segment_tokens`` and gather the calibration features."""
+    :func:`kvcodec.tools.texts.load_text`) in segments of ``segment_tokens`` and accumulate the calibration
+    statistics of the groups ``group_layers`` gives (see :func:`default_groups`).  Memory: the model, one segment's
+    activations, and the groups' moments (``8·(F² + 2F)`` bytes per group and K/V, F its width)."""
     from transformers import DynamicCache
-
 
     model = loaded.model
     cfg = model.config
@@ -150,6 +214,7 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
         layers = [LayerInfo(l.heads, l.key_dim, l.value_dim, None) for l in layers]
     layer_types = getattr(cfg, "layer_types", None) or []
     windowed = [t == "sliding_attention" for t in layer_types]
+    groups = default_groups(layers, group_layers, windowed)
     nq = cfg.num_attention_heads
     blocks = model.model.layers
     if not all(hasattr(b, "self_attn") and hasattr(b.self_attn, "q_proj") and hasattr(b.self_attn, "o_proj") for b in blocks):
@@ -167,18 +232,23 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
     q_energy = [torch.zeros(l.heads, l.key_dim, dtype=torch.float64) for l in layers]
     resid_sq = torch.zeros(len(layers), dtype=torch.float64)
     counted = 0
-    keys_pre: list[list[torch.Tensor]] = [[] for _ in layers]
-    values: list[list[torch.Tensor]] = [[] for _ in layers]
+    moments = {kind: [Moments(sum(layers[i].heads * getattr(layers[i], dim) for i in members)) for members in groups]
+               for kind, dim in (("keys", "key_dim"), ("values", "value_dim"))}
     taps = _AttentionTaps(blocks, nq)
+    # the decoder stack without its language-model head: the logits (a fifth of the work, and 400 MB a segment
+    # for SmolLM2's 49k-token vocabulary) are not needed
+    body = model.model
+    cache_arg = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
     try:
         for seg in (progress(segments, len(segments)) if progress else segments):
             # A cache without the model's config keeps every token of every layer (a sliding-window layer's own
             # cache keeps only its window): the keys and values do not depend on it, and windowed layers then
             # give as many feature rows as the others.
             cache = DynamicCache()
-            out = model(torch.tensor([seg]), use_cache=True, output_hidden_states=True, **loaded._cache_arg(cache))
+            out = body(torch.tensor([seg]), use_cache=True, output_hidden_states=True, **{cache_arg: cache})
             kv = KVCache.from_hf(cache)
             n = len(seg)
+            rows: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}
             for i, l in enumerate(layers):
                 qd = taps.queries[i][SINK_TOKENS:].double().pow(2).sum(0)
                 q_energy[i] += qd.reshape(l.heads, nq // l.heads, l.key_dim).sum(1)
@@ -189,8 +259,12 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
                 if l.rotary is not None:
                     k = l.rotary.rotate(k, pos, inverse=True)
                 keep = pos >= SINK_TOKENS
-                keys_pre[i].append(k[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
-                values[i].append(v[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
+                rows["keys"].append(k[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
+                rows["values"].append(v[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
+            del out, kv, cache
+            for kind, per_layer in rows.items():
+                for members, m in zip(groups, moments[kind]):
+                    m.add(torch.cat([per_layer[i] for i in members], 1))
             counted += n - SINK_TOKENS
     finally:
         taps.remove()
@@ -208,8 +282,8 @@ def collect_features(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEX
         value_weights.append(_floored((col / math.sqrt(resid_sq[i] / counted)).reshape(-1)))
     settings = {"texts": list(texts), "segment_tokens": segment_tokens, "tokens": counted, "undo_rope": undo_rope,
                 "window": getattr(cfg, "sliding_window", None)}
-    return Features(loaded.model_id, layers, windowed, [torch.cat(f) for f in keys_pre], [torch.cat(f) for f in values],
-                    key_weights, value_weights, settings)
+    return Statistics(loaded.model_id, layers, windowed, groups, moments["keys"], moments["values"], key_weights,
+                      value_weights, settings)
 
 
 def _floored(weight: torch.Tensor) -> torch.Tensor:
@@ -222,21 +296,22 @@ def _floored(weight: torch.Tensor) -> torch.Tensor:
 def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, group_layers: int | None = None,
               finest_steps: tuple[float, float] | None = None, segment_tokens: int = SEGMENT_TOKENS,
               max_tokens: int | None = None, undo_rope: bool = True, weight_keys: bool = True,
-              weight_values: bool = True, progress: Any = None, features: Features | None = None) -> Calibration:
-    """Compute a calibration of ``loaded`` from ``texts`` (see :func:`collect_features`, or pass ``features``
-    already collected).
+              weight_values: bool = True, progress: Any = None, statistics: Statistics | None = None) -> Calibration:
+    """Compute a calibration of ``loaded`` from ``texts`` (see :func:`collect_statistics`, or pass ``statistics``
+    already collected with the same or a coarser grouping).
 
-    ``group_layers`` pools that many consecutive layers per basis (None: all layers of a kind).  ``undo_rope``,
-    ``weight_keys`` and ``weight_values`` switch off the design's parts, for measuring what each is worth.
+    ``group_layers`` pools that many consecutive layers per basis (None: :func:`default_groups`' rule).
+    ``undo_rope``, ``weight_keys`` and ``weight_values`` switch off the design's parts, for measuring what each
+    is worth.
     """
-    f = features or collect_features(loaded, texts, segment_tokens=segment_tokens, max_tokens=max_tokens,
-                                     undo_rope=undo_rope, progress=progress)
-    groups = default_groups(f.layers, group_layers, f.windowed)
-    key_weights = f.key_weights if weight_keys else _flat(f.key_weights, groups)  # one weight per group
-    value_weights = f.value_weights if weight_values else _flat(f.value_weights, groups)
-    settings = f.settings | {"group_layers": group_layers, "weight_keys": weight_keys, "weight_values": weight_values}
-    return fit_calibration(f.model, f.layers, groups, f.keys, f.values, key_weights, value_weights, finest_steps,
-                           settings)
+    stats = statistics or collect_statistics(loaded, texts, group_layers=group_layers, segment_tokens=segment_tokens,
+                                             max_tokens=max_tokens, undo_rope=undo_rope, progress=progress)
+    stats = stats.regroup(default_groups(stats.layers, group_layers, stats.windowed))
+    key_weights = stats.key_weights if weight_keys else _flat(stats.key_weights, stats.groups)  # one per group
+    value_weights = stats.value_weights if weight_values else _flat(stats.value_weights, stats.groups)
+    settings = stats.settings | {"group_layers": group_layers, "weight_keys": weight_keys,
+                                 "weight_values": weight_values}
+    return fit(stats, finest_steps, settings, key_weights, value_weights)
 
 
 def _flat(weights: list[torch.Tensor], groups: list[list[int]]) -> list[torch.Tensor]:
@@ -253,30 +328,36 @@ def fit_calibration(model: str, layers: list[LayerInfo], groups: list[list[int]]
                     finest_steps: tuple[float, float] | None = None, settings: dict[str, Any] | None = None) -> Calibration:
     """The PCA bases of each group from per-layer feature rows ``[N, H * D]`` (keys already rotated back to
     position 0) and per-layer channel weights ``[H * D]``."""
+    stats = Statistics.from_rows(model, layers, groups, keys_pre, values, key_weights, value_weights, settings)
+    return fit(stats, finest_steps, settings)
+
+
+def fit(stats: Statistics, finest_steps: tuple[float, float] | None = None, settings: dict[str, Any] | None = None,
+        key_weights: list[torch.Tensor] | None = None, value_weights: list[torch.Tensor] | None = None) -> Calibration:
+    """The PCA bases of each group of ``stats`` (weighted by its weights, or those given): per group and K/V the
+    components whose std is at least ``TRUNCATE_FRACTION`` times the finest step (default: the finest level's)."""
     if finest_steps is None:
         finest_steps = (min(k for k, _ in LEVELS.values()), min(v for _, v in LEVELS.values()))
+    floors = (TRUNCATE_FRACTION * finest_steps[0], TRUNCATE_FRACTION * finest_steps[1])
     kb, vb = [], []
-    for members in groups:
-        for feats, weights, bases, finest in ((keys_pre, key_weights, kb, finest_steps[0]),
-                                              (values, value_weights, vb, finest_steps[1])):
+    for g, members in enumerate(stats.groups):
+        for moments, weights, bases, floor in ((stats.keys, key_weights or stats.key_weights, kb, floors[0]),
+                                               (stats.values, value_weights or stats.value_weights, vb, floors[1])):
             w = torch.cat([weights[i].reshape(-1) for i in members]).double()
-            x = torch.cat([feats[i] for i in members], 1).double()
-            bases.append(_basis(x, w, TRUNCATE_FRACTION * finest))
-    return Calibration(model, layers, groups, kb, vb, settings or {})
+            bases.append(_basis(moments[g], w, floor))
+    return Calibration(stats.model, stats.layers, stats.groups, kb, vb,
+                       (settings if settings is not None else stats.settings) | {"floor_std": list(floors)})
 
 
-def _basis(x: torch.Tensor, w: torch.Tensor, min_std: float) -> GroupBasis:
-    """PCA of the weighted rows of ``x`` ``[N, F]`` (float64), components with std >= ``min_std``."""
-    mean = x.mean(0)
-    xw = (x - mean) * w
-    cov = (xw.T @ xw) / max(x.shape[0] - 1, 1)
-    var, vec = torch.linalg.eigh(cov)
-    var, vec = var.flip(0).clamp_min(0), vec.flip(1)
+def _basis(moments: Moments, w: torch.Tensor, min_std: float) -> GroupBasis:
+    """PCA of the weighted feature rows, components with std >= ``min_std``."""
+    cov = moments.covariance(w)
+    var, vec, _ = leading_eigenpairs(cov, min_std ** 2)
+    del cov
     # a deterministic sign: each component's largest entry positive
     sign = torch.sign(vec.gather(0, vec.abs().argmax(0, keepdim=True)))
     vec = vec * torch.where(sign == 0, 1.0, sign)
-    keep = max(1, int((var.sqrt() >= min_std).sum()))
-    return GroupBasis(mean.float(), w.float(), vec[:, :keep].half(), var[:keep].float())
+    return GroupBasis(moments.mean.float(), w.float(), vec.half(), var.float())
 
 
 def ensure_calibration(loaded: Any, log: Any = None, **options: Any) -> Calibration:

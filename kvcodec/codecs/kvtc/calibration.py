@@ -7,8 +7,9 @@ config, and a decoder looks it up, in order, among the calibrations registered i
 cache folder (:func:`cache_dir`); never in the working directory unless a caller names it.  A file found by
 its hash is checked against it before use.  A ``KVStore`` keeps the calibrations its chunks need beside them.
 
-Features.  Layers are pooled in groups (layers of one kind: shape, rotary setting, window); a token's feature vector in a group
-is the concatenation of its layers' ``[heads, dim]`` keys (or values).  Keys are first rotated back to
+Features.  Layers are pooled in groups (consecutive layers of one kind: shape, rotary setting, window; by default
+the fewest groups of at most 4096 features, see ``kvcodec.tools.kvtc_calibration.default_groups``); a token's
+feature vector in a group is the concatenation of its layers' ``[heads, dim]`` keys (or values).  Keys are first rotated back to
 position 0 (the rotary embedding undone), then centred and multiplied by a weight per channel:
 
 * keys: the RMS of the calibration queries that read the channel's rotary pair (summed over the query heads
@@ -32,9 +33,9 @@ output transform are read from the model's config and modules, or measured on th
 with a sliding window (``layer_types``) hold other tokens than full layers, so they are never grouped with them;
 during calibration they keep every token (their windowed cache would give a quarter of the rows).
 
-The bases are the eigenvectors of the weighted features' covariance, largest first, truncated where a
-component's standard deviation falls below a fraction of the finest level's step (such a component quantizes
-to zero at every level).
+The bases are the eigenvectors of the weighted features' covariance (streamed moments), largest first, truncated
+where a component's standard deviation falls below the codec's default ``min_std`` times the finest level's step
+(format 2): the file holds what a decoder can use at the finest level, no more.
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ from kvcodec.codecs.kvtc.rope import Rotary
 from kvcodec.errors import CorruptDataError, LimitExceededError, MissingCalibrationError
 from kvcodec.files import write_atomically
 
-FORMAT = "kvcodec-kvtc-calibration-1"
+FORMAT = "kvcodec-kvtc-calibration-2"
+# Format 1 files (every component above a lower floor, all-layer groups) have the same layout and still load:
+# the codec counts the components it codes from their variances, so containers written with them decode as before.
+READABLE_FORMATS = (FORMAT, "kvcodec-kvtc-calibration-1")
 SUFFIX = ".kvtc"
 ENV_PATH = "KVCODEC_CALIBRATIONS"
-# Larger than any calibration a model of up to ~10B parameters needs with its layers pooled (SmolLM2's, all
-# 30 layers in one group, is 85 MB), small enough that a file of junk cannot exhaust a serving machine's memory.
+# Larger than any calibration a model of up to ~70B parameters needs (at most the KV width per token × 4096 × 4
+# bytes with the default grouping: 0.5 GB for Llama-3-8B, 1.3 GB for a 70B with 80 layers of 8 × 128; format 1's
+# all-layer SmolLM2 file was 85 MB), small enough that a file of junk cannot exhaust a serving machine's memory.
 MAX_FILE_BYTES = 4 << 30
 # Calibrations a decoder found by their hash stay loaded for the next chunk that names them; a process decoding
 # containers of many models keeps only the most recently used few.
@@ -147,8 +152,8 @@ class Calibration:
         try:
             tensors = load(data)
             meta = _safetensors_metadata(data)
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}")
+            if meta.get("format") not in READABLE_FORMATS:
+                raise ValueError(f"format {meta.get('format')!r} (this kvcodec reads {', '.join(READABLE_FORMATS)})")
             layout = json.loads(meta["layout"])
             layers = []
             for i, (h, dk, dv, scaling) in enumerate(layout["layers"]):
