@@ -4,13 +4,14 @@ checked (:class:`FetchedChunk`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
-from kvcodec.formats.v1 import Header
+from kvcodec.formats.v1 import Header, LayerShape
 
 
 @dataclass(frozen=True)
@@ -46,21 +47,21 @@ class ChunkShape:
 
     @classmethod
     def of_header(cls, header: Header) -> ChunkShape:
-        """The shape of the layers ``header`` declares (all alike)."""
-        shapes = {(s.heads, s.key_dim, s.value_dim) for s in header.layers}
-        if len(shapes) != 1:
-            raise CorruptDataError(f"the chunk's layers differ in shape: {sorted(shapes)}")
-        (h, kd, vd), = shapes
-        return cls(len(header.layers), h, kd, vd, header.dtype)
+        """The shape of the layers ``header`` declares (all alike; else the chunk is corrupt)."""
+        return cls._of(header.layers, header.dtype, CorruptDataError)
 
     @classmethod
     def of(cls, kv: KVCache) -> ChunkShape:
         """The shape of ``kv``'s layers (all alike)."""
-        shapes = {(s.heads, s.key_dim, s.value_dim) for s in kv.shapes}
+        return cls._of(kv.shapes, str(kv.dtype).removeprefix("torch."), InvalidInputError)
+
+    @classmethod
+    def _of(cls, layers: Sequence[LayerShape], dtype: str, error: type[Exception]) -> ChunkShape:
+        shapes = {(s.heads, s.key_dim, s.value_dim) for s in layers}
         if len(shapes) != 1:
-            raise InvalidInputError(f"the layers differ in shape: {sorted(shapes)}")
+            raise error(f"the layers differ in shape: {sorted(shapes)}")
         (h, kd, vd), = shapes
-        return cls(kv.num_layers, h, kd, vd, str(kv.dtype).removeprefix("torch."))
+        return cls(len(layers), h, kd, vd, dtype)
 
 
 @dataclass
