@@ -25,14 +25,12 @@ import threading
 import time
 from pathlib import Path
 
-from engine_harness import REPO  # puts tests/engines and tests on sys.path (bench/ is, when this runs as a script)
+from engine_harness import REPO, vllm_prompt  # puts tests/engines and tests on sys.path
 
 from redis_process import started_redis  # noqa: E402
 from shaped_link import ShapedLink, unavailable  # noqa: E402
 from vllm_engine import Engine, connector_config  # noqa: E402
 
-from kvcodec.tools.models import export_hf_folder  # noqa: E402
-from kvcodec.tools.texts import load_text  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "vllm_link"
 UNSHAPED = 100_000
@@ -83,11 +81,7 @@ def main() -> None:
     why = unavailable()
     if why:
         raise SystemExit(f"vllm_link: {why}")
-    from transformers import AutoTokenizer
-
-    model = Path(export_hf_folder("smollm2", REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"))
-    ids = AutoTokenizer.from_pretrained(model)(load_text("license:GPL-3")).input_ids
-    prompt, warmup = ids[: args.tokens], ids[4000:4000 + 256]
+    model, prompt, warmup = vllm_prompt(args.tokens)
     rates: list[float | str] = [float(r) for r in args.rates.split(",")] + ["unshaped", "drop"]
     rows = []
     work = Path(tempfile.mkdtemp(prefix="kvcodec-vllm-link-"))

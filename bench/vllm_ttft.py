@@ -24,13 +24,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from engine_harness import REPO  # puts tests/engines and tests on sys.path (bench/ is, when this runs as a script)
+from engine_harness import REPO, vllm_prompt  # puts tests/engines and tests on sys.path
 
 from redis_process import started_redis  # noqa: E402
 from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store  # noqa: E402
 
-from kvcodec.tools.models import export_hf_folder  # noqa: E402
-from kvcodec.tools.texts import load_text  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "vllm_ttft"
 CODECS = ["raw", "cachegen", "kvfetcher"]
@@ -42,11 +40,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
-    model = Path(export_hf_folder("smollm2", REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"))
-    ids = AutoTokenizer.from_pretrained(model)(load_text("license:GPL-3")).input_ids
-    prompt, warmup = ids[: args.tokens], ids[4000:4000 + 256]
+    model, prompt, warmup = vllm_prompt(args.tokens)
     work = Path(tempfile.mkdtemp(prefix="kvcodec-vllm-ttft-"))
     redis = started_redis(work)
     rows, recompute = [], []

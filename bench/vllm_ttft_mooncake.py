@@ -19,15 +19,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from engine_harness import REPO  # puts tests/engines and tests on sys.path (bench/ is, when this runs as a script)
+from engine_harness import REPO, vllm_prompt  # puts tests/engines and tests on sys.path
 
 from mooncake_process import SegmentHolder  # noqa: E402
 from test_mooncake_tier import Master  # noqa: E402
 from vllm_engine import DTYPE, Engine, connector_config, connector_store  # noqa: E402
 from vllm_ttft import kv_bytes_per_token  # noqa: E402
 
-from kvcodec.tools.models import export_hf_folder  # noqa: E402
-from kvcodec.tools.texts import load_text  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "vllm_ttft_mooncake.md"
 CODECS = ["raw", "cachegen"]
@@ -39,11 +37,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
-    model = Path(export_hf_folder("smollm2", REPO / ".cache" / "models" / "SmolLM2-135M-Instruct"))
-    ids = AutoTokenizer.from_pretrained(model)(load_text("license:GPL-3")).input_ids
-    prompt, warmup = ids[: args.tokens], ids[4000:4000 + 256]
+    model, prompt, warmup = vllm_prompt(args.tokens)
     master = Master(Path(tempfile.mkdtemp(prefix="kvcodec-vllm-mooncake-")))
     master.start()
     rows, recompute = [], []
