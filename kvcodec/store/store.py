@@ -164,7 +164,11 @@ class KVStore:
     def variant_keys(self, token_ids: Sequence[int], *, salt: str | bytes | None = None
                      ) -> list[tuple[int, int, list[str]]]:
         """``(start, end, keys)`` of every chunk of ``token_ids``: its key in each of :attr:`variants`."""
-        per_variant = [self._keys(token_ids, salt, seed) for seed in self._state[1]]
+        return self._variant_keys(token_ids, salt, self._state[1])
+
+    def _variant_keys(self, token_ids: Sequence[int], salt: str | bytes | None,
+                      seeds: Sequence[bytes]) -> list[tuple[int, int, list[str]]]:
+        per_variant = [self._keys(token_ids, salt, seed) for seed in seeds]
         return [(s, e, [keys[i][0] for keys in per_variant]) for i, (_, s, e) in enumerate(per_variant[0])]
 
     def tier(self, name: str) -> StorageTier:
@@ -215,11 +219,10 @@ class KVStore:
             raise InvalidInputError(f"the cache is of shape {ChunkShape.of(kv)}, the store's engine {self.shape}")
         targets = self._put_tiers()
         written = 0
-        variants, seeds = self._state
-        per_variant = [self._keys(token_ids, salt, seed) for seed in seeds]
-        for i, (_, s, e) in enumerate(per_variant[0]):
+        variants, seeds = self._state  # one snapshot: a codec switch meanwhile cannot pair a key with another codec
+        for s, e, keys in self._variant_keys(token_ids, salt, seeds):
             wrote = False
-            for codec, key in zip(variants, [keys[i][0] for keys in per_variant]):
+            for codec, key in zip(variants, keys):
                 if not replicate and any(self.call_tier(t, "contains", key, default=False) for t in self.tiers):
                     continue
                 missing = [t for t in targets if not self.call_tier(t, "contains", key, default=False)]
