@@ -55,7 +55,7 @@ from kvcodec.chunking import layer_context, make_header  # noqa: E402
 from kvcodec.codecs.cachegen.device import DecodeLaunch, Target  # noqa: E402
 from kvcodec.container import ContainerFile  # noqa: E402
 from kvcodec.layouts.paged import slot_mapping  # noqa: E402
-from gpu_timing import Timer  # noqa: E402
+from gpu_timing import Report, Timer, device_or_none  # noqa: E402
 
 
 def real_kv() -> kvcodec.KVCache:
@@ -191,21 +191,10 @@ def _symbols(codec, section: bytes, ctx) -> torch.Tensor:  # noqa: ANN001
 
 
 def main() -> int:
-    device = torch.device(ARGS.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device (use --device cpu for a smoke run in the interpreter)", file=sys.stderr)
+    device = device_or_none(ARGS.device)
+    if device is None:
         return 2
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter: correctness only)"
-    say("# cachegen on the GPU (Triton kernels)")
-    say("")
-    say(f"Device: {name}; torch {torch.__version__}; `python bench/gpu_cachegen.py {' '.join(sys.argv[1:])}`.")
-    say("")
+    say = Report(device, "gpu_cachegen", "cachegen on the GPU (Triton kernels)")
     kv = real_kv()
     say("## Correctness on real SmolLM2 KV (the device against the CPU path)")
     say("")
@@ -289,9 +278,7 @@ def main() -> int:
         say("## FAILURES")
         for f in failures:
             say(f"- {f}")
-    out_file = ROOT / "bench" / "results" / ("gpu_cachegen.md" if device.type == "cuda" else "gpu_cachegen-smoke.md")
-    out_file.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out_file}")
+    say.save()
     return 1 if failures else 0
 
 

@@ -62,7 +62,7 @@ from kvcodec.codecs.kvtc import KVTC, Calibration, gpu, register_calibration  # 
 from kvcodec.codecs.kvtc.calibration import GroupBasis, LayerInfo  # noqa: E402
 from kvcodec.codecs.kvtc.rope import Rotary  # noqa: E402
 from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping  # noqa: E402
-from gpu_timing import Timer  # noqa: E402
+from gpu_timing import Report, Timer, device_or_none  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 from test_golden import assert_within_kvtc_tolerance  # noqa: E402  (spec/kvtc.md's tolerance, as the tests check it)
@@ -273,21 +273,10 @@ def cachegen(pairs_kv: kvcodec.KVCache, lane_channels: int, lane_tokens: int, ti
 
 
 def main() -> int:
-    device = torch.device(ARGS.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device (use --device cpu for a smoke run in the interpreter)", file=sys.stderr)
+    device = device_or_none(ARGS.device)
+    if device is None:
         return 2
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter: correctness only)"
-    say("# kvtc on the GPU (Triton lanes, products and RoPE on the device)")
-    say("")
-    say(f"Device: {name}; torch {torch.__version__}; `python bench/gpu_kvtc.py {' '.join(sys.argv[1:])}`.")
-    say("")
+    say = Report(device, "gpu_kvtc", "kvtc on the GPU (Triton lanes, products and RoPE on the device)")
     say("## Correctness on real SmolLM2 KV and its calibration (the device against the CPU path)")
     say("")
     failures = check_correctness(device, say)
@@ -298,9 +287,7 @@ def main() -> int:
         say("## FAILURES")
         for f in failures:
             say(f"- {f}")
-    out_file = ROOT / "bench" / "results" / ("gpu_kvtc.md" if device.type == "cuda" else "gpu_kvtc-smoke.md")
-    out_file.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out_file}")
+    say.save()
     return 1 if failures else 0
 
 

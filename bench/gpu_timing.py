@@ -1,9 +1,12 @@
-"""Timing for the GPU benches (bench/gpu_*.py): the median of repeated runs after warm-up."""
+"""What the GPU benches (bench/gpu_*.py) share: timing (the median of repeated runs after warm-up) and their
+markdown report."""
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -36,3 +39,34 @@ class Timer:
                 fn()
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
+
+
+class Report:
+    """A GPU bench's markdown report, each line printed as it comes: its title and the device it ran on, then
+    what the bench says.  ``save`` writes it to ``results/NAME.md`` (``NAME-smoke.md`` off a GPU)."""
+
+    def __init__(self, device: torch.device, name: str, title: str) -> None:
+        self.device, self.name, self.lines = device, name, []
+        where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter: correctness only)"
+        for line in (f"# {title}", "", f"Device: {where}; torch {torch.__version__}; "
+                     f"`python bench/{name}.py {' '.join(sys.argv[1:])}`.", ""):
+            self(line)
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def save(self) -> Path:
+        out = Path(__file__).parent / "results" / f"{self.name}{'' if self.device.type == 'cuda' else '-smoke'}.md"
+        out.write_text("\n".join(self.lines) + "\n")
+        print(f"wrote {out}")
+        return out
+
+
+def device_or_none(name: str) -> torch.device | None:
+    """The device ``--device`` names, or None (with a message) when it is CUDA and there is none."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (use --device cpu for a smoke run in the interpreter)", file=sys.stderr)
+        return None
+    return device
