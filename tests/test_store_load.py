@@ -14,7 +14,7 @@ from kvcodec.cache import KVCache
 from kvcodec.codecs.raw import Raw
 from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping
 from kvcodec.store import DenseSink, KVStore, MemoryTier, PagedSink, PrefixLoad
-from kvcodec.store.plan import LoadPlanner, Option
+from kvcodec.store.plan import DecodeBacklog, LoadPlanner, Option, finish_s
 
 CHUNK, LAYERS, HEADS, DIM, BS = 32, 3, 2, 16, 16
 
@@ -160,7 +160,7 @@ def test_the_planner_picks_by_link_and_stops_when_recomputing_is_sooner():
 def test_a_link_that_slows_mid_request_moves_the_rest_to_the_small_variant():
     tier = SlowTier(0.0)
     store, ids, _ = _store(tier, codec=["cachegen", "raw"])
-    store.decode_rate = lambda codec: Pinned(1e5)  # 0.3 ms a chunk: raw is decode-bound at first
+    store.decode_rate = lambda codec: Pinned(1e4)  # 3 ms a chunk: raw is decode-bound at first
     real_get = MemoryTier.get
 
     def slowing(key):  # the third read on crawls (a link dropping from memory speed to ~200 kB/s)
@@ -174,6 +174,39 @@ def test_a_link_that_slows_mid_request_moves_the_rest_to_the_small_variant():
     tier.get = slowing
     chosen = _planned(store, ids)
     assert chosen[:2] == [1, 1] and chosen[-1] == 0, chosen
+
+
+def test_two_variants_mixed_keep_both_stages_busy():
+    """A variant that is dear on the link (raw: 10 ms to fetch, nothing to decode) and one dear to decode (10 ms)
+    load four chunks in 40 ms either way alone, and in about half that mixed: the link fetches raw while the
+    decoder works through the other."""
+    stages = [(0.010, 0.0), (0.001, 0.010)]
+    assert finish_s(0, 0, 4, stages[:1]) == pytest.approx(0.040) and finish_s(0, 0, 4, stages[1:]) == pytest.approx(0.040)
+    assert finish_s(0, 0, 4, stages) < 0.6 * 0.040
+    assert finish_s(0.005, 0.030, 0, stages) == 0.030  # nothing more to load: the later stage's end
+
+    store, ids, _ = _store(MemoryTier(None), codec=["cachegen", "raw"])
+    (small, _), (large, _) = store.variant_sizes(store.variant_keys(ids)[0][2])
+    store.links["cpu"] = Pinned(large / 0.010)
+    store.decode_rate = lambda codec: Pinned(CHUNK / 0.010 if codec.codec_id == "cachegen" else 1e9)
+    planner, opts = LoadPlanner(store), [Option(0, small, "cpu"), Option(1, large, "cpu")]
+    assert planner.choose(opts, CHUNK, 4 * CHUNK, backlog_s=0.0).variant == 0  # the decoder idles: feed it first
+    assert planner.choose(opts, CHUNK, 3 * CHUNK, backlog_s=0.020).variant == 1  # it is busy: use the link
+    # recomputing is sooner than even the best mix: stop
+    assert planner.choose(opts, CHUNK, 4 * CHUNK) is not None
+    assert LoadPlanner(store, recompute_tps=4 * CHUNK / 0.010).choose(opts, CHUNK, 4 * CHUNK) is None
+
+
+def test_the_decode_backlog_counts_what_a_chunk_waits_for():
+    backlog = DecodeBacklog()
+    backlog.add(0, 1.0)
+    backlog.add(1, 2.0)
+    assert backlog.seconds(before=1) == 1.0 and backlog.seconds(before=2) == 3.0
+    backlog.begin(0)
+    time.sleep(0.05)
+    assert 2.9 < backlog.seconds(before=2) < 2.96  # chunk 0 is under way
+    backlog.done(0)
+    assert backlog.seconds(before=2) == 2.0 and backlog.seconds(before=1) == 0.0
 
 
 def test_planner_options_are_checked():

@@ -40,7 +40,7 @@ from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.layouts.paged import PagedLayout, paged_layout, slot_mapping, write_paged
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
-from kvcodec.store.plan import LoadPlanner, Option
+from kvcodec.store.plan import DecodeBacklog, LoadPlanner, Option
 
 if TYPE_CHECKING:
     from kvcodec.store.store import KVStore
@@ -230,6 +230,7 @@ class PrefixLoad:
                        if e > self.start_token and s < self.end]
         self.loaded_end = self.start_token
         self._queue: queue.Queue[tuple[int, FetchedChunk] | None] = queue.Queue(maxsize=max(1, prefetch))
+        self._backlog = DecodeBacklog()
         self._cond = threading.Condition()
         self._ready_layers = 0  # layers whose every chunk is in
         self._finished = False
@@ -271,14 +272,15 @@ class PrefixLoad:
                     return
                 if adaptive:
                     options = [Option(v, *held[i * n + v]) for v in range(n) if held[i * n + v] is not None]
-                    pick = self.planner.choose(options, outcome.end - outcome.start, self.end - outcome.start)
+                    pick = self.planner.choose(options, outcome.end - outcome.start, self.end - outcome.start,
+                                               self._backlog.seconds(before=i))
                     if pick is None:
                         outcome.status = "recompute" if options else "missing"
                         break
-                    outcome.variant = pick.variant
+                    self._planned(i, pick)
                 t0 = time.perf_counter()
                 if adaptive:
-                    chunk = self._read_or_switch(outcome, pick, options)
+                    chunk = self._read_or_switch(i, pick, options)
                 else:
                     chunk = self.store.read_chunk(outcome.key, outcome.start, outcome.end)
                 outcome.fetch_s = time.perf_counter() - t0
@@ -292,10 +294,11 @@ class PrefixLoad:
             log.warning("fetching a stored prefix failed", exc_info=True)
         self._put(None)
 
-    def _read_or_switch(self, outcome: ChunkOutcome, pick: Option, options: list[Option]) -> FetchedChunk | None:
+    def _read_or_switch(self, i: int, pick: Option, options: list[Option]) -> FetchedChunk | None:
         """Read the chosen variant, in pieces where its tier can (a video player's abandonment rule): when the
         pieces show that the rest of it would now arrive later than all of another variant, abandon it and read
         that one instead."""
+        outcome = self.chunks[i]
         store, tokens, remaining = self.store, outcome.end - outcome.start, self.end - outcome.start
         tier = store.tier(pick.tier)
         if not tier.ranged_reads or pick.nbytes < 2 * PIECE_BYTES:
@@ -313,14 +316,20 @@ class PrefixLoad:
             got += len(piece)
             left_s = (pick.nbytes - got) * seconds / len(piece)
             others = [o for o in options if o.variant != pick.variant]
-            switch = self.planner.choose(others, tokens, remaining) if others and got < pick.nbytes else None
-            if switch is not None and left_s > ABANDON_RATIO * self.planner.cost_s(switch, tokens):
+            backlog = self._backlog.seconds(before=i)
+            switch = self.planner.choose(others, tokens, remaining, backlog) if others and got < pick.nbytes else None
+            if switch is not None and self.planner.done_s(pick, tokens, backlog, fetch_s=left_s) > \
+                    ABANDON_RATIO * self.planner.done_s(switch, tokens, backlog):
                 log.info("abandoning variant %d of chunk %s after %d of %d bytes: the link slowed to %.1f MB/s",
                          pick.variant, outcome.key, got, pick.nbytes, len(piece) / seconds / 1e6)
-                outcome.variant = switch.variant
-                return self._read_or_switch(outcome, switch, others)
+                self._planned(i, switch)
+                return self._read_or_switch(i, switch, others)
         chunk = store.accept(outcome.key, tier.name, b"".join(parts), outcome.start, outcome.end, evict=False)
         return chunk if chunk is not None else store.read_chunk(outcome.key, outcome.start, outcome.end)
+
+    def _planned(self, i: int, pick: Option) -> None:
+        self.chunks[i].variant = pick.variant
+        self._backlog.add(i, self.planner.stage_s(pick, self.chunks[i].end - self.chunks[i].start)[1])
 
     def _decode(self) -> None:
         last = len(self.chunks) - 1
@@ -330,6 +339,7 @@ class PrefixLoad:
                 outcome = self.chunks[i]
                 on_layer = self._layer_ready if i == last else (lambda layer: None)
                 t0 = time.perf_counter()
+                self._backlog.begin(i)
                 try:
                     self._check_shape(chunk)
                     decode_chunk_into(self.store, chunk, self.sink, self.start_token, self.end, device=self.device,
@@ -342,6 +352,7 @@ class PrefixLoad:
                     break
                 finally:
                     outcome.decode_s = time.perf_counter() - t0
+                    self._backlog.done(i)
                 outcome.status = "loaded"
                 self.store.decode_rate(self.variants[outcome.variant]).observe(chunk.end - chunk.start,
                                                                               outcome.decode_s)

@@ -2,19 +2,26 @@
 recompute the rest.
 
 A store may keep each chunk in several variants (``KVStore(codec=["kvtc:level=0", "cachegen", "raw"])``, smallest
-first; every variant must meet the deployment's quality floor).  A load streams chunks, fetch overlapping decode,
-so a chunk's cost is the slower of the two: its bytes over the estimated throughput of the tier holding it
-(:attr:`KVStore.links`, from the store's own recent reads: the harmonic mean of the last few, which drops at once
-when the link does) and its tokens at the variant's decode rate (:meth:`KVStore.decode_rate`, from the store's own
-recent decodes).  Before a chunk is fetched the planner takes the variant that costs least, or the best (latest
-listed) of those within ``slack`` of it, and compares loading the rest of the prompt at that cost with the engine
-recomputing it at ``recompute_tps`` (tokens per second of prefill the engine hook observed): when recomputing is
-sooner, the load stops there.  Without ``recompute_tps`` it never stops.  It decides again before every chunk, so
-a link that slows down in the middle of a request moves the rest of it to smaller variants, or to recomputing.
+first; every variant must meet the deployment's quality floor).  A load streams chunks through two stages that
+run at once, a fetch thread on the link and a decode thread on the CPU (or device).  A small variant is cheap on
+the link and dear to decode, a large one the reverse, so where they cost about the same, mixing them keeps both
+stages busy and ends the load sooner than either alone.  Fetching a variant takes its bytes over the estimated
+throughput of the tier holding it (:attr:`KVStore.links`, from the store's own recent reads: the harmonic mean of
+the last few, which drops at once when the link does); decoding it takes its tokens at the variant's decode rate
+(:meth:`KVStore.decode_rate`, from the store's own recent decodes), after the decode work already queued
+(:class:`DecodeBacklog`).  Before a chunk is fetched the planner estimates, for each variant, when the whole load
+would end if this chunk came in that variant and the rest in the best mix (:func:`finish_s`), and takes the
+soonest, or the best (latest listed) variant within ``slack`` of it.  When the engine recomputing the rest at
+``recompute_tps`` (tokens per second of prefill the engine hook observed) would be sooner, the load stops there;
+without ``recompute_tps`` it never stops.  It decides again before every chunk, so a link that slows down in the
+middle of a request moves the rest of it to smaller variants, or to recomputing.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -46,20 +53,84 @@ class LoadPlanner:
         self.store, self.recompute_tps, self.slack = store, recompute_tps, slack
         self.variants = store.variants  # as the load's keys were made, whatever the store switches to meanwhile
 
-    def cost_s(self, option: Option, tokens: int) -> float:
-        """Seconds to load one chunk of ``tokens`` tokens in ``option``: the slower of fetch and decode."""
+    def stage_s(self, option: Option, tokens: int) -> tuple[float, float]:
+        """Seconds to fetch and to decode one chunk of ``tokens`` tokens in ``option``."""
         fetch = option.nbytes / self.store.links[option.tier].estimate
         decode = tokens / self.store.decode_rate(self.variants[option.variant]).estimate
-        return max(fetch, decode)
+        return fetch, decode
 
-    def choose(self, options: Sequence[Option], tokens: int, remaining_tokens: int) -> Option | None:
+    def done_s(self, option: Option, tokens: int, backlog_s: float, fetch_s: float | None = None) -> float:
+        """Seconds until a chunk of ``tokens`` tokens in ``option``, fetched from now (in ``fetch_s``, default its
+        estimate), is decoded after ``backlog_s`` seconds of queued decoding."""
+        fetch, decode = self.stage_s(option, tokens)
+        return max(backlog_s, fetch if fetch_s is None else fetch_s) + decode
+
+    def end_s(self, option: Option, tokens: int, backlog_s: float, rest: float,
+              stages: Sequence[tuple[float, float]]) -> float:
+        """Seconds until the load ends if this chunk of ``tokens`` tokens is fetched in ``option`` now, after
+        ``backlog_s`` seconds of queued decoding, and ``rest`` more chunks follow in the best mix of ``stages``."""
+        fetch, decode = self.stage_s(option, tokens)
+        return finish_s(fetch, max(backlog_s, fetch) + decode, rest, stages)
+
+    def choose(self, options: Sequence[Option], tokens: int, remaining_tokens: int,
+               backlog_s: float = 0.0) -> Option | None:
         """The option to fetch for a chunk of ``tokens`` tokens with ``remaining_tokens`` (this chunk's included)
-        still to load, or None to stop and recompute them."""
+        still to load and ``backlog_s`` seconds of decoding already queued, or None to stop and recompute them."""
         if not options:
             return None
-        costs = {o: self.cost_s(o, tokens) for o in options}
-        fastest = min(costs.values())
-        pick = max((o for o in options if costs[o] <= fastest * (1 + self.slack)), key=lambda o: o.variant)
-        if self.recompute_tps is not None and fastest * remaining_tokens / tokens > remaining_tokens / self.recompute_tps:
+        stages = [self.stage_s(o, tokens) for o in options]
+        rest = max(0, remaining_tokens - tokens) / tokens
+        ends = {o: self.end_s(o, tokens, backlog_s, rest, stages) for o in options}
+        soonest = min(ends.values())
+        if self.recompute_tps is not None and soonest > backlog_s + remaining_tokens / self.recompute_tps:
             return None
-        return pick
+        return max((o for o in options if ends[o] <= soonest * (1 + self.slack)), key=lambda o: o.variant)
+
+
+def finish_s(fetch_free: float, decode_free: float, count: float, stages: Sequence[tuple[float, float]]) -> float:
+    """When both stages are through ``count`` more chunks, each taking (fetch, decode) seconds of one of ``stages``,
+    with the fetch stage busy for ``fetch_free`` more seconds and the decode stage for ``decode_free``.  Chunks are
+    taken as fluid (a chunk's decode may start before its fetch ends), and the mix as the best of every variant
+    alone and every pair: with two stages to balance, an optimal mix needs at most two variants."""
+    best = math.inf
+    for fa, da in stages:
+        for fb, db in stages:
+            # with a share x of the first variant each stage's end is linear in x, so the least of the later of
+            # the two is at x = 0, x = 1 or where they cross
+            f0, df = fetch_free + count * fb, count * (fa - fb)
+            d0, dd = decode_free + count * db, count * (da - db)
+            shares = [0.0, 1.0] + ([(d0 - f0) / (df - dd)] if df != dd else [])
+            best = min(best, min(max(f0 + x * df, d0 + x * dd) for x in shares if 0 <= x <= 1))
+    return best
+
+
+class DecodeBacklog:
+    """The decode work a load has fetched or is fetching and not yet decoded, in estimated seconds: what a chunk
+    chosen now waits for before its own decode starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[int, float] = {}  # chunk: estimated decode seconds
+        self._current: tuple[int, float] | None = None  # the chunk being decoded, since when
+
+    def add(self, chunk: int, seconds: float) -> None:
+        with self._lock:
+            self._pending[chunk] = seconds
+
+    def begin(self, chunk: int) -> None:
+        with self._lock:
+            self._current = (chunk, time.perf_counter())
+
+    def done(self, chunk: int) -> None:
+        with self._lock:
+            self._pending.pop(chunk, None)
+            self._current = None
+
+    def seconds(self, before: int) -> float:
+        """The queued decode work chunk ``before`` waits for (chunks decode in order)."""
+        with self._lock:
+            total = sum(s for c, s in self._pending.items() if c < before)
+            if self._current is not None and self._current[0] in self._pending and self._current[0] < before:
+                estimate = self._pending[self._current[0]]
+                total -= min(estimate, time.perf_counter() - self._current[1])
+            return total
