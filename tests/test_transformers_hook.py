@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+
 from kvcodec.codecs.raw import Raw
 from kvcodec.engines.transformers_hook import LoadError, StreamedPrefix, TransformersKVHook, streamed_cache
 from kvcodec.errors import CorruptDataError
@@ -89,6 +90,75 @@ def test_failed_load_is_recomputed(smollm2, prompts, monkeypatch, fault, evicted
     assert store.lookup(second).num_tokens == (0 if evicted else 256)
     monkeypatch.undo()
     assert out.tokens == _in_memory(smollm2, second[:256], second[256:], 4)
+
+
+def _continued(smollm2, kv, n: int, rest: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens continuing from the first ``n`` tokens of ``kv`` with ``rest`` recomputed."""
+    from transformers import DynamicCache
+
+    model = smollm2.model
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(kv.layers):
+        cache.update(layer.keys[None, :, :n], layer.values[None, :, :n], i)
+    with torch.no_grad():
+        logits = model(torch.tensor([rest]), cache=cache, use_cache=True).logits[0]
+        out = [int(logits[-1].argmax())]
+        while len(out) < new_tokens:
+            out.append(int(model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits[0, -1].argmax()))
+    return out
+
+
+class _Pinned:
+    def __init__(self, estimate: float) -> None:
+        self.estimate = estimate
+
+    def observe(self, *_: float) -> None:
+        pass
+
+
+class _ReadCounting(MemoryTier):
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.read = set()  # the keys read
+
+    def get(self, key):
+        self.read.add(key)
+        return super().get(key)
+
+
+@pytest.mark.parametrize("why", ["corrupt chunk", "planner stops"])
+def test_a_load_that_ends_short_keeps_what_loaded_and_recomputes_the_rest(smollm2, prompts, why):
+    """Four 64-token chunks are stored; the load ends after two (the third is corrupt, or the link crawls after two
+    reads and recomputing is sooner): the model continues from the 128 loaded tokens and computes the rest."""
+    first, second = prompts
+    tier = _ReadCounting()
+    store = KVStore([tier], model=smollm2.model_id, codec="raw" if why == "corrupt chunk" else ["cachegen", "raw"],
+                    chunk_tokens=64)
+    hook = TransformersKVHook(smollm2, store, save=False)
+    kv = smollm2.prefill(first)
+    store.put(first, kv)
+    if why == "corrupt chunk":
+        key = store.keys_for(first)[2][0]
+        value = bytearray(tier.get(key))
+        value[len(value) // 2] ^= 1
+        tier.put(key, bytes(value))
+    else:
+        class Dropping(_Pinned):  # a fast link for two chunks, then a crawl
+            def __init__(self) -> None:
+                pass
+
+            estimate = property(lambda self: 1e12 if len(tier.read) < 2 else 1.0)
+
+        store.links[tier.name] = Dropping()
+        # raw copies, cachegen decodes at 1000 tokens/s: raw while the link is fast
+        store.decode_rate = lambda codec: _Pinned(1e6 if codec.codec_id == "raw" else 1e3)
+        hook.prefill_tps = 1000.0
+    out = hook.generate(second, max_new_tokens=8)
+    assert out.loaded_tokens == 128 and not out.recomputed
+    assert [c.status for c in out.load.chunks[:3]] == ["loaded", "loaded",
+                                                        "missing" if why == "corrupt chunk" else "recompute"]
+    assert all(c.key == k for c, (k, _, _) in zip(out.load.chunks[:2], store.keys_for(first, variant=-1)))  # raw
+    assert out.tokens == _continued(smollm2, kv, 128, second[128:], 8)
 
 
 # a small calibration keeps the test cheap (about a second): 256 tokens, one basis per layer

@@ -9,9 +9,11 @@ How the overlap works: :class:`StreamedPrefix` loads the prefix through the stor
 (:class:`~kvcodec.store.PrefixLoad`: chunk ``i+1`` is fetched while chunk ``i`` decodes, layer by layer) into
 dense tensors, and :func:`streamed_cache` is a transformers ``DynamicCache`` whose layer ``i`` waits for layer
 ``i`` of the prefix the first time the model writes to it, so the model runs layer ``i`` while later layers are
-still decoding.  A load that ends short (a chunk missing or not decoding) raises :class:`LoadError` inside the
-forward; :meth:`TransformersKVHook.generate` then recomputes the prompt (the load evicted a chunk that was itself
-bad), so no store fault reaches the caller.
+still decoding.  A load that ends short raises :class:`LoadError` inside the forward: a chunk missing or not
+decoding (the load evicted a chunk that was itself bad), or the load's planner stopping where recomputing the rest
+is sooner than loading it (the hook measures its model's prefill speed on requests it computes in full).
+:meth:`TransformersKVHook.generate` then continues from the tokens that did load and recomputes the rest, so no
+store fault reaches the caller.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from kvcodec.errors import KVCodecError
 from kvcodec.engines.auto_calibration import ensure_model_calibration, wants_calibration
 from kvcodec.store import DenseSink, KVStore, LoadResult, PrefixLoad, StorageTier
+from kvcodec.store.plan import LoadPlanner
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +43,11 @@ class StreamedPrefix:
     for.  ``num_layers`` is the model's."""
 
     def __init__(self, store: KVStore, token_ids: Sequence[int], num_tokens: int, num_layers: int, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 planner: LoadPlanner | None = None) -> None:
         self.num_tokens, self.num_layers = num_tokens, num_layers
         self.sink = DenseSink(device=device, dtype=dtype)
-        self.load = PrefixLoad(store, token_ids, self.sink, end=num_tokens, device=device)
+        self.load = PrefixLoad(store, token_ids, self.sink, end=num_tokens, device=device, planner=planner)
 
     def start_load(self) -> StreamedPrefix:
         self.load.start()
@@ -59,6 +63,18 @@ class StreamedPrefix:
 
     def finish(self) -> LoadResult:
         return self.load.finish()
+
+    def loaded_cache(self, config: Any) -> tuple[Any, int]:
+        """After the load: a transformers ``DynamicCache`` holding the tokens that loaded (every chunk before the
+        first that did not), and their count."""
+        from transformers import DynamicCache
+
+        n = self.finish().loaded_end
+        cache = DynamicCache(config=config)
+        for i in range(self.num_layers if n else 0):
+            k, v = self.sink.layer(i)
+            cache.update(k[None, :, :n], v[None, :, :n], i)
+        return cache, n
 
 
 def _streamed_layer_class():
@@ -119,6 +135,7 @@ class Generation:
     first_token_s: float = 0.0
     recomputed: bool = False
     saved_chunks: int = 0
+    load: LoadResult | None = None  # the stored prefix's load, chunk by chunk
 
 
 class TransformersKVHook:
@@ -131,6 +148,7 @@ class TransformersKVHook:
     def __init__(self, model: Any, store: KVStore, *, save: bool = True, save_dtype: torch.dtype | None = None) -> None:
         self.model = getattr(model, "model", model)
         self.store, self.save, self.save_dtype = store, save, save_dtype
+        self.prefill_tps: float | None = None  # the model's prefill speed, from the last prompt computed in full
 
     @classmethod
     def with_store(cls, model: Any, tiers: Sequence[StorageTier], *, codec: str = "cachegen",
@@ -157,7 +175,8 @@ class TransformersKVHook:
         if n <= 0:
             return None, []
         prefix = StreamedPrefix(self.store, token_ids, n, self.model.config.num_hidden_layers,
-                                device=self.model.device, dtype=self.model.dtype)
+                                device=self.model.device, dtype=self.model.dtype,
+                                planner=LoadPlanner(self.store, recompute_tps=self.prefill_tps))
         return prefix.start_load(), found.where
 
     @torch.no_grad()
@@ -169,26 +188,32 @@ class TransformersKVHook:
         t0 = time.perf_counter()
         loader, where = self.load(token_ids)
         recomputed = False
-        cache, logits, n = None, None, 0
+        cache, logits, n, load = None, None, 0, None
         if loader is not None:
             n = loader.num_tokens
             try:
                 cache = streamed_cache(loader, self.model.config)
                 logits = self._forward(token_ids[n:], cache)
-            except LoadError:  # a bad chunk was evicted by the load; a fault of this machine left it stored
-                log.warning("loading the stored prefix failed; recomputing", exc_info=True)
-                cache, n, where, recomputed = None, 0, [], True
-            loader.finish()
+            except LoadError as err:  # a bad chunk was evicted by the load; a fault of this machine left it stored
+                cache, n = loader.loaded_cache(self.model.config)
+                log.info("stored prefix loaded to token %d; recomputing the rest (%s)", n, err)
+                if n:
+                    logits = self._forward(token_ids[n:], cache)
+                else:
+                    cache, where, recomputed = None, [], True
+            load = loader.finish()
         if cache is None:
             cache = DynamicCache(config=self.model.config)
+            t1 = time.perf_counter()
             logits = self._forward(token_ids, cache)
+            self.prefill_tps = len(token_ids) / (time.perf_counter() - t1)
         first = time.perf_counter() - t0
         saved = self._save(token_ids, cache) if self.save else 0
         out = [int(logits[-1].argmax())]
         while len(out) < max_new_tokens:
             logits = self._forward([out[-1]], cache)
             out.append(int(logits[-1].argmax()))
-        return Generation(out, len(token_ids), n, where, first, recomputed, saved)
+        return Generation(out, len(token_ids), n, where, first, recomputed, saved, load)
 
     def _forward(self, ids: Sequence[int], cache: Any) -> torch.Tensor:
         out = self.model(torch.tensor([list(ids)], device=self.model.device), cache=cache, use_cache=True)
