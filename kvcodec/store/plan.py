@@ -11,9 +11,9 @@ the last few, which drops at once when the link does); decoding it takes its tok
 (:meth:`KVStore.decode_rate`, from the store's own recent decodes), after the decode work already queued
 (:class:`DecodeBacklog`).  Before a chunk is fetched the planner estimates, for each variant, when the whole load
 would end if this chunk came in that variant and the rest in the best mix (:func:`finish_s`), and takes the
-soonest, or the best (latest listed) variant within ``slack`` of it.  When the engine recomputing the rest at
-``recompute_tps`` (tokens per second of prefill the engine hook observed) would be sooner, the load stops there;
-without ``recompute_tps`` it never stops.  It decides again before every chunk, so a link that slows down in the
+soonest, or the best (latest listed) variant ending within ``slack`` of one chunk's time after it.  When the engine
+recomputing the rest at ``recompute_tps`` (tokens per second of prefill the engine hook observed) would be sooner,
+the load stops there; without ``recompute_tps`` it never stops.  It decides again before every chunk, so a link that slows down in the
 middle of a request moves the rest of it to smaller variants, or to recomputing.
 """
 
@@ -84,7 +84,9 @@ class LoadPlanner:
         soonest = min(ends.values())
         if self.recompute_tps is not None and soonest > backlog_s + remaining_tokens / self.recompute_tps:
             return None
-        return max((o for o in options if ends[o] <= soonest * (1 + self.slack)), key=lambda o: o.variant)
+        # the slack is a share of one chunk's time, not of the whole load's, which would grow with the prompt
+        slack_s = self.slack * min(max(stage) for stage in stages)
+        return max((o for o in options if ends[o] <= soonest + slack_s), key=lambda o: o.variant)
 
 
 def finish_s(fetch_free: float, decode_free: float, count: float, stages: Sequence[tuple[float, float]]) -> float:
