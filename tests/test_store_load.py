@@ -70,6 +70,27 @@ def test_fetch_of_the_next_chunk_overlaps_the_decode_of_this_one(monkeypatch):
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
+@pytest.mark.parametrize("prefetch_bytes, fetched", [(64 << 20, 4), (1, 3)])
+def test_fetched_chunks_wait_for_the_decoder_within_a_byte_budget(monkeypatch, prefetch_bytes, fetched):
+    """With room, the fetch thread reads every chunk while the decoder is still on the first; with a budget smaller
+    than a chunk, one chunk waits at a time: chunk 0 decoding, chunk 1 waiting, chunk 2 in the fetch thread's hand."""
+    store, ids, _ = _store(SlowTier(0.0))
+    gate = threading.Event()
+    real = Raw.decode_layer
+
+    def held(self, data, ctx):
+        gate.wait(5)
+        return real(self, data, ctx)
+
+    monkeypatch.setattr(Raw, "decode_layer", held)
+    load = PrefixLoad(store, ids, DenseSink(), prefetch_bytes=prefetch_bytes).start()
+    time.sleep(0.3)  # the decoder is stuck in chunk 0
+    reads = len(store.tiers[0].log)
+    gate.set()
+    assert load.finish().complete
+    assert reads == fetched
+
+
 def test_a_layer_is_ready_before_the_last_layer_is_decoded(monkeypatch):
     store, ids, _ = _store(MemoryTier(None))
     gate = threading.Event()

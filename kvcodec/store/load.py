@@ -5,7 +5,7 @@ chunk ``i+1`` from its tier (checked once: authentication, checksums, key, shape
 while a decode thread decodes chunk ``i`` layer by layer into a *sink*: :class:`PagedSink` writes straight into an
 engine's paged memory through :meth:`Codec.decode_layer_paged` (the codec's fused path: cachegen's Triton kernel,
 kvfetcher's frame-wise restore), :class:`DenseSink` keeps tensors for a hook that wants them.  At most
-``prefetch`` fetched chunks wait for the decoder, which bounds the memory a load holds.
+``prefetch_bytes`` of fetched chunks wait for the decoder, which bounds the memory a load holds.
 
 With several stored variants, a value large enough is read in pieces from a tier that can (``get_range``): when
 the pieces show the link has slowed so far that the rest of it would arrive well after all of another variant, the
@@ -26,9 +26,9 @@ evicted (:meth:`KVStore.discard`).  Every chunk's outcome, tier, bytes and times
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -47,7 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFETCH = 2
+# Fetched chunks waiting for the decoder hold at most this many bytes (always at least one chunk): small variants
+# run far ahead while the link is fast (a link that drops later then finds them already in), large ones a few.
+DEFAULT_PREFETCH_BYTES = 64 << 20
 # A large value is read in pieces of this size, so that a load notices a slower link within one piece (0.4 s at
 # 20 Mbit/s) and can abandon the value for a smaller variant of the chunk...
 PIECE_BYTES = 1 << 20
@@ -217,7 +219,7 @@ class PrefixLoad:
 
     def __init__(self, store: KVStore, token_ids: Sequence[int], sink: DenseSink | PagedSink, *, start: int = 0,
                  end: int | None = None, salt: str | bytes | None = None, device: torch.device | str | None = None,
-                 prefetch: int = DEFAULT_PREFETCH, planner: LoadPlanner | None = None) -> None:
+                 prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, planner: LoadPlanner | None = None) -> None:
         token_ids = [int(t) for t in token_ids]
         self.store, self.sink, self.device = store, sink, device
         self.start_token = int(start)
@@ -229,7 +231,8 @@ class PrefixLoad:
         self.chunks = [ChunkOutcome(keys, s, e) for s, e, keys in store.variant_keys(token_ids, salt=salt)
                        if e > self.start_token and s < self.end]
         self.loaded_end = self.start_token
-        self._queue: queue.Queue[tuple[int, FetchedChunk] | None] = queue.Queue(maxsize=max(1, prefetch))
+        self._queue: deque[tuple[int, FetchedChunk] | None] = deque()
+        self._queued_bytes, self._prefetch_bytes = 0, int(prefetch_bytes)
         self._backlog = DecodeBacklog()
         self._cond = threading.Condition()
         self._ready_layers = 0  # layers whose every chunk is in
@@ -254,13 +257,16 @@ class PrefixLoad:
         return self
 
     def _put(self, item: tuple[int, FetchedChunk] | None) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
+        nbytes = 0 if item is None else len(item[1].data)
+        with self._cond:
+            while self._queue and self._queued_bytes + nbytes > self._prefetch_bytes and not self._stop.is_set():
+                self._cond.wait(0.05)
+            if self._stop.is_set():
+                return False
+            self._queue.append(item)
+            self._queued_bytes += nbytes
+            self._cond.notify_all()
+        return True
 
     def _fetch(self) -> None:
         try:
@@ -367,12 +373,15 @@ class PrefixLoad:
                 self._cond.notify_all()
 
     def _next(self) -> tuple[int, FetchedChunk] | None:
-        while not self._stop.is_set():
-            try:
-                return self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-        return None
+        with self._cond:
+            while not self._queue and not self._stop.is_set():
+                self._cond.wait(0.05)
+            if self._stop.is_set():
+                return None
+            item = self._queue.popleft()
+            self._queued_bytes -= 0 if item is None else len(item[1].data)
+            self._cond.notify_all()
+            return item
 
     def _check_shape(self, chunk: FetchedChunk) -> None:
         """Without an engine shape the store checked against, every chunk must match the first one's."""
