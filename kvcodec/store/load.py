@@ -50,10 +50,12 @@ log = logging.getLogger(__name__)
 # Fetched chunks waiting for the decoder hold at most this many bytes (always at least one chunk): small variants
 # run far ahead while the link is fast (a link that drops later then finds them already in), large ones a few.
 DEFAULT_PREFETCH_BYTES = 64 << 20
-# A large value is read in pieces of this size, so that a load notices a slower link within one piece (0.4 s at
-# 20 Mbit/s) and can abandon the value for a smaller variant of the chunk...
-PIECE_BYTES = 1 << 20
-# ... when the rest of it would take this many times longer than all of that variant.
+# A large value is read in pieces of about PIECE_S seconds at the link's estimated speed (within PIECE_BYTES), so
+# that a load notices a link that slowed within one piece (0.2 s when 1 Gbit/s falls to 20 Mbit/s), while a
+# request's round trip (about 0.1 ms here) stays a few percent of a piece.  It abandons the value for a smaller
+# variant of the chunk when the rest of it would arrive ABANDON_RATIO times later than all of that variant.
+PIECE_S = 0.004
+PIECE_BYTES = (256 << 10, 8 << 20)
 ABANDON_RATIO = 1.5
 
 
@@ -307,13 +309,14 @@ class PrefixLoad:
         outcome = self.chunks[i]
         store, tokens, remaining = self.store, outcome.end - outcome.start, self.end - outcome.start
         tier = store.tier(pick.tier)
-        if not tier.ranged_reads or pick.nbytes < 2 * PIECE_BYTES:
+        piece_bytes = int(min(max(store.links[tier.name].estimate * PIECE_S, PIECE_BYTES[0]), PIECE_BYTES[1]))
+        if not tier.ranged_reads or pick.nbytes < 2 * piece_bytes:
             return store.read_chunk(outcome.key, outcome.start, outcome.end)
         parts: list[bytes] = []
         got = 0
         while got < pick.nbytes:
             t0 = time.perf_counter()
-            piece = store.call_tier(tier, "get_range", outcome.key, got, PIECE_BYTES)
+            piece = store.call_tier(tier, "get_range", outcome.key, got, piece_bytes)
             seconds = time.perf_counter() - t0
             if not piece:
                 return store.read_chunk(outcome.key, outcome.start, outcome.end)  # gone here: any tier holding it
