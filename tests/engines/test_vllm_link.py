@@ -3,10 +3,11 @@ only), keeping each chunk as ``cachegen`` and ``raw``: the variant loaded follow
 the link drops in the middle of a request.
 
 One engine; a 2048-token prompt (eight chunks of 12 MB raw, about 1 MB cachegen) saved once at full speed.  Over
-the unshaped link (tbf at 100 Gbit/s) raw chunks load sooner than cachegen ones decode; at 20 Mbit/s raw takes
-about 5 s a chunk and cachegen well under one, or recomputing the rest is sooner still.  Then the link runs at
-1 Gbit/s (raw about 0.1 s a chunk) and drops to 20 Mbit/s 0.25 s into a request.  Every reply's first tokens must
-equal those of the first, computed, request.
+the unshaped link (tbf at 100 Gbit/s) raw chunks load sooner than cachegen ones decode, so the link carries most
+chunks (the planner may give the idle decoder a cachegen chunk between them); at 20 Mbit/s raw takes about 5 s a
+chunk and cachegen well under one, or recomputing the rest is sooner still.  Then the link runs at 1 Gbit/s (raw
+about 0.1 s a chunk) and drops to 20 Mbit/s 0.25 s into a request.  Every reply's first tokens must equal those
+of the first, computed, request.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_the_variant_loaded_follows_the_link(smollm2_hf, texts, link, tmp_path):
                 fast = engine.generate(prompt, 8)
             assert fast["token_ids"][:4] == first["token_ids"][:4]
             on_fast = _variants(engine)
-            assert on_fast and on_fast.count("raw") >= len(on_fast) - 1, on_fast
+            assert on_fast and on_fast.count("raw") >= len(on_fast) // 2, on_fast
 
             link.set_rate(SLOW)
             slow = engine.generate(prompt, 8, timeout_s=300)
@@ -64,13 +65,13 @@ def test_the_variant_loaded_follows_the_link(smollm2_hf, texts, link, tmp_path):
             link.set_rate(BEFORE_DROP)
             for _ in range(2):
                 engine.generate(prompt, 1)
-            assert _variants(engine)[0] == "raw"
+            assert "raw" in _variants(engine)
             drop = threading.Timer(0.25, link.set_rate, (SLOW,))
             drop.start()
             dropped = engine.generate(prompt, 8, timeout_s=300)
             drop.join()
             during = _variants(engine)
             assert dropped["token_ids"][:4] == first["token_ids"][:4]
-            assert during[0] == "raw" and (len(during) < PROMPT // 256 or during[-1] == "cachegen"), during
+            assert len(during) < PROMPT // 256 or during[-1] == "cachegen", during
     finally:
         redis.stop()
