@@ -112,7 +112,8 @@ def choose_steps(parts: list[PartPricing], fixed: int, target: float) -> tuple[l
     predicted = fixed + sum(p.predicted_bytes(codes + p.offset) for p in parts)
     # over: the coarsest code known to give more than the target; under: the finest known to give at most it
     over, under, measured = -1, top + 1, {}
-    c = int(np.argmin(np.abs(np.log(predicted) - math.log(target))))
+    goal = math.log(max(target, 1.0))  # a target below nothing (the frame's head alone is over it): the coarsest
+    c = int(np.argmin(np.abs(np.log(predicted) - goal)))
     while True:
         measured[c] = uniform(c)
         if measured[c] > target:
@@ -124,7 +125,7 @@ def choose_steps(parts: list[PartPricing], fixed: int, target: float) -> tuple[l
         # the prediction, scaled by its miss at the nearest measured code, names the next code inside the
         # bracket; after a few trials, bisection (each trial prices a new code inside the bracket, so this ends)
         near = min(measured, key=lambda m: abs(m - c))
-        guess = int(np.argmin(np.abs(np.log(predicted * measured[near] / predicted[near]) - math.log(target))))
+        guess = int(np.argmin(np.abs(np.log(predicted * measured[near] / predicted[near]) - goal)))
         c = min(max(guess, over + 1), under - 1) if len(measured) < GUIDED_TRIALS else (over + under) // 2
         if c in measured:
             c = (over + under) // 2
