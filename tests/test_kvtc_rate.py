@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import kvcodec
 from kvcodec.cli import main
 from kvcodec.codecs.cachegen.parts import SectionBytes
-from kvcodec.codecs.kvtc import KVTC, register_calibration
+from kvcodec.codecs.kvtc import KVTC, Calibration, register_calibration
 from kvcodec.codecs.kvtc.calibration import LayerInfo
 from kvcodec.codecs.kvtc.rope import Rotary
 from kvcodec.codecs.registry import codec_from_spec, parse_spec
@@ -107,8 +107,8 @@ def test_a_rate_is_a_number_and_not_a_level(calibration):
             KVTC(bits=bad)
     with pytest.raises(InvalidInputError, match="not both"):
         codec_from_spec("kvtc:bits=0.5,level=2")
-    with pytest.raises(InvalidInputError, match="per chunk"):
-        KVTC(bits=1, calibration=calibration).coded_components()
+    assert KVTC(bits=1, calibration=calibration).coded_components() == [(b.components, c.components) for b, c in
+                                                                         zip(calibration.keys, calibration.values)]
 
 
 def test_info_reports_asked_achieved_and_rates_out_of_reach(calibration, held_out, tmp_path, capsys):
@@ -149,3 +149,21 @@ def test_store_variants_of_known_size(calibration, held_out):
         assert sizes == sorted(sizes) and len(set(sizes)) == 4
     loaded = store.get(ids)
     assert loaded is not None and loaded.num_tokens == len(ids)
+
+
+def test_a_rate_file_decodes_alike_on_the_device_path():
+    """Rate mode's parts (their own step codes, leading components on another) through the Triton lane decoder
+    (its interpreter here) and the device transform, against the CPU decode, on the golden real cache."""
+    pytest.importorskip("triton")
+    from test_golden import assert_within_kvtc_tolerance
+    from test_kvtc_triton import GOLDEN, SMALL_LANES, _assert_lanes_equal, _frames
+
+    cal = register_calibration(Calibration.from_bytes((GOLDEN / "kvtc-calibration.kvtc").read_bytes()))
+    kv = kvcodec.decode((GOLDEN / "raw-f16.kvc").read_bytes())
+    blob = kvcodec.encode(kv, KVTC(bits=2.2, calibration=cal, **SMALL_LANES), chunk_tokens=24)
+    parts = [p for codec, data, ctxs in _frames(blob, "cpu")
+             for g, present, block in codec.group_blocks(data, ctxs, {c.layer for c in ctxs})
+             for p in codec.parse_group(g, present, block)[0]]
+    assert any(len(set(p.codes[p.live].tolist())) > 1 for p in parts)  # a part with leading components on `lead`
+    assert _assert_lanes_equal(blob) == len(parts) == 2 * 2 * 2
+    assert_within_kvtc_tolerance(blob, kvcodec.decode(blob, backend="triton"), kvcodec.decode(blob, backend="cpu"))

@@ -311,10 +311,11 @@ class KVTC(Codec):
         return int((gb.variance.sqrt() >= self.min_std * step).sum())
 
     def coded_components(self) -> list[tuple[int, int]]:
-        """Per calibration group, how many key and value components this codec codes (see :meth:`_coded`)."""
-        if self.bits is not None:
-            raise InvalidInputError("kvtc at a rate (bits=) chooses its steps, and so its components, per chunk")
+        """Per calibration group, how many key and value components this codec codes (see :meth:`_coded`); at a
+        rate (``bits``) the steps, and so the count, are chosen per chunk: at most every component of the basis."""
         cal = self.calibration_data()
+        if self.bits is not None:
+            return [(k.components, v.components) for k, v in zip(cal.keys, cal.values)]
         key_step, value_step = LEVELS[self.level]
         return [(self._coded(k, key_step), self._coded(v, value_step)) for k, v in zip(cal.keys, cal.values)]
 
