@@ -373,11 +373,11 @@ class KVTC(Codec):
 
         steps, estimate, out_of_reach = choose_steps(parts, fixed, target)
         blocks = code(steps)
-        miss = 4 * len(groups) + sum(map(len, blocks)) - estimate
-        if not out_of_reach and abs(estimate + miss - target) > RETRY_FRACTION * target:
+        actual = 4 * len(groups) + sum(map(len, blocks))
+        if not out_of_reach and abs(actual - target) > RETRY_FRACTION * target:
             # the estimate's own error (lane flushes, the ANS coder's rounding) is nearly the same at the next
             # choice: aim that much off the target, once
-            steps, _, _ = choose_steps(parts, fixed, target - miss)
+            steps, _, _ = choose_steps(parts, fixed, target - (actual - estimate))
             blocks = code(steps)
         return blocks
 

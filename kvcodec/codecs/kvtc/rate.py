@@ -1,7 +1,7 @@
 """kvtc's rate control (``kvtc:bits=B``): the step codes that make a frame's section ``B`` bits per element.
 
 Each part (keys or values of a group) of a frame gets its own step codes: components ``[0, m)`` use ``lead``,
-the rest ``code`` (SPEC: spec/kvtc.md, "Rate control").  Keys' and values' codes keep the levels' ratio (a fixed
+the rest ``code`` (spec/kvtc.md, "Rate mode").  Keys' and values' codes keep the levels' ratio (a fixed
 offset in code units), so one scale, the key code ``c``, moves the whole frame; a code is 2**(1/8) apart from
 the next, about 10% of the rate at the rates kvtc is used at, too coarse for +-5%, so the frame then moves from
 ``c`` to ``c - 1`` part by part and within one part by its leading ``m`` components (the largest first), which
