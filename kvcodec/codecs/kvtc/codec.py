@@ -320,20 +320,20 @@ class KVTC(Codec):
         return [(self._coded(k, key_step), self._coded(v, value_step)) for k, v in zip(cal.keys, cal.values)]
 
     @staticmethod
-    def _project(x: torch.Tensor, gb: GroupBasis, k: int) -> np.ndarray:
-        """Feature rows ``[T, F]`` on the first ``k`` components: coefficients ``[k, T]`` (float64)."""
-        return (((x - gb.mean) * gb.weight) @ gb.rows32[:k].T).T.numpy().astype(np.float64)
+    def _project(weighted: torch.Tensor, gb: GroupBasis, start: int, stop: int) -> np.ndarray:
+        """Weighted, centred feature rows ``[T, F]`` on components ``[start, stop)``: ``[stop - start, T]`` (float64)."""
+        return (weighted @ gb.rows32[start:stop].T).T.numpy().astype(np.float64)
 
     def _level_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
         k = self._coded(gb, step)
-        codes, q = quantize(self._project(x, gb, k), np.full(k, step_code(step), np.int64))
+        codes, q = quantize(self._project((x - gb.mean) * gb.weight, gb, 0, k), np.full(k, step_code(step), np.int64))
         # the first component's code is the base, every other code an override (as files have always had it)
         return self._part_bytes(q, codes, b"", codes[0] if k else 0, codes[0] if k else 0)
 
-    def _rate_part(self, coeff: np.ndarray, gb: GroupBasis, steps: PartSteps) -> bytes:
+    def _rate_part(self, part: PartPricing, gb: GroupBasis, steps: PartSteps) -> bytes:
         k = max(steps.m, self._coded(gb, float(STEPS[steps.code])))
         nominal = np.where(np.arange(k) < steps.m, steps.lead, steps.code)
-        codes, q = quantize(coeff[:k], nominal)
+        codes, q = quantize(part.coefficients(k), nominal)
         return self._part_bytes(q, codes, RATE_HEAD.pack(steps.code, steps.lead, steps.m), nominal, None)
 
     def _part_bytes(self, q: np.ndarray, codes: np.ndarray, head: bytes, nominal: Any, base: int | None) -> bytes:
@@ -360,15 +360,14 @@ class KVTC(Codec):
         cal = self.calibration_data()
         items = [(x, gb) for g, (kx, vx, _) in groups for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g]))]
         bases = [gb for _, gb in items]
-        coeffs = [self._project(x, gb, gb.components) for x, gb in items]
-        parts = [PartPricing(c, gb.variance.sqrt().double().numpy(),
-                             lambda code, gb=gb: self._coded(gb, float(STEPS[code])),
+        parts = [PartPricing(lambda a, b, w=(x - gb.mean) * gb.weight, gb=gb: self._project(w, gb, a, b), x.shape[0],
+                             gb.variance.sqrt().double().numpy(), lambda code, gb=gb: self._coded(gb, float(STEPS[code])),
                              VALUE_CODE_OFFSET * (i % 2), self.lane_components, self.lane_tokens)
-                 for i, (c, gb) in enumerate(zip(coeffs, bases))]
+                 for i, (x, gb) in enumerate(items)]
         fixed = 4 * len(groups) + sum(len(b) for _, (_, _, sinks) in groups for b in sinks)
 
         def code(steps: list[PartSteps]) -> list[bytes]:
-            out = [self._rate_part(c, gb, st) for c, gb, st in zip(coeffs, bases, steps)]
+            out = [self._rate_part(p, gb, st) for p, gb, st in zip(parts, bases, steps)]
             return [b"".join(out[2 * i:2 * i + 2] + sinks) for i, (_, (_, _, sinks)) in enumerate(groups)]
 
         steps, estimate, out_of_reach = choose_steps(parts, fixed, target)

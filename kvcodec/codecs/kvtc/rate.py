@@ -60,25 +60,33 @@ def gaussian_bits(log2_std_over_step: np.ndarray) -> np.ndarray:
 
 
 class PartPricing:
-    """One part of a frame: its coefficients on every calibration component ``[K, T]`` (float64) and what
-    coding them costs at each step code, priced once per code."""
+    """One part of a frame of ``tokens`` tokens: its coefficients (``project(a, b)``: on components ``[a, b)``,
+    ``[b - a, T]`` float64, computed as far as the codes priced need them: a low rate codes few components) and
+    what coding them costs at each step code, priced once per code."""
 
-    def __init__(self, coeff: np.ndarray, std: np.ndarray, count: Callable[[int], int], offset: int,
-                 lane_components: int, lane_tokens: int) -> None:
-        self.coeff, self.std, self.count, self.offset = coeff, std, count, offset
+    def __init__(self, project: Callable[[int, int], np.ndarray], tokens: int, std: np.ndarray,
+                 count: Callable[[int], int], offset: int, lane_components: int, lane_tokens: int) -> None:
+        self.project, self.tokens, self.std, self.count, self.offset = project, tokens, std, count, offset
         self.lane_components, self.lane_tokens = lane_components, lane_tokens
+        self._coeff = np.zeros((0, tokens))
         self._trials: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def coefficients(self, k: int) -> np.ndarray:
+        """The coefficients of the first ``k`` components ``[k, T]``."""
+        if k > len(self._coeff):
+            self._coeff = np.concatenate([self._coeff, self.project(len(self._coeff), k)])
+        return self._coeff[:k]
 
     def trial(self, code: int) -> tuple[np.ndarray, np.ndarray]:
         """Per component coded at ``code``: its bits and whether its step had to be coarsened (an override)."""
         if code not in self._trials:
             k = self.count(code)
-            used, q = quantize(self.coeff[:k], np.full(k, code, np.int64))
+            used, q = quantize(self.coefficients(k), np.full(k, code, np.int64))
             self._trials[code] = (symbol_bits(q), used != code)
         return self._trials[code]
 
     def _bytes(self, bits: np.ndarray, over: np.ndarray, live: np.ndarray, k: np.ndarray) -> np.ndarray:
-        lanes = np.ceil(live / self.lane_components) * math.ceil(self.coeff.shape[1] / self.lane_tokens)
+        lanes = np.ceil(live / self.lane_components) * math.ceil(self.tokens / self.lane_tokens)
         return PART_HEAD + k + OVERRIDE_BYTES * over + lanes * (2 + LANE_FLUSH_BYTES) + bits / 8
 
     def uniform_bytes(self, code: int) -> float:
@@ -100,7 +108,7 @@ class PartPricing:
         """Bytes at each step code in ``codes`` predicted from the calibration's variances alone."""
         log_std = np.log2(np.maximum(self.std, 1e-30))
         bits = gaussian_bits(log_std[None, :] - np.log2(STEPS[codes].astype(np.float64))[:, None]).sum(1)
-        return PART_HEAD + bits * self.coeff.shape[1] / 8
+        return PART_HEAD + bits * self.tokens / 8
 
 
 def choose_steps(parts: list[PartPricing], fixed: int, target: float) -> tuple[list[PartSteps], float, bool]:
