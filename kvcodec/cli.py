@@ -273,12 +273,42 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"{info.bits_per_element:.3f} bits/element (every byte counted)",
         f"  meta        {obj['meta']}",
     ]
+    for v, variant in enumerate(info.variants):
+        if "bits" in variant["config"]:
+            obj.setdefault("rate", {})[v], line = _rate(info, [c for c in chunks if c.variant == v], variant["config"]["bits"])
+            lines.append(line)
     if args.chunks:
         lines += [""] + _table(["chunk", "variant", "tokens", "layers", "offset", "bytes", "checksum"],
                                [[i, c.variant, f"{c.token_start}+{c.token_count}", f"{c.layer_start}+{c.layer_count}",
                                  c.offset, c.length, f"{c.checksum:016x}"] for i, c in enumerate(chunks)])
     _emit(args, obj, lines)
     return EXIT_OK
+
+
+# kvtc:bits=B keeps each chunk within its search's resolution of B unless the rate is out of reach for it
+RATE_TOLERANCE = 0.05
+
+
+def _rate(info: Any, chunks: list[Any], asked: float) -> tuple[dict[str, Any], str]:
+    """A variant that asked for a rate (kvtc's ``bits``): what it asked, what the file achieved (every byte
+    counted, over the variant's chunks when the file holds several variants) and each chunk's own rate (its frame
+    and index entry over its elements)."""
+    from kvcodec.formats.v1 import INDEX_ENTRY
+
+    def elements(c: Any) -> int:
+        layers = info.layers[c.layer_start:c.layer_start + c.layer_count]
+        return sum(s.heads * (s.key_dim + s.value_dim) * max(0, min(c.token_start + c.token_count, s.tokens) - c.token_start)
+                   for s in layers)
+
+    per_chunk = [8 * (c.length + INDEX_ENTRY.size) / max(elements(c), 1) for c in chunks]
+    achieved = info.bits_per_element if len(info.variants) == 1 else \
+        8 * sum(c.length + INDEX_ENTRY.size for c in chunks) / max(sum(map(elements, chunks)), 1)
+    missed = sum(abs(r / asked - 1) > RATE_TOLERANCE for r in per_chunk)
+    line = (f"  rate        asked {asked:g} bits/element, achieved {achieved:.4f} ({100 * (achieved / asked - 1):+.2f}%); "
+            f"per chunk {min(per_chunk, default=0):.4f}..{max(per_chunk, default=0):.4f}"
+            + (f"; {missed} chunk(s) off by more than {RATE_TOLERANCE:.0%}: the rate is out of reach there "
+               "(e.g. exact sink tokens alone cost more, or every calibration component is already coded)" if missed else ""))
+    return {"asked": asked, "achieved": achieved, "chunks": per_chunk, "chunks_out_of_reach": missed}, line
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ the entry-point group ``kvcodec.codecs`` (``name = "package.module:CodecClass"``
 from __future__ import annotations
 
 import json
+import re
 from importlib.metadata import entry_points
 from typing import Any, Sequence
 
@@ -13,6 +14,8 @@ from kvcodec.errors import InvalidInputError, UnknownCodecError
 ENTRY_POINT_GROUP = "kvcodec.codecs"
 _registry: dict[str, type[Codec]] = {}
 _entry_points_loaded = False
+# numbers JSON does not spell (".5", "5.", "+0.5"), which a person writes for a rate such as kvtc's bits=
+DECIMAL = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?")
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
@@ -56,7 +59,7 @@ def list_codecs() -> list[str]:
 
 def parse_spec(spec: str, sets: Sequence[str] = (), *, source: str = "codec") -> tuple[str, dict[str, Any]]:
     """The codec id and options of ``ID[:key=value,...]`` plus more ``key=value`` ``sets`` (values read as JSON
-    where they parse, else as strings), e.g. ``"kvtc:level=0"``.  An option given twice is an error (no silent
+    where they parse, else as decimal numbers, else as strings), e.g. ``"kvtc:level=0"``, ``"kvtc:bits=.5"``.  An option given twice is an error (no silent
     precedence); ``source`` names where the spec came from in messages."""
     codec_id, _, inline = spec.partition(":")
     options: dict[str, Any] = {}
@@ -72,7 +75,7 @@ def parse_spec(spec: str, sets: Sequence[str] = (), *, source: str = "codec") ->
         try:
             options[key] = json.loads(val.strip())
         except ValueError:
-            options[key] = val.strip()
+            options[key] = float(val) if DECIMAL.fullmatch(val.strip()) else val.strip()
     return codec_id.strip(), options
 
 

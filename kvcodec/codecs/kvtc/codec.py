@@ -26,19 +26,26 @@ import torch
 from kvcodec.codecs.base import Codec, LayerContext
 from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane, table_runs
 from kvcodec.codecs.cachegen.parts import SectionBytes
-from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, choose_tables, step_code
+from kvcodec.codecs.cachegen.tables import NUM_TABLES, STEPS, choose_tables, step_code
 from kvcodec.codecs.kvtc import gpu
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
                                              register_calibration)
 from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
+from kvcodec.codecs.kvtc.quantize import quantize
+from kvcodec.codecs.kvtc.rate import RETRY_FRACTION, PartPricing, PartSteps, choose_steps
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError, MissingCalibrationError
+from kvcodec.formats.v1 import INDEX_ENTRY, frame_head_size
 from kvcodec.layouts.paged import check_paged_layer, write_paged
 
 DEAD = 255  # table byte of a component whose symbols are all zero in the chunk: nothing else is stored for it
 MAX_LANE_SYMBOLS = 1 << 16
 DIGEST = re.compile(r"[0-9a-f]{64}")
 OVERRIDE = struct.Struct("<IB")  # component, step code
+RATE_HEAD = struct.Struct("<BBI")  # rate mode: a part's step code, lead step code, leading components on the lead
+MAX_BITS = 16.0  # float16's own rate: asking for more is a mistake, not a rate
+# keys' and values' steps keep the levels' ratio (3 at every level): the value code is the key code plus this
+VALUE_CODE_OFFSET = int(step_code(LEVELS[DEFAULT_LEVEL][1])) - int(step_code(LEVELS[DEFAULT_LEVEL][0]))
 
 
 @dataclass
@@ -69,10 +76,21 @@ class KVTC(Codec):
     joint_sections = True
     uses_positions = True
 
-    def __init__(self, level: int = DEFAULT_LEVEL, calibration: Any = "auto", sink_tokens: int = 1,
-                 lane_components: int = 64, lane_tokens: int = 256, min_std: float = DEFAULT_MIN_STD) -> None:
-        if not isinstance(level, int) or isinstance(level, bool) or level not in LEVELS:
+    def __init__(self, level: int | None = None, calibration: Any = "auto", sink_tokens: int = 1,
+                 lane_components: int = 64, lane_tokens: int = 256, min_std: float = DEFAULT_MIN_STD,
+                 bits: float | None = None) -> None:
+        if bits is not None:
+            if level is not None:
+                raise InvalidInputError("kvtc takes a level or a rate (bits=), not both")
+            if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits <= MAX_BITS:
+                raise InvalidInputError(f"kvtc bits must be a number of bits per element in (0, {MAX_BITS:g}], "
+                                        f"not {bits!r}")
+            bits = float(bits)
+        elif level is None:
+            level = DEFAULT_LEVEL
+        if bits is None and (not isinstance(level, int) or isinstance(level, bool) or level not in LEVELS):
             raise InvalidInputError(f"kvtc level must be one of {sorted(LEVELS)}, not {level!r}")
+        self.bits = bits
         for name, v, hi in (("sink_tokens", sink_tokens, 1024), ("lane_components", lane_components, 4096),
                             ("lane_tokens", lane_tokens, MAX_LANE_SYMBOLS)):
             if not isinstance(v, int) or isinstance(v, bool) or not (0 if name == "sink_tokens" else 1) <= v <= hi:
@@ -105,8 +123,9 @@ class KVTC(Codec):
         return [{"level": level} for level in sorted(LEVELS)]
 
     def get_config(self) -> dict[str, Any]:
-        config = {"level": self.level, "calibration": self.calibration, "sink_tokens": self.sink_tokens,
-                  "lane_components": self.lane_components, "lane_tokens": self.lane_tokens}
+        config = ({"level": self.level} if self.bits is None else {"bits": self.bits}) | {
+            "calibration": self.calibration, "sink_tokens": self.sink_tokens,
+            "lane_components": self.lane_components, "lane_tokens": self.lane_tokens}
         # 0 (every component coded) is what files written before the option meant, and they name no min_std
         return config | ({"min_std": self.min_std} if self.min_std else {})
 
@@ -125,7 +144,7 @@ class KVTC(Codec):
             raise InvalidInputError(
                 f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
                 "kvcodec.tools.kvtc_calibration.calibrate) and pass calibration=FILE")
-        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std)
+        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std, self.bits)
 
     @classmethod
     def needs_model(cls, config: dict[str, Any]) -> bool:
@@ -193,7 +212,16 @@ class KVTC(Codec):
 
     def encode_frame(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> bytes:
         tensors = {c.layer: pair for pair, c in zip(layers, ctxs)}
-        blocks = [self._encode_group(g, [(tensors[c.layer], c) for c in present]) for g, present in self._groups(ctxs)]
+        groups = [(g, self._features(g, [(tensors[c.layer], c) for c in present])) for g, present in self._groups(ctxs)]
+        if self.bits is not None:
+            elements = sum(c.shape.heads * c.shape.tokens * (c.shape.key_dim + c.shape.value_dim) for c in ctxs)
+            # the frame's own head and its index entry count too, as every byte of a container does
+            blocks = self._rate_blocks(groups, self.bits * elements / 8 - frame_head_size(len(ctxs)) - INDEX_ENTRY.size)
+        else:
+            cal = self.calibration_data()
+            key_step, value_step = LEVELS[self.level]
+            blocks = [b"".join([self._level_part(kx, cal.keys[g], key_step), self._level_part(vx, cal.values[g], value_step)]
+                               + sinks) for g, (kx, vx, sinks) in groups]
         return b"".join([struct.pack(f"<{len(blocks)}I", *map(len, blocks))] + blocks)
 
     def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -255,7 +283,10 @@ class KVTC(Codec):
         """Whether this layer's keys carry the rotary embedding (to be undone before the transform)."""
         return ctx.rope != "pre" and self.calibration_data().layers[ctx.layer].rotary is not None
 
-    def _encode_group(self, g: int, items: list[tuple[tuple[torch.Tensor, torch.Tensor], LayerContext]]) -> bytes:
+    def _features(self, g: int, items: list[tuple[tuple[torch.Tensor, torch.Tensor], LayerContext]]
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[bytes]]:
+        """A group's key and value feature rows ``[T - S, F]`` (keys rotated back to position 0) and its layers'
+        sink blocks."""
         cal = self.calibration_data()
         ctx0 = items[0][1]
         s = self._sinks(ctx0)
@@ -270,10 +301,7 @@ class KVTC(Codec):
             # widths spelled out: a chunk of sink tokens only has no other tokens, and -1 cannot size an empty row
             kfeat.append(k32[:, s:].permute(1, 0, 2).reshape(k32.shape[1] - s, k32.shape[0] * k32.shape[2]))
             vfeat.append(v32[:, s:].permute(1, 0, 2).reshape(v32.shape[1] - s, v32.shape[0] * v32.shape[2]))
-        key_step, value_step = LEVELS[self.level]
-        parts = [self._encode_part(torch.cat(f, 1), basis, step)
-                 for f, basis, step in ((kfeat, cal.keys[g], key_step), (vfeat, cal.values[g], value_step))]
-        return b"".join(parts + sinks)
+        return torch.cat(kfeat, 1), torch.cat(vfeat, 1), sinks
 
     def _coded(self, gb: GroupBasis, step: float) -> int:
         """How many leading components of ``gb`` are coded: those whose calibration std is at least ``min_std``
@@ -283,23 +311,35 @@ class KVTC(Codec):
         return int((gb.variance.sqrt() >= self.min_std * step).sum())
 
     def coded_components(self) -> list[tuple[int, int]]:
-        """Per calibration group, how many key and value components this codec codes (see :meth:`_coded`)."""
+        """Per calibration group, how many key and value components this codec codes (see :meth:`_coded`); at a
+        rate (``bits``) the steps, and so the count, are chosen per chunk: at most every component of the basis."""
         cal = self.calibration_data()
+        if self.bits is not None:
+            return [(k.components, v.components) for k, v in zip(cal.keys, cal.values)]
         key_step, value_step = LEVELS[self.level]
         return [(self._coded(k, key_step), self._coded(v, value_step)) for k, v in zip(cal.keys, cal.values)]
 
-    def _encode_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
-        rows = gb.rows32[:self._coded(gb, step)]
-        coeff = (((x - gb.mean) * gb.weight) @ rows.T).T.numpy().astype(np.float64)  # [K, T]
-        k, t = coeff.shape
-        codes = np.full(k, step_code(step), np.int64)
-        worst = np.abs(coeff).max(1, initial=0) / STEPS[codes]
-        over = worst > RADIX
-        # a component whose symbols leave the codebook's range gets a step just coarse enough
-        codes[over] = np.minimum(255, codes[over] + 1 + np.ceil(8 * np.log2(worst[over] / RADIX)).astype(np.int64))
-        q = np.rint(coeff / STEPS[codes][:, None].astype(np.float64)).astype(np.int64)
-        if np.abs(q).max(initial=0) > RADIX:
-            raise InvalidInputError("kvtc could not fit a component into its symbol range")
+    @staticmethod
+    def _project(weighted: torch.Tensor, gb: GroupBasis, start: int, stop: int) -> np.ndarray:
+        """Weighted, centred feature rows ``[T, F]`` on components ``[start, stop)``: ``[stop - start, T]`` (float64)."""
+        return (weighted @ gb.rows32[start:stop].T).T.numpy().astype(np.float64)
+
+    def _level_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
+        k = self._coded(gb, step)
+        codes, q = quantize(self._project((x - gb.mean) * gb.weight, gb, 0, k), np.full(k, step_code(step), np.int64))
+        # the first component's code is the base, every other code an override (as files have always had it)
+        return self._part_bytes(q, codes, b"", codes[0] if k else 0, codes[0] if k else 0)
+
+    def _rate_part(self, part: PartPricing, gb: GroupBasis, steps: PartSteps) -> bytes:
+        k = max(steps.m, self._coded(gb, float(STEPS[steps.code])))
+        nominal = np.where(np.arange(k) < steps.m, steps.lead, steps.code)
+        codes, q = quantize(part.coefficients(k), nominal)
+        return self._part_bytes(q, codes, RATE_HEAD.pack(steps.code, steps.lead, steps.m), nominal, None)
+
+    def _part_bytes(self, q: np.ndarray, codes: np.ndarray, head: bytes, nominal: Any, base: int | None) -> bytes:
+        """A part from its symbols ``[K, T]`` and each component's step code: ``head``, the tables, the base code
+        (level mode only), the codes that differ from ``nominal`` as overrides, then the lanes."""
+        k, t = q.shape
         live = np.flatnonzero(np.any(q != 0, axis=1))
         table = np.full(k, DEAD, np.uint8)
         table[live] = choose_tables(q[live])
@@ -308,9 +348,37 @@ class KVTC(Codec):
             words = encode_lane([(r.gather(q), r.table) for r in runs])
             lanes.append(words.astype("<u4").tobytes())
             lengths.append(len(words))
-        overrides = [OVERRIDE.pack(int(c), int(codes[c])) for c in np.flatnonzero(codes != codes[0]) if table[c] != DEAD]
-        head = table.tobytes() + struct.pack("<BI", int(codes[0]) if k else 0, len(overrides)) + b"".join(overrides)
-        return head + np.array(lengths, "<u2").tobytes() + b"".join(lanes)
+        overrides = [OVERRIDE.pack(int(c), int(codes[c])) for c in np.flatnonzero(codes != nominal) if table[c] != DEAD]
+        count = struct.pack("<I", len(overrides)) if base is None else struct.pack("<BI", int(base), len(overrides))
+        return head + table.tobytes() + count + b"".join(overrides) + np.array(lengths, "<u2").tobytes() + b"".join(lanes)
+
+    def _rate_blocks(self, groups: list[tuple[int, tuple[torch.Tensor, torch.Tensor, list[bytes]]]],
+                     target: float) -> list[bytes]:
+        """The groups' blocks coded at the rate asked for (:mod:`.rate`): the section's bytes (its group lengths,
+        parts and sink blocks) come within the search's resolution of ``target``, unless that is out of reach
+        for this frame (then the nearest the step codes allow)."""
+        cal = self.calibration_data()
+        items = [(x, gb) for g, (kx, vx, _) in groups for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g]))]
+        bases = [gb for _, gb in items]
+        parts = [PartPricing(lambda a, b, w=(x - gb.mean) * gb.weight, gb=gb: self._project(w, gb, a, b), x.shape[0],
+                             gb.variance.sqrt().double().numpy(), lambda code, gb=gb: self._coded(gb, float(STEPS[code])),
+                             VALUE_CODE_OFFSET * (i % 2), self.lane_components, self.lane_tokens)
+                 for i, (x, gb) in enumerate(items)]
+        fixed = 4 * len(groups) + sum(len(b) for _, (_, _, sinks) in groups for b in sinks)
+
+        def code(steps: list[PartSteps]) -> list[bytes]:
+            out = [self._rate_part(p, gb, st) for p, gb, st in zip(parts, bases, steps)]
+            return [b"".join(out[2 * i:2 * i + 2] + sinks) for i, (_, (_, _, sinks)) in enumerate(groups)]
+
+        steps, estimate, out_of_reach = choose_steps(parts, fixed, target)
+        blocks = code(steps)
+        actual = 4 * len(groups) + sum(map(len, blocks))
+        if not out_of_reach and abs(actual - target) > RETRY_FRACTION * target:
+            # the estimate's own error (lane flushes, the ANS coder's rounding) is nearly the same at the next
+            # choice: aim that much off the target, once
+            steps, _, _ = choose_steps(parts, fixed, target - (actual - estimate))
+            blocks = code(steps)
+        return blocks
 
     def _plan(self, live: np.ndarray, tokens: int, table: np.ndarray) -> list[list[Any]]:
         """Lanes of ``lane_components`` live components by ``lane_tokens`` tokens, one run per table (as cachegen's)."""
@@ -325,8 +393,8 @@ class KVTC(Codec):
         cal = self.calibration_data()
         t, s = present[0].shape.tokens, self._sinks(present[0])
         reader = SectionBytes(data)
-        parts = [self._parse_part(reader, gb, step, t - s) for gb, step in zip((cal.keys[g], cal.values[g]),
-                                                                                 LEVELS[self.level])]
+        steps = (None, None) if self.bits is not None else LEVELS[self.level]
+        parts = [self._parse_part(reader, gb, step, t - s) for gb, step in zip((cal.keys[g], cal.values[g]), steps)]
         sinks = []
         for c in present:
             h = c.shape.heads
@@ -377,15 +445,25 @@ class KVTC(Codec):
                 out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
         return out
 
-    def _parse_part(self, reader: SectionBytes, gb: GroupBasis, step: float, t: int) -> CodedPart:
-        """One part's header and lanes, every count checked against the codec and the calibration."""
-        k = self._coded(gb, step)
-        table = reader.take(k, "u1")
-        base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
+    def _parse_part(self, reader: SectionBytes, gb: GroupBasis, step: float | None, t: int) -> CodedPart:
+        """One part's header and lanes, every count checked against the codec and the calibration; ``step``: the
+        level's, None at a rate (the part's header names its step codes)."""
+        if step is None:
+            code, lead, m = RATE_HEAD.unpack(reader.take(RATE_HEAD.size, "u1").tobytes())
+            if m > gb.components:
+                raise CorruptDataError(f"kvtc part codes {m} leading components; its basis has {gb.components}")
+            k = max(m, self._coded(gb, float(STEPS[code])))
+            table = reader.take(k, "u1")
+            (n_over,) = struct.unpack("<I", reader.take(4, "u1").tobytes())
+            codes = np.where(np.arange(k) < m, lead, code).astype(np.int64)
+        else:
+            k = self._coded(gb, step)
+            table = reader.take(k, "u1")
+            base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
+            codes = np.full(k, base, np.int64)
         live = np.flatnonzero(table != DEAD)
         if n_over > len(live):
             raise CorruptDataError("kvtc part has more step overrides than live components")
-        codes = np.full(k, base, np.int64)
         for comp, code in OVERRIDE.iter_unpack(reader.take(n_over * OVERRIDE.size, "u1").tobytes()):
             if comp >= k or table[comp] == DEAD:
                 raise CorruptDataError("kvtc step override names a component that is not coded")
