@@ -1,13 +1,17 @@
 """Rate-distortion of every codec preset on the same real SmolLM2 caches, in one run.
 
     python bench/rate_distortion.py [--tokens 1536] [--continuation 512] [--model gemma3-270m --codec ...]
+    python bench/rate_distortion.py --texts heldout --per-text --name kvtc_heldout --codec kvtc --codec cachegen ...
 
 Writes bench/results/rate_distortion.{md,json,png}: bits per element (every
 container byte counted), perplexity change when the model continues from the
 decoded cache, and greedy next-token agreement, averaged over three texts.
 Another model (``--model``, any spec ``kvcodec dump`` takes) writes
 bench/results/rate_distortion-<model>.{md,json,png}, without the cachegen
-design ablations (they were SmolLM2's measurements).
+design ablations (they were SmolLM2's measurements).  ``--texts`` measures on
+other texts (``heldout``: kvcodec.tools.texts.HELDOUT_TEXTS, kinds of text no
+calibration default is of), without the ablations, into ``--name``'s files;
+``--per-text`` adds each text's own numbers.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kvcodec.codecs import codec_class, list_codecs
 from kvcodec.tools.evaluate import EvalRow, evaluate, prepare, preset_label
 from kvcodec.tools.models import SMOLLM2, LoadedModel, load_model
 from kvcodec.tools.plot import rate_distortion_plot
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, load_text
+from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS, load_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # What cachegen's design choices do, at the default level: CacheGen's anchor/delta coding (groups of 2 and of
@@ -45,6 +49,14 @@ def main() -> None:
     p.add_argument("--continuation", type=int, default=512)
     p.add_argument("--model", default=SMOLLM2, help=f"the model (default: {SMOLLM2}; others write their own files)")
     p.add_argument("--codec", action="append", help="only these codec ids (default: all registered)")
+    p.add_argument("--texts", default=",".join(DEFAULT_EVAL_TEXTS),
+                   help="comma-separated text specs, or 'heldout' for kvcodec.tools.texts.HELDOUT_TEXTS (default: "
+                        "the evaluation texts)")
+    p.add_argument("--name", help="results file name in bench/results without suffix (default: rate_distortion, "
+                                  "or rate_distortion-<model> for another model); needed with other --texts")
+    p.add_argument("--per-text", action="store_true", help="also measure and list each text's own numbers")
+    p.add_argument("--spec", action="append", default=[],
+                   help="also measure this codec spec (kvtc:level=2,calibration=FILE: another calibration)")
     p.add_argument("--update", action="store_true",
                    help="re-measure only the --codec ids (their presets and ablations) and keep every other row of "
                         "the existing results, measured on the same texts and lengths")
@@ -52,14 +64,19 @@ def main() -> None:
                    help="re-measure only the encode and decode times of every existing row (on the same caches; "
                         "each row's bytes must come out the same, so its quality columns still hold)")
     args = p.parse_args()
+    args.texts = list(HELDOUT_TEXTS) if args.texts == "heldout" else [t for t in args.texts.split(",") if t]
+    if not args.texts:
+        p.error("--texts names no text")
+    if args.texts != list(DEFAULT_EVAL_TEXTS) and not args.name:
+        p.error("--texts other than the evaluation texts needs --name (the default files hold those texts' rows)")
     kept: list[EvalRow] = []
     old = None
     if args.update or args.times_only:
         if args.update and not args.codec:
             p.error("--update needs --codec")
-        old = json.loads(results_path(args.model, ".json").read_text())
+        old = json.loads(results_path(args, ".json").read_text())
         if (old["prefix_tokens"], old["continuation_tokens"], old["texts"]) != (args.tokens, args.continuation,
-                                                                                list(DEFAULT_EVAL_TEXTS)):
+                                                                                args.texts):
             p.error("the existing results were measured on other texts or lengths; run without --update/--times-only")
         kept = [EvalRow.from_dict(r) for r in old["rows"] if r["codec"].split(":")[0] not in (args.codec or [])]
     model = load_model(args.model)
@@ -70,33 +87,48 @@ def main() -> None:
         calibration = ensure_calibration(model, log=lambda line: print(line, file=sys.stderr))
     t0 = time.time()
     if args.times_only:
-        rows = retime(model, kept, args.tokens)
+        rows = retime(model, kept, args.tokens, args.texts)
         reference_ppl = old["reference_ppl"]
         write(args, model, rows, reference_ppl, calibration, f"Encode and decode times re-measured by `python bench/rate_distortion.py "
               f"--times-only` in {time.time() - t0:.0f} s (every row's bytes came out the same); bits, perplexity and "
               "agreement are from the previous full run.")
         return
-    cases = [prepare(model, text, args.tokens, args.continuation) for text in DEFAULT_EVAL_TEXTS]
+    cases = [prepare(model, text, args.tokens, args.continuation) for text in args.texts]
     presets = [(cid, preset) for cid in (args.codec or list_codecs()) for preset in codec_class(cid).presets()]
     codecs = [codec_class(cid).from_config(preset) for cid, preset in presets]
     labels = [preset_label(cid, preset) for cid, preset in presets]
-    ablations = [spec for spec in ABLATIONS if args.model == SMOLLM2 and (not args.codec or spec.split(":")[0] in args.codec)]
-    codecs += [parse_codec(spec) for spec in ablations]
-    labels += ablations
-    rows = sorted(kept + evaluate(model, cases, codecs, labels=labels),
-                  key=lambda r: (r.codec.split(":")[0], r.bits_per_element))
-    made = f"Made by `python bench/rate_distortion.py` in {time.time() - t0:.0f} s on a 2-core CPU."
+    ablations = [spec for spec in ABLATIONS if args.model == SMOLLM2 and args.texts == list(DEFAULT_EVAL_TEXTS)
+                 and (not args.codec or spec.split(":")[0] in args.codec)]
+    codecs += [parse_codec(spec) for spec in ablations + args.spec]
+    labels += ablations + args.spec
+    per_text: dict[str, list[EvalRow]] = {}
+    if args.per_text:  # each text alone; the mean rows are these texts' rows combined
+        per_text = {c.name: evaluate(model, [c], codecs, labels=labels) for c in cases}
+        new = [combine(parts) for parts in zip(*per_text.values())]
+    else:
+        new = evaluate(model, cases, codecs, labels=labels)
+    rows = sorted(kept + new, key=lambda r: (r.codec.split(":")[0], r.bits_per_element))
+    made = f"Made by `python bench/{' '.join([Path(__file__).name] + sys.argv[1:])}` in {time.time() - t0:.0f} s on a 2-core CPU."
     if args.update:
         made = (f"Rows of {', '.join(args.codec)} re-measured by `python bench/rate_distortion.py --update "
                 f"{' '.join('--codec ' + c for c in args.codec)}` in {time.time() - t0:.0f} s; the others are from the "
                 "previous full run.")
-    write(args, model, rows, {c.name: c.ref_ppl for c in cases}, calibration, made)
+    write(args, model, rows, {c.name: c.ref_ppl for c in cases}, calibration, made, per_text)
 
 
-def retime(model: LoadedModel, rows: list[EvalRow], tokens: int) -> list[EvalRow]:
+def combine(parts: list[EvalRow]) -> EvalRow:
+    """One row over several texts' rows of a codec, as :func:`evaluate` makes it over all of them at once."""
+    elements = sum(r.bytes * 8 / r.bits_per_element for r in parts)
+    n = sum(r.cases for r in parts)
+    return EvalRow(parts[0].codec, sum(r.bytes for r in parts), 8 * sum(r.bytes for r in parts) / elements,
+                   sum(r.ppl_change * r.cases for r in parts) / n, sum(r.agreement * r.cases for r in parts) / n,
+                   sum(r.encode_s for r in parts), sum(r.decode_s for r in parts), n, sum(r.raw_bytes for r in parts))
+
+
+def retime(model: LoadedModel, rows: list[EvalRow], tokens: int, texts: list[str]) -> list[EvalRow]:
     """``rows`` with encode and decode seconds measured again (one whole-cache call on one thread per cache, as
     :func:`evaluate` times them) on the same prefixes; a row whose bytes differ now is an error."""
-    caches = [model.prefill(model.tokenize(load_text(text))[:tokens], dtype=torch.float16) for text in DEFAULT_EVAL_TEXTS]
+    caches = [model.prefill(model.tokenize(load_text(text))[:tokens], dtype=torch.float16) for text in texts]
     out = []
     for row in rows:
         codec = parse_codec(row.codec)
@@ -115,16 +147,18 @@ def retime(model: LoadedModel, rows: list[EvalRow], tokens: int) -> list[EvalRow
     return out
 
 
-def results_path(model: str, suffix: str) -> Path:
-    """bench/results/rate_distortion<suffix> for SmolLM2, rate_distortion-<model><suffix> for another model."""
-    name = "rate_distortion" if model == SMOLLM2 else "rate_distortion-" + Path(model).name.removesuffix(".gguf")
+def results_path(args: argparse.Namespace, suffix: str) -> Path:
+    """bench/results/<--name><suffix>; by default rate_distortion<suffix> for SmolLM2, rate_distortion-<model><suffix>
+    for another model."""
+    name = args.name or ("rate_distortion" if args.model == SMOLLM2 else
+                         "rate_distortion-" + Path(args.model).name.removesuffix(".gguf"))
     return RESULTS / (name + suffix)
 
 
 def write(args: argparse.Namespace, model: LoadedModel, rows: list[EvalRow], reference_ppl: dict[str, float],
-          calibration: Any, made: str) -> None:
+          calibration: Any, made: str, per_text: dict[str, list[EvalRow]] | None = None) -> None:
     lines = [f"# Rate-distortion on real KV ({model.model_id})", "",
-             f"Texts: {', '.join(DEFAULT_EVAL_TEXTS)}; {args.tokens}-token prefix cached in float16, perplexity of the "
+             f"Texts: {', '.join(args.texts)}; {args.tokens}-token prefix cached in float16, perplexity of the "
              f"next {args.continuation} tokens, mean over texts. Reference perplexities (from the float16 cache): "
              + ", ".join(f"{name} {ppl:.3f}" for name, ppl in reference_ppl.items()) + ".", "",
              "Encode and decode: seconds per cache (one whole-cache call on one thread, mean over the texts) and MB/s "
@@ -142,13 +176,17 @@ def write(args: argparse.Namespace, model: LoadedModel, rows: list[EvalRow], ref
                   f"({', '.join(map(str, calibration.groups))}), {sum(b.components for b in calibration.keys)} key and "
                   f"{sum(b.components for b in calibration.values)} value components, from "
                   f"{calibration.settings.get('tokens')} tokens of {', '.join(calibration.settings.get('texts', []))}."]
+    for text, text_rows in (per_text or {}).items():
+        lines += ["", f"{text} alone:", "", "| codec | bits/element | perplexity change | agreement |", "|---|---|---|---|"]
+        lines += [f"| `{r.codec}` | {r.bits_per_element:.3f} | {100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% |"
+                  for r in sorted(text_rows, key=lambda r: (r.codec.split(":")[0], r.bits_per_element))]
     lines += ["", f"{made} Load average {os.getloadavg()[0]:.1f} at the end (the 2 cores are shared)."]
     RESULTS.mkdir(exist_ok=True)
-    results_path(args.model, ".md").write_text("\n".join(lines) + "\n")
-    results_path(args.model, ".json").write_text(json.dumps(
-        {"texts": list(DEFAULT_EVAL_TEXTS), "prefix_tokens": args.tokens, "continuation_tokens": args.continuation,
+    results_path(args, ".md").write_text("\n".join(lines) + "\n")
+    results_path(args, ".json").write_text(json.dumps(
+        {"texts": args.texts, "prefix_tokens": args.tokens, "continuation_tokens": args.continuation,
          "reference_ppl": reference_ppl, "rows": [r.to_dict() for r in rows]}, indent=2) + "\n")
-    rate_distortion_plot(rows, str(results_path(args.model, ".png")), title=f"{model.model_id}: {', '.join(DEFAULT_EVAL_TEXTS)}",
+    rate_distortion_plot(rows, str(results_path(args, ".png")), title=f"{model.model_id}: {', '.join(args.texts)}",
                          separate=ABLATIONS)
     print("\n".join(lines))
 
