@@ -45,10 +45,11 @@ def ids(gemma):
 
 @pytest.fixture(scope="module")
 def small_cal(gemma):
-    """A calibration from one 1024-token segment (a test's budget; `kvcodec calibrate` uses all four texts)."""
+    """A calibration from one 1024-token segment (a test's budget; `kvcodec calibrate` uses all four texts), without
+    the loss-measured layer weights (their measurement is tested on its own, below)."""
     from kvcodec.codecs.kvtc import register_calibration
     from kvcodec.tools.kvtc_calibration import calibrate
-    return register_calibration(calibrate(gemma, segment_tokens=1024, max_tokens=1024))
+    return register_calibration(calibrate(gemma, segment_tokens=1024, max_tokens=1024, loss_weights=False))
 
 
 def _kv_at(loaded, ids: list[int], start: int) -> kvcodec.KVCache:
