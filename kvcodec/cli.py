@@ -453,7 +453,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.quiet:  # the fit has no steps to count
         print(f"calibrate: fitting the PCA bases of {len(stats.groups)} layer group(s) from "
               f"{stats.settings['tokens']} tokens", file=sys.stderr)
-    cal = calibrate(model, texts, group_layers=args.group_layers, statistics=stats)
+    cal = calibrate(model, texts, group_layers=args.group_layers, loss_weights=args.loss_weights, statistics=stats)
     digest = cal.save(args.output)
     installed = install(cal) if args.install else None
     obj = {"output": args.output, "sha256": digest, "model": cal.model, "groups": len(cal.groups),
@@ -635,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--group-layers", type=int, default=None,
                     help="layers per PCA basis (default: the fewest groups of consecutive layers of one kind with at "
                          "most 6144 features each)")
+    sp.add_argument("--loss-weights", action="store_true",
+                    help="scale each layer's value weights by the loss a unit error costs there, measured with the "
+                         "model (docs/codecs/kvtc.md)")
     sp.add_argument("--install", action="store_true", help="also install it in the cache folder as its model's calibration")
     sp.add_argument("-o", "--output", required=True, help="output calibration file")
 

@@ -6,6 +6,7 @@ CI does not install it, and these tests skip without it."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 
 import numpy as np
@@ -44,10 +45,11 @@ def ids(gemma):
 
 @pytest.fixture(scope="module")
 def small_cal(gemma):
-    """A calibration from one 1024-token segment (a test's budget; `kvcodec calibrate` uses all four texts)."""
+    """A calibration from one 1024-token segment (a test's budget; `kvcodec calibrate` uses all four texts), without
+    the loss-measured layer weights (their measurement is tested on its own, below)."""
     from kvcodec.codecs.kvtc import register_calibration
     from kvcodec.tools.kvtc_calibration import calibrate
-    return register_calibration(calibrate(gemma, segment_tokens=1024, max_tokens=1024))
+    return register_calibration(calibrate(gemma, segment_tokens=1024, max_tokens=1024, loss_weights=False))
 
 
 def _kv_at(loaded, ids: list[int], start: int) -> kvcodec.KVCache:
@@ -174,3 +176,55 @@ def test_kvtc_round_trip_selection_and_positions(gemma, ids, small_cal):
         here = float((c.keys - d.keys).norm())
         there = float((a.keys - b.keys).norm())
         assert there < 1.05 * here + 1e-3 * float(b.keys.norm())
+
+
+def test_equalizing_scales_make_every_layer_cost_the_same():
+    from kvcodec.tools.kvtc_sensitivity import equalizing_scales
+
+    traces = torch.tensor([1e-6, 4e-4, 2.5e-3, 1e-4], dtype=torch.float64)
+    scales = equalizing_scales(traces)
+    cost = traces / scales.pow(2)  # a unit error after scaling the weights by ``scales``
+    assert torch.allclose(cost, cost[0].expand(4), rtol=1e-9)
+    assert abs(float(scales.log().mean())) < 1e-9  # the kind's mean log weight is kept
+    with pytest.raises(InvalidInputError, match="no effect"):
+        equalizing_scales(torch.tensor([1e-3, 0.0], dtype=torch.float64))
+
+
+@needs_gemma
+def test_fisher_trace_predicts_the_loss_of_noise(gemma, ids):
+    """The measured sensitivity is what noise really costs: values noise of one weighted-domain variance in the
+    most and the least sensitive layer raises the continuation's loss about as the Fisher trace predicts (half the
+    variance times the trace summed over the layer's elements) in the first, and far less in the second."""
+    from kvcodec.tools.kvtc_sensitivity import fisher_diagonals
+    from kvcodec.tools.texts import load_text
+
+    prefix, cont = 512, 128
+    text = load_text(TEXT)
+    diag = fisher_diagonals(gemma, [TEXT], prefix_tokens=prefix, continuation_tokens=cont, samples=2)[1]
+    per_layer = torch.stack([d.mean() for d in diag])
+    assert bool(torch.all(torch.isfinite(per_layer))) and bool(torch.all(per_layer > 0))
+    hi, lo = int(per_layer.argmax()), int(per_layer.argmin())
+    assert float(per_layer[hi]) > 30 * float(per_layer[lo])
+    all_ids = gemma.tokenize(text)
+    kv = gemma.prefill(all_ids[:prefix], dtype=torch.float16).to(dtype=torch.float32)
+    more = all_ids[prefix:prefix + cont + 1]
+    target = torch.tensor(more[1:])
+
+    def loss(cache: kvcodec.KVCache) -> float:
+        return float(torch.nn.functional.cross_entropy(gemma.continue_from(cache, more[:-1]), target, reduction="sum"))
+
+    base = loss(kv)
+    gen = torch.Generator().manual_seed(1)
+    rise = {}
+    sigma = 0.5 / math.sqrt(float(per_layer[hi]) * kv.layers[hi].values[:, 1:].numel())  # a predicted rise of 1/8
+    for layer in (hi, lo):
+        v = kv.layers[layer].values
+        noise = torch.randn(v.shape, generator=gen) * sigma
+        noise[:, :1] = 0  # the sink is stored exactly
+        pair = [loss(kvcodec.KVCache([(l.keys, l.values + s * noise) if i == layer else (l.keys, l.values)
+                                      for i, l in enumerate(kv.layers)], model=kv.model, rope=kv.rope))
+                for s in (1, -1)]  # antithetic: the first-order term cancels
+        rise[layer] = (sum(pair) / 2 - base)
+    predicted = sigma ** 2 / 2 * float(per_layer[hi]) * kv.layers[hi].values[:, 1:].numel()
+    assert 0.3 * predicted < rise[hi] < 3 * predicted, (rise, predicted)
+    assert rise[lo] < rise[hi] / 10
