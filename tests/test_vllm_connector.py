@@ -492,5 +492,17 @@ def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_pat
             break
         time.sleep(0.05)
     assert store.codec.codec_id == "kvtc" and calls == ["m"]
+    # variants: the ones that need no calibration serve meanwhile, then all of them
+    monkeypatch.setattr(calmod, "_registered", {})
+    release.clear()
+    variants = build_store({"codec": ["kvtc:level=0", "cachegen", "raw"], "tiers": ["cpu"]}, "m2")
+    assert [c.codec_id for c in variants.variants] == ["cachegen", "raw"]
+    release.set()
+    for _ in range(100):
+        if len(variants.variants) == 3:
+            break
+        time.sleep(0.05)
+    assert [(c.codec_id, c.get_config().get("level")) for c in variants.variants] == \
+        [("kvtc", 0), ("cachegen", 2), ("raw", None)] and calls[-1] == "m2"
     with pytest.raises(Exception, match="background"):
         build_store({"codec": "kvtc", "tiers": ["cpu"], "calibrate": "later"}, "m")

@@ -20,14 +20,28 @@ import os
 import threading
 from typing import Any, Callable, Iterator
 
-from kvcodec.codecs import codec_class
+from kvcodec.codecs import codec_class, get_codec
+from kvcodec.codecs.registry import parse_spec
 from kvcodec.codecs.kvtc import cache_dir, calibration_for_model, register_calibration
 
 
+def _specs(codec: Any, codec_options: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """The ids and options of a store's ``codec``: one id (with ``codec_options``) or a list of variant specs."""
+    if isinstance(codec, str):
+        codec_id, options = parse_spec(codec)
+        return [(codec_id, {**options, **(codec_options or {})})]
+    return [parse_spec(c) for c in codec if isinstance(c, str)] if isinstance(codec, (list, tuple)) else []
+
+
 def wants_calibration(codec: Any, codec_options: dict[str, Any] | None) -> bool:
-    """Whether a store of ``codec`` (an id with ``codec_options``) resolves something made from the model at first
-    use (:meth:`Codec.needs_model`: kvtc's calibration)."""
-    return isinstance(codec, str) and codec_class(codec).needs_model(codec_options or {})
+    """Whether a store of ``codec`` (an id with ``codec_options``, or a list of variant specs) resolves something
+    made from the model at first use (:meth:`Codec.needs_model`: kvtc's calibration)."""
+    return any(codec_class(i).needs_model(o) for i, o in _specs(codec, codec_options))
+
+
+def ready_variants(codec: Any) -> list[str]:
+    """The variants of a list that need nothing made from the model: what a store serves with meanwhile."""
+    return [c for c in codec if not wants_calibration(c, None)] if isinstance(codec, (list, tuple)) else []
 
 
 def load_served_model(model: str, log: Callable[[str], None]) -> Any:
@@ -70,14 +84,17 @@ def ensure_model_calibration(model: str, load: Callable[[], Any], log: Callable[
 
 def calibrate_in_background(store: Any, load: Callable[[], Any], log: Callable[[str], None],
                             codec_options: dict[str, Any] | None = None,
-                            calibration_options: dict[str, Any] | None = None) -> threading.Thread:
-    """Calibrate the model of ``store`` (named ``store.model``) in a thread, then switch the store to kvtc with
-    ``codec_options``: until then it saves and loads with the codec it has.  A first request then waits for
-    nothing; a failed calibration is logged and the store keeps its codec."""
+                            calibration_options: dict[str, Any] | None = None, codec: Any = "kvtc") -> threading.Thread:
+    """Calibrate the model of ``store`` (named ``store.model``) in a thread, then switch the store to ``codec`` (an
+    id with ``codec_options``, or a list of variant specs) over that calibration: until then it saves and loads
+    with the codec it has.  A first request then waits for nothing; a failed calibration is logged and the store
+    keeps its codec."""
     def run() -> None:
         try:
             digest = ensure_model_calibration(store.model, load, log, calibration_options)
-            store.use_codec("kvtc", {**(codec_options or {}), "calibration": digest})
+            variants = [get_codec(i, **{**o, "calibration": digest}) if codec_class(i).needs_model(o) else
+                        get_codec(i, **o) for i, o in _specs(codec, codec_options)]
+            store.use_codec(variants[0] if isinstance(codec, str) else variants)
             log(f"kvtc: calibration {digest} of {store.model} installed; saving and loading kvtc chunks from now on")
         except Exception as e:  # noqa: BLE001 - the engine keeps serving with the codec it has
             log(f"kvtc: calibrating {store.model} failed ({type(e).__name__}: {e}); keeping {store.codec.codec_id}")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvcodec.engines.auto_calibration import (calibrate_in_background, ensure_model_calibration, load_served_model,
-                                              needs_first_calibration, wants_calibration)
+                                              needs_first_calibration, ready_variants, wants_calibration)
 from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
 from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
@@ -84,14 +84,15 @@ def build_store(extra: dict[str, Any] | None, model: str, *, identity: CacheIden
     if wants_calibration(codec, options) and not later:
         ensure_model_calibration(name, load, log.info, extra.get("calibration_options"))
     identity = dataclasses.replace(identity or cache_identity(model), namespace=str(extra.get("namespace", "")))
-    store = KVStore(tiers, model=name, codec=extra.get("fallback_codec", "cachegen") if later else codec,
+    serving = (ready_variants(codec) or extra.get("fallback_codec", "cachegen")) if later else codec
+    store = KVStore(tiers, model=name, codec=serving,
                     codec_options=None if later else options, chunk_tokens=int(extra.get("chunk_tokens", 256)),
                     hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared), identity=identity,
                     secret=_secret(extra))
     if later:
         log.info("kvtc: no calibration of %s installed; serving with %s while it is made in the background", name,
                  store.codec.codec_id)
-        calibrate_in_background(store, load, log.info, options, extra.get("calibration_options"))
+        calibrate_in_background(store, load, log.info, options, extra.get("calibration_options"), codec)
     return store
 
 
