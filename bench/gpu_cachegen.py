@@ -273,13 +273,7 @@ def main() -> int:
     say("Staged MB: what a decode launch holds on the device besides the lane words and the output (side information "
         "as stored, lane table, channel order, row offsets, status). Peak extra MB: device memory allocated during a "
         "whole decode_layers call beyond the float16 output and the compressed bytes.")
-    if failures:
-        say("")
-        say("## FAILURES")
-        for f in failures:
-            say(f"- {f}")
-    say.save()
-    return 1 if failures else 0
+    return say.finish(failures)
 
 
 if __name__ == "__main__":

@@ -282,13 +282,7 @@ def main() -> int:
     failures = check_correctness(device, say)
     say("")
     throughput(device, Timer(device, ARGS.repeat if device.type == "cuda" else 1), say, failures)
-    if failures:
-        say("")
-        say("## FAILURES")
-        for f in failures:
-            say(f"- {f}")
-    say.save()
-    return 1 if failures else 0
+    return say.finish(failures)
 
 
 if __name__ == "__main__":

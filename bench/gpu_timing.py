@@ -43,7 +43,7 @@ class Timer:
 
 class Report:
     """A GPU bench's markdown report, each line printed as it comes: its title and the device it ran on, then
-    what the bench says.  ``save`` writes it to ``results/NAME.md`` (``NAME-smoke.md`` off a GPU)."""
+    what the bench says.  ``finish`` writes it to ``results/NAME.md`` (``NAME-smoke.md`` off a GPU)."""
 
     def __init__(self, device: torch.device, name: str, title: str) -> None:
         self.device, self.name, self.lines = device, name, []
@@ -56,11 +56,18 @@ class Report:
         print(line, flush=True)
         self.lines.append(line)
 
-    def save(self) -> Path:
+    def finish(self, failures: list[str]) -> int:
+        """List ``failures`` under a heading, write the report to its results file, and return the bench's exit
+        status (1 when anything failed)."""
+        if failures:
+            self("")
+            self("## FAILURES")
+            for f in failures:
+                self(f"- {f}")
         out = Path(__file__).parent / "results" / f"{self.name}{'' if self.device.type == 'cuda' else '-smoke'}.md"
         out.write_text("\n".join(self.lines) + "\n")
         print(f"wrote {out}")
-        return out
+        return 1 if failures else 0
 
 
 def device_or_none(name: str) -> torch.device | None:
