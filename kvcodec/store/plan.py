@@ -68,13 +68,6 @@ class LoadPlanner:
         fetch, decode = self.stage_s(option, tokens)
         return max(backlog_s, fetch if fetch_s is None else fetch_s) + decode
 
-    def end_s(self, option: Option, tokens: int, backlog_s: float, rest: float,
-              stages: Sequence[tuple[float, float]]) -> float:
-        """Seconds until the load ends if this chunk of ``tokens`` tokens is fetched in ``option`` now, after
-        ``backlog_s`` seconds of queued decoding, and ``rest`` more chunks follow in the best mix of ``stages``."""
-        fetch, decode = self.stage_s(option, tokens)
-        return finish_s(fetch, max(backlog_s, fetch) + decode, rest, stages)
-
     def choose(self, options: Sequence[Option], tokens: int, remaining_tokens: int,
                backlog_s: float = 0.0) -> Option | None:
         """The option to fetch for a chunk of ``tokens`` tokens with ``remaining_tokens`` (this chunk's included)
@@ -83,8 +76,9 @@ class LoadPlanner:
             return None
         stages = [self.stage_s(o, tokens) for o in options]
         rest = max(0, remaining_tokens - tokens) / tokens
-        ends = {o: self.end_s(o, tokens, backlog_s, rest, stages) for o in options}
-        alone = {o: self.end_s(o, tokens, backlog_s, rest, [stage]) for o, stage in zip(options, stages)}
+        # this chunk in each option after the queued decoding, then the rest in the best mix, or in that option alone
+        ends = {o: finish_s(f, max(backlog_s, f) + d, rest, stages) for o, (f, d) in zip(options, stages)}
+        alone = {o: finish_s(f, max(backlog_s, f) + d, rest, [(f, d)]) for o, (f, d) in zip(options, stages)}
         if min(ends.values()) > (1 - MIX_GAIN) * min(alone.values()):
             ends = alone  # a mix must promise a clear gain: its two stages share the host's cores more than the model says
         soonest = min(ends.values())
