@@ -572,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = command("info", cmd_info, "show a container's header, chunk table and sizes",
                  "Show a container's codec, shapes, chunking, size, ratio and bits per element (every byte of the\n"
-                 "file counted). Reads only the header and the index.")
+                 "file counted); for kvtc:bits=B, the rate asked and achieved, and the chunks more than 5% off it.\n"
+                 "Reads only the header and the index.")
     sp.add_argument("input", help="container (.kvc)")
     sp.add_argument("--chunks", action="store_true", help="also list the chunk table")
 
