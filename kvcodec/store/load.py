@@ -1,26 +1,26 @@
 """Loading a stored prefix into an engine's memory: the one load path every engine hook uses.
 
 A :class:`PrefixLoad` streams a prompt's chunks out of a :class:`~kvcodec.store.KVStore`.  A fetch thread reads
-chunk ``i+1`` from its tier (checked once: authentication, checksums, key, shape; :meth:`KVStore.read_chunk`)
-while a decode thread decodes chunk ``i`` layer by layer into a *sink*: :class:`PagedSink` writes straight into an
-engine's paged memory through :meth:`Codec.decode_layer_paged` (the codec's fused path: cachegen's Triton kernel,
-kvfetcher's frame-wise restore), :class:`DenseSink` keeps tensors for a hook that wants them.  At most
-``prefetch_bytes`` of fetched chunks wait for the decoder, which bounds the memory a load holds.
+chunks from their tiers (each checked once: authentication, checksums, key, shape; :meth:`KVStore.read_chunk`)
+while a decode thread decodes the ones already in, layer by layer, into a *sink*: :class:`PagedSink` writes
+straight into an engine's paged memory through :meth:`Codec.decode_layer_paged` (the codec's fused path:
+cachegen's Triton kernel, kvfetcher's frame-wise restore), :class:`DenseSink` keeps tensors for a hook that wants
+them.  At most ``prefetch_bytes`` of fetched chunks wait for the decoder, which bounds the memory a load holds.
 
-With several stored variants, a value large enough is read in pieces from a tier that can (``get_range``): when
-the pieces show the link has slowed so far that the rest of it would arrive well after all of another variant, the
-load abandons it for that variant (the rule of a video player abandoning a segment download).
+With one stored variant, chunks are fetched and decoded in order.  With several, the load works from both ends
+(:mod:`kvcodec.store.plan`): the smallest variant of every chunk first, decoded from the last chunk backwards,
+while the largest variant of the chunks from the front streams in and is decoded first.  A large value is read in
+pieces from a tier that can (``get_range``), and given up as soon as the decoder has reached its chunk from the
+back (the rule of a video player abandoning a segment download).
 
-Layer ``l`` is *ready* (:meth:`PrefixLoad.wait_layer`) once every chunk's layer ``l`` is in: chunks are decoded
-in order and each chunk layer by layer, so an engine runs its first layers while the last chunk's later layers are
-still decoding.  Only tokens ``start .. end-1`` are written: a chunk reaching outside them (the engine already
-holds the tokens before ``start``, in blocks other requests may share) is decoded densely and only its part
-inside is written.
+Layer ``l`` is *ready* (:meth:`PrefixLoad.wait_layer`) once every chunk's layer ``l`` is in: each chunk is decoded
+layer by layer, so an engine runs its first layers while the last chunk's later layers are still decoding.  Only
+tokens ``start .. end-1`` are written: a chunk reaching outside them (the engine already holds the tokens before
+``start``, in blocks other requests may share) is decoded densely and only its part inside is written.
 
-The first chunk that is missing or fails ends the load: tokens from its first one on are the engine's to
-recompute (:attr:`LoadResult.loaded_end`), and a chunk that is itself bad (corrupt, forged, of another shape) is
-evicted (:meth:`KVStore.discard`).  Every chunk's outcome, tier, bytes and times are in
-:attr:`LoadResult.chunks`.
+A chunk that is missing or fails ends the load there: tokens from its first one on are the engine's to recompute
+(:attr:`LoadResult.loaded_end`), and a chunk that is itself bad (corrupt, forged, of another shape) is evicted
+(:meth:`KVStore.discard`).  Every chunk's outcome, tier, bytes and times are in :attr:`LoadResult.chunks`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -40,23 +39,21 @@ from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.layouts.paged import PagedLayout, paged_layout, slot_mapping, write_paged
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
-from kvcodec.store.plan import DecodeBacklog, LoadPlanner, Option
+from kvcodec.store.plan import LoadPlanner, Option
 
 if TYPE_CHECKING:
     from kvcodec.store.store import KVStore
 
 log = logging.getLogger(__name__)
 
-# Fetched chunks waiting for the decoder hold at most this many bytes (always at least one chunk): small variants
-# run far ahead while the link is fast (a link that drops later then finds them already in), large ones a few.
+# Fetched chunks waiting for the decoder hold at most this many bytes (always at least one chunk): the small
+# variants of a long prompt all fit (kvtc: about 0.2 MB per 1000 tokens of SmolLM2), and a few large ones.
 DEFAULT_PREFETCH_BYTES = 64 << 20
 # A large value is read in pieces of about PIECE_S seconds at the link's estimated speed (within PIECE_BYTES), so
-# that a load notices a link that slowed within one piece (0.2 s when 1 Gbit/s falls to 20 Mbit/s), while a
-# request's round trip (about 0.1 ms here) stays a few percent of a piece.  It abandons the value for a smaller
-# variant of the chunk when the rest of it would arrive ABANDON_RATIO times later than all of that variant.
+# that a load gives it up within one piece of the decoder reaching its chunk, or of the link slowing (0.2 s when
+# 1 Gbit/s falls to 20 Mbit/s), while a request's round trip (about 0.1 ms here) stays a few percent of a piece.
 PIECE_S = 0.004
 PIECE_BYTES = (256 << 10, 8 << 20)
-ABANDON_RATIO = 1.5
 
 
 @dataclass
@@ -110,22 +107,23 @@ class DenseSink:
 
     def __init__(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         self.device, self.dtype = resolve_device(device), dtype
-        self._parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # per layer: (token, keys, values)
         self.rope: str | None = None
 
     def write(self, layer: int, token_start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.dtype is not None:
             keys, values = keys.to(self.dtype), values.to(self.dtype)
-        self._parts.setdefault(layer, []).append((keys.to(self.device), values.to(self.device)))
+        self._parts.setdefault(layer, []).append((token_start, keys.to(self.device), values.to(self.device)))
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s keys and values over every token written so far."""
         parts = self._parts.get(i)
         if not parts:
             raise InvalidInputError(f"layer {i} holds nothing")
-        if len(parts) > 1:
-            parts[:] = [(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1))]
-        return parts[0]
+        if len(parts) > 1:  # a load writes chunks in any order
+            parts.sort(key=lambda p: p[0])
+            parts[:] = [(parts[0][0], torch.cat([p[1] for p in parts], 1), torch.cat([p[2] for p in parts], 1))]
+        return parts[0][1], parts[0][2]
 
     def cache(self, **meta: Any) -> KVCache:
         """Every layer written, as one cache (``meta`` as for :class:`KVCache`)."""
@@ -210,6 +208,18 @@ def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | Pag
         on_layer(l)
 
 
+@dataclass
+class _Reading:
+    """The large variant the fetch thread is reading: which chunk, since when its current piece, that piece's
+    bytes and the bytes after it."""
+
+    chunk: int
+    option: Option
+    since: float
+    piece: int
+    after: int
+
+
 class PrefixLoad:
     """Load tokens ``start .. end-1`` (default: all) of ``token_ids``'s stored prefix from ``store`` into ``sink``.
 
@@ -232,12 +242,21 @@ class PrefixLoad:
         self.variants = self.planner.variants
         self.chunks = [ChunkOutcome(keys, s, e) for s, e, keys in store.variant_keys(token_ids, salt=salt)
                        if e > self.start_token and s < self.end]
-        self.loaded_end = self.start_token
-        self._queue: deque[tuple[int, FetchedChunk] | None] = deque()
-        self._queued_bytes, self._prefetch_bytes = 0, int(prefetch_bytes)
-        self._backlog = DecodeBacklog()
         self._cond = threading.Condition()
-        self._ready_layers = 0  # layers whose every chunk is in
+        # Fetched chunks not yet taken by the decoder.  Front: read in order by the fetch thread (with several
+        # variants, the largest), decoded lowest first.  Back: the smallest variant of every chunk, decoded from
+        # the highest down.  Together they hold at most ``prefetch_bytes`` (always at least one chunk).
+        self._front: dict[int, FetchedChunk] = {}
+        self._back: dict[int, FetchedChunk] = {}
+        self._held_bytes, self._prefetch_bytes = 0, int(prefetch_bytes)
+        self._options: dict[int, tuple[Option, Option | None]] = {}  # per chunk: its smallest and largest variant
+        self._taken: set[int] = set()  # chunks the decoder took
+        self._limit = len(self.chunks)  # chunks from here on are the engine's (missing, recomputed or failed)
+        self._layers_done = [0] * len(self.chunks)
+        self._reading: _Reading | None = None
+        self._back_next = 0  # the next chunk whose small variant the fetch thread reads
+        self._decoding: tuple[float, float] | None = None  # the decode under way: since when, its estimate
+        self._fetched_all = False
         self._finished = False
         self._stop = threading.Event()
         self._t0 = 0.0
@@ -247,6 +266,16 @@ class PrefixLoad:
         self._started = False
         self._shape: Any = None  # the first chunk's, which the others must match
         self.layer_ready_s: list[float] = []  # when each layer held every token, from start()
+
+    @property
+    def loaded_end(self) -> int:
+        """Tokens before this are in the sink: those of the loaded chunks before the first that is not."""
+        end = self.start_token
+        for c in self.chunks:
+            if c.status != "loaded":
+                break
+            end = min(c.end, self.end)
+        return end
 
     # -- running ------------------------------------------------------------------------------------
     def start(self) -> PrefixLoad:
@@ -258,114 +287,203 @@ class PrefixLoad:
                 t.start()
         return self
 
-    def _put(self, item: tuple[int, FetchedChunk] | None) -> bool:
-        nbytes = 0 if item is None else len(item[1].data)
+    def _hold(self, i: int, chunk: FetchedChunk, front: bool) -> bool:
+        """Keep a fetched chunk for the decoder once the byte budget allows; False when the load stopped or the
+        decoder took the chunk meanwhile."""
+        nbytes = len(chunk.data)
         with self._cond:
-            while self._queue and self._queued_bytes + nbytes > self._prefetch_bytes and not self._stop.is_set():
+            while (self._front or self._back) and self._held_bytes + nbytes > self._prefetch_bytes \
+                    and not self._stop.is_set() and i not in self._taken:
                 self._cond.wait(0.05)
-            if self._stop.is_set():
+            if self._stop.is_set() or i in self._taken:
                 return False
-            self._queue.append(item)
-            self._queued_bytes += nbytes
+            (self._front if front else self._back)[i] = chunk
+            self._held_bytes += nbytes
             self._cond.notify_all()
         return True
 
+    def _end_at(self, i: int, status: str) -> None:
+        """Chunk ``i`` and those after it are the engine's."""
+        with self._cond:
+            if i < self._limit:
+                self._limit = i
+                self.chunks[i].status = status
+            self._cond.notify_all()
+
     def _fetch(self) -> None:
         try:
-            n = len(self.variants)
-            adaptive = n > 1
-            held = self.store.variant_sizes([k for c in self.chunks for k in c.keys]) if adaptive else []
-            for i, outcome in enumerate(self.chunks):
-                if self._stop.is_set():
-                    return
-                if adaptive:
-                    options = [Option(v, *held[i * n + v]) for v in range(n) if held[i * n + v] is not None]
-                    pick = self.planner.choose(options, outcome.end - outcome.start, self.end - outcome.start,
-                                               self._backlog.seconds(before=i))
-                    if pick is None:
-                        outcome.status = "recompute" if options else "missing"
+            if len(self.variants) > 1:
+                self._fetch_both_ends()
+            else:
+                for i, outcome in enumerate(self.chunks):
+                    if self._stop.is_set() or not self._read_into(i, outcome.key, front=True):
                         break
-                    self._planned(i, pick)
-                t0 = time.perf_counter()
-                if adaptive:
-                    chunk = self._read_or_switch(i, pick, options)
-                else:
-                    chunk = self.store.read_chunk(outcome.key, outcome.start, outcome.end)
-                outcome.fetch_s = time.perf_counter() - t0
-                if chunk is None:
-                    outcome.status = "missing"
-                    break
-                outcome.tier, outcome.nbytes = chunk.tier, len(chunk.data)
-                if not self._put((i, chunk)):
-                    return
         except BaseException:  # noqa: BLE001 - the load ends here; the engine recomputes the rest
             log.warning("fetching a stored prefix failed", exc_info=True)
-        self._put(None)
+        with self._cond:
+            self._fetched_all = True
+            self._cond.notify_all()
 
-    def _read_or_switch(self, i: int, pick: Option, options: list[Option]) -> FetchedChunk | None:
-        """Read the chosen variant, in pieces where its tier can (a video player's abandonment rule): when the
-        pieces show that the rest of it would now arrive later than all of another variant, abandon it and read
-        that one instead."""
+    def _read_into(self, i: int, key: str, *, front: bool) -> bool:
+        """Read chunk ``i`` under ``key`` whole and hold it; False (the load ends at ``i``) when no tier holds it
+        intact."""
         outcome = self.chunks[i]
-        store, tokens, remaining = self.store, outcome.end - outcome.start, self.end - outcome.start
-        tier = store.tier(pick.tier)
+        t0 = time.perf_counter()
+        chunk = self.store.read_chunk(key, outcome.start, outcome.end)
+        outcome.fetch_s += time.perf_counter() - t0
+        if chunk is None:
+            self._end_at(i, "missing")
+            return False
+        outcome.nbytes += len(chunk.data)
+        return self._hold(i, chunk, front) or not self._stop.is_set()
+
+    def _fetch_both_ends(self) -> None:
+        """The smallest variant of every chunk first, within the byte budget; then, and whenever the budget is
+        full, the largest variant of the lowest chunk the decoder has not taken (see :mod:`kvcodec.store.plan`)."""
+        n = len(self.variants)
+        held = self.store.variant_sizes([k for c in self.chunks for k in c.keys])
+        for i in range(len(self.chunks)):
+            options = sorted((Option(v, *held[i * n + v]) for v in range(n) if held[i * n + v] is not None),
+                             key=lambda o: o.nbytes)
+            if options:
+                self._options[i] = (options[0], options[-1] if len(options) > 1 else None)
+        back, front = 0, 0  # the next chunk whose smallest variant to read; the lowest one to upgrade
+        while not self._stop.is_set() and (back < self._limit or front < back):
+            self._back_next = back
+            with self._cond:
+                room = not (self._front or self._back) or self._held_bytes + self._small_bytes(back) <= \
+                    self._prefetch_bytes
+            if back < self._limit and room:
+                if back not in self._options:
+                    self._end_at(back, "missing")
+                elif not self._worth_loading(back):
+                    self._end_at(back, "recompute")
+                else:
+                    self._read_into(back, self.chunks[back].keys[self._options[back][0].variant], front=False)
+                back += 1
+                continue
+            self._back_next = len(self.chunks)  # (for the decoder: no more small variants soon)
+            with self._cond:
+                while front < back and (front in self._taken or self._options[front][1] is None):
+                    front += 1
+            if front < back and self._arrives_in_time(front):
+                self._upgrade(front)
+                front += 1
+            elif back >= self._limit:
+                return
+            else:
+                with self._cond:  # the budget is full of chunks the decoder is on its way to
+                    self._cond.wait(0.05)
+
+    def _small_bytes(self, i: int) -> int:
+        return self._options[i][0].nbytes if i in self._options else 0
+
+    def _worth_loading(self, i: int) -> bool:
+        small, large = self._options[i]
+        with self._cond:
+            queued = sum(self.planner.decode_s(self._options[j][0], c.end - c.start)
+                         for j, c in enumerate(self.chunks) if j in self._back)
+        outcome = self.chunks[i]
+        return self.planner.worth_loading(small, large, outcome.end - outcome.start, self.end - outcome.start,
+                                          queued)
+
+    def _arrives_in_time(self, i: int) -> bool:
+        """Whether chunk ``i``'s largest variant, read from now and decoded, can be in before the decoder, working
+        backwards through the small variants of the chunks after it, has decoded this chunk's small one (always
+        True until the store has decoded the small variant: the first load that could find out does)."""
+        small, large = self._options[i]
+        if not self.planner.decode_known(small):
+            return True
+        assert large is not None
+        tokens = self.chunks[i].end - self.chunks[i].start
+        with self._cond:
+            ahead = sum(1 for j in self._back if j > i) * self.planner.decode_s(small, tokens) + self._decoding_left_s()
+        return self.planner.fetch_s(large) + self.planner.decode_s(large, tokens) < \
+            ahead + self.planner.decode_s(small, tokens)
+
+    def _decoding_left_s(self) -> float:
+        """The estimated rest of the decode under way."""
+        if self._decoding is None:
+            return 0.0
+        since, estimate = self._decoding
+        return max(0.0, estimate - (time.perf_counter() - since))
+
+    def _upgrade(self, i: int) -> None:
+        """Read chunk ``i``'s largest variant, in pieces where its tier can (``get_range``), and hold it; give up
+        as soon as the decoder takes the chunk's small variant (a video player's abandonment rule)."""
+        outcome, large = self.chunks[i], self._options[i][1]
+        assert large is not None
+        store, key = self.store, outcome.keys[large.variant]
+        tier = store.tier(large.tier)
         piece_bytes = int(min(max(store.links[tier.name].estimate * PIECE_S, PIECE_BYTES[0]), PIECE_BYTES[1]))
-        if not tier.ranged_reads or pick.nbytes < 2 * piece_bytes:
-            return store.read_chunk(outcome.key, outcome.start, outcome.end)
+        t0 = time.perf_counter()
+        if not tier.ranged_reads or large.nbytes < 2 * piece_bytes:
+            with self._cond:
+                self._reading = _Reading(i, large, t0, large.nbytes, 0)
+            chunk = store.read_chunk(key, outcome.start, outcome.end)
+        else:
+            chunk = self._read_pieces(i, large, key, piece_bytes)
+        with self._cond:
+            self._reading = None
+        outcome.fetch_s += time.perf_counter() - t0
+        if chunk is not None:
+            outcome.nbytes += len(chunk.data)
+            self._hold(i, chunk, front=True)
+
+    def _read_pieces(self, i: int, large: Option, key: str, piece_bytes: int) -> FetchedChunk | None:
+        outcome, store = self.chunks[i], self.store
+        tier = store.tier(large.tier)
         parts: list[bytes] = []
         got = 0
-        while got < pick.nbytes:
+        while got < large.nbytes:
+            length = min(piece_bytes, large.nbytes - got)
+            with self._cond:
+                if i in self._taken or self._stop.is_set():
+                    log.info("chunk %s: its small variant was decoded after %d of %d bytes of the large one",
+                             key, got, large.nbytes)
+                    outcome.nbytes += got
+                    return None
+                self._reading = _Reading(i, large, time.perf_counter(), length, large.nbytes - got - length)
             t0 = time.perf_counter()
-            piece = store.call_tier(tier, "get_range", outcome.key, got, piece_bytes)
-            seconds = time.perf_counter() - t0
+            piece = store.call_tier(tier, "get_range", key, got, piece_bytes)
             if not piece:
-                return store.read_chunk(outcome.key, outcome.start, outcome.end)  # gone here: any tier holding it
-            store.links[tier.name].observe(len(piece), seconds)
+                return store.read_chunk(key, outcome.start, outcome.end)  # gone here: any tier holding it
+            store.links[tier.name].observe(len(piece), time.perf_counter() - t0)
+            with self._cond:
+                self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
             parts.append(piece)
             got += len(piece)
-            left_s = (pick.nbytes - got) * seconds / len(piece)
-            others = [o for o in options if o.variant != pick.variant]
-            backlog = self._backlog.seconds(before=i)
-            switch = self.planner.choose(others, tokens, remaining, backlog) if others and got < pick.nbytes else None
-            if switch is not None and self.planner.done_s(pick, tokens, backlog, fetch_s=left_s) > \
-                    ABANDON_RATIO * self.planner.done_s(switch, tokens, backlog):
-                log.info("abandoning variant %d of chunk %s after %d of %d bytes: the link slowed to %.1f MB/s",
-                         pick.variant, outcome.key, got, pick.nbytes, len(piece) / seconds / 1e6)
-                self._planned(i, switch)
-                return self._read_or_switch(i, switch, others)
-        chunk = store.accept(outcome.key, tier.name, b"".join(parts), outcome.start, outcome.end, evict=False)
-        return chunk if chunk is not None else store.read_chunk(outcome.key, outcome.start, outcome.end)
-
-    def _planned(self, i: int, pick: Option) -> None:
-        self.chunks[i].variant = pick.variant
-        self._backlog.add(i, self.planner.stage_s(pick, self.chunks[i].end - self.chunks[i].start)[1])
+        chunk = store.accept(key, tier.name, b"".join(parts), outcome.start, outcome.end, evict=False)
+        return chunk if chunk is not None else store.read_chunk(key, outcome.start, outcome.end)
 
     def _decode(self) -> None:
-        last = len(self.chunks) - 1
         try:
-            while (item := self._next()) is not None:
-                i, chunk = item
+            while (taken := self._take()) is not None:
+                i, chunk = taken
                 outcome = self.chunks[i]
-                on_layer = self._layer_ready if i == last else (lambda layer: None)
                 t0 = time.perf_counter()
-                self._backlog.begin(i)
+                variant = self._variant_of(i, chunk)
+                with self._cond:
+                    self._decoding = (t0, self.planner.decode_s(Option(variant, 0, chunk.tier), chunk.end - chunk.start))
                 try:
                     self._check_shape(chunk)
                     decode_chunk_into(self.store, chunk, self.sink, self.start_token, self.end, device=self.device,
-                                      on_layer=on_layer)
+                                      on_layer=lambda layer, i=i: self._layer_in(i, layer))
                 except Exception as err:
-                    outcome.status, outcome.error = "failed", f"{type(err).__name__}: {err}"
+                    outcome.decode_s = time.perf_counter() - t0
+                    outcome.error = f"{type(err).__name__}: {err}"
                     log.warning("stored chunk %s (tokens %d-%d) did not load: %s", chunk.key, chunk.start,
                                 chunk.end - 1, outcome.error)
                     self.store.discard(chunk, err)
-                    break
+                    self._end_at(i, "failed")
+                    continue
                 finally:
-                    outcome.decode_s = time.perf_counter() - t0
-                    self._backlog.done(i)
-                outcome.status = "loaded"
+                    with self._cond:
+                        self._decoding = None
+                outcome.decode_s = time.perf_counter() - t0
+                outcome.status, outcome.variant, outcome.tier = "loaded", variant, chunk.tier
                 self.store.decode_rate(self.variants[outcome.variant]).observe(chunk.end - chunk.start,
                                                                               outcome.decode_s)
-                self.loaded_end = min(chunk.end, self.end)
         except BaseException:  # noqa: BLE001
             log.warning("loading a stored prefix failed", exc_info=True)
         finally:
@@ -375,16 +493,61 @@ class PrefixLoad:
                 self._finished = True
                 self._cond.notify_all()
 
-    def _next(self) -> tuple[int, FetchedChunk] | None:
+    def _variant_of(self, i: int, chunk: FetchedChunk) -> int:
+        return self.chunks[i].keys.index(chunk.key)
+
+    def _take(self) -> tuple[int, FetchedChunk] | None:
+        """The next chunk to decode: the lowest fetched from the front, else the highest small variant, unless its
+        large variant is arriving sooner than the small one would decode; None when every chunk is done."""
         with self._cond:
-            while not self._queue and not self._stop.is_set():
-                self._cond.wait(0.05)
-            if self._stop.is_set():
-                return None
-            item = self._queue.popleft()
-            self._queued_bytes -= 0 if item is None else len(item[1].data)
-            self._cond.notify_all()
-            return item
+            while not self._stop.is_set():
+                live = [i for i in range(self._limit) if i not in self._taken]
+                if not live:
+                    return None
+                pick = next((i for i in live if i in self._front), None)
+                if pick is None:
+                    backs = [i for i in live if i in self._back]
+                    if backs and not self._worth_waiting(backs[-1]) and not self._smalls_soon(backs[-1]):
+                        pick = backs[-1]
+                    elif not backs and self._fetched_all:
+                        self._limit = live[0]  # nothing more is coming for it: the engine's
+                        if self.chunks[live[0]].status == "skipped":
+                            self.chunks[live[0]].status = "missing"
+                        continue
+                if pick is not None:
+                    self._taken.add(pick)
+                    chunk = self._front.pop(pick, None) or self._back.pop(pick)
+                    for other in (self._front.pop(pick, None), self._back.pop(pick, None), chunk):
+                        self._held_bytes -= 0 if other is None else len(other.data)
+                    self._cond.notify_all()
+                    return pick, chunk
+                self._cond.wait(0.005)
+            return None
+
+    def _smalls_soon(self, i: int) -> bool:
+        """Whether the small variants still to come will all be in before chunk ``i``'s small variant would be
+        decoded: then the decoder waits for the last of them rather than take one near the front, which the link
+        may yet bring in the large variant."""
+        small = self._options.get(i, (None, None))[0]
+        ahead = range(self._back_next, self._limit)
+        if small is None or not ahead:
+            return False
+        tokens = self.chunks[i].end - self.chunks[i].start
+        left = sum(self._options[j][0].nbytes for j in ahead if j in self._options)
+        return self.planner.fetch_s(small, left) < self.planner.decode_s(small, tokens)
+
+    def _worth_waiting(self, i: int) -> bool:
+        """Whether chunk ``i``'s large variant, being read, will be in and decoded before its small variant would
+        be decoded (not when its current piece is already twice as late as the link's estimate says)."""
+        reading = self._reading
+        if reading is None or reading.chunk != i:
+            return False
+        small, tokens = self._options[i][0], self.chunks[i].end - self.chunks[i].start
+        piece_s, elapsed = self.planner.fetch_s(reading.option, reading.piece), time.perf_counter() - reading.since
+        if elapsed > 2 * piece_s + 0.005:
+            return False
+        left_s = max(0.0, piece_s - elapsed) + self.planner.fetch_s(reading.option, reading.after)
+        return left_s + self.planner.decode_s(reading.option, tokens) < self.planner.decode_s(small, tokens)
 
     def _check_shape(self, chunk: FetchedChunk) -> None:
         """Without an engine shape the store checked against, every chunk must match the first one's."""
@@ -395,19 +558,25 @@ class PrefixLoad:
         elif shape != self._shape:
             raise CorruptDataError(f"{chunk.key} holds layers of {shape}, the chunks before it {self._shape}")
 
-    def _layer_ready(self, layer: int) -> None:
+    def _layer_in(self, i: int, layer: int) -> None:
         with self._cond:
-            self._ready_layers = layer + 1
-            self.layer_ready_s.append(time.perf_counter() - self._t0)
+            self._layers_done[i] = layer + 1
+            ready = self._ready_layers()
+            while len(self.layer_ready_s) < ready:
+                self.layer_ready_s.append(time.perf_counter() - self._t0)
             self._cond.notify_all()
+
+    def _ready_layers(self) -> int:
+        """Layers that hold every token of the load (none of a load that ends short: it says so when it ends)."""
+        return min(self._layers_done, default=0)
 
     # -- waiting ------------------------------------------------------------------------------------
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         """Wait until layer ``layer`` holds every token of the load, or the load ended short of it; True when the
-        layer holds every token.  Raises :class:`TimeoutError` after ``timeout`` seconds."""
+        layer holds every token."""
         self.start()
         with self._cond:
-            if not self._cond.wait_for(lambda: self._finished or self._ready_layers > layer, timeout):
+            if not self._cond.wait_for(lambda: self._finished or self._ready_layers() > layer, timeout):
                 raise TimeoutError(f"layer {layer} did not load within {timeout} s")
             return self.loaded_end >= self.end if self._finished else True
 

@@ -61,8 +61,8 @@ class StorageTier:
         can: a load plans which variant of each chunk to fetch from them.  (This default reads the values.)"""
         return [None if (v := self.get(k)) is None else len(v) for k in keys]
 
-    # Tiers that can read part of a value say so: a load then reads a large value in pieces and can abandon it
-    # for a smaller variant when the link slows down under it.
+    # Tiers that can read part of a value say so: a load then reads a large value in pieces and can give it up
+    # for a smaller variant of its chunk between two pieces.
     ranged_reads = False
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
