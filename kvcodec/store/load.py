@@ -348,7 +348,7 @@ class PrefixLoad:
             if options:
                 self._options[i] = (options[0], options[-1] if len(options) > 1 else None)
         back, front = 0, 0  # the next chunk whose smallest variant to read; the lowest one to upgrade
-        while not self._stop.is_set() and (back < self._limit or front < back):
+        while not self._stop.is_set() and (back < self._limit or front < min(back, self._limit)):
             self._back_next = back
             with self._cond:
                 room = not (self._front or self._back) or self._held_bytes + self._small_bytes(back) <= \
@@ -364,9 +364,10 @@ class PrefixLoad:
                 continue
             self._back_next = len(self.chunks)  # (for the decoder: no more small variants soon)
             with self._cond:
-                while front < back and (front in self._taken or self._options[front][1] is None):
+                top = min(back, self._limit)
+                while front < top and (front in self._taken or self._options[front][1] is None):
                     front += 1
-            if front < back and self._arrives_in_time(front):
+            if front < top and self._arrives_in_time(front):
                 self._upgrade(front)
                 front += 1
             elif back >= self._limit:

@@ -2,12 +2,13 @@
 only), keeping each chunk as ``cachegen`` and ``raw``: the variant loaded follows the link, and follows it when
 the link drops in the middle of a request.
 
-One engine; a 2048-token prompt (eight chunks of 12 MB raw, about 1 MB cachegen) saved once at full speed.  Over
-the unshaped link (tbf at 100 Gbit/s) raw chunks load sooner than cachegen ones decode, so the link carries most
-chunks (the planner may give the idle decoder a cachegen chunk between them); at 20 Mbit/s raw takes about 5 s a
-chunk and cachegen well under one, or recomputing the rest is sooner still.  Then the link runs at 1 Gbit/s (raw
-about 0.1 s a chunk) and drops to 20 Mbit/s 0.25 s into a request.  Every reply's first tokens must equal those
-of the first, computed, request.
+One engine; a 2048-token prompt (eight chunks of 12 MB raw, about 1 MB cachegen) saved once at full speed.  A
+load reads every chunk's cachegen variant first and decodes them from the last chunk backwards while the link
+brings raw from the front.  Over the unshaped link (tbf at 100 Gbit/s) raw chunks load sooner than cachegen ones
+decode, so the link carries most chunks; at 20 Mbit/s raw takes about 5 s a chunk and cachegen well under one, or
+recomputing the rest is sooner still.  Then the link runs at 1 Gbit/s (raw about 0.1 s a chunk) and drops to 20
+Mbit/s 0.25 s into a request: what the link had not brought by then is cachegen.  Every reply's first tokens must
+equal those of the first, computed, request.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ def test_the_variant_loaded_follows_the_link(smollm2_hf, texts, link, tmp_path):
             slow = engine.generate(prompt, 8, timeout_s=300)
             on_slow = _variants(engine)
             assert slow["token_ids"][:4] == first["token_ids"][:4]
-            # after at most one chunk read at the old estimate, the small variant, or vLLM recomputes the rest
+            # the small variant (a raw read started on the old estimate is given up), or vLLM recomputes the rest
             assert on_slow.count("raw") <= 1 and on_slow != on_fast, (on_fast, on_slow)
 
-            # the link drops while a request loads: what is read after the drop is the small variant or nothing
+            # the link drops while a request loads: the last chunks are the small variant, or vLLM recomputes them
             link.set_rate(BEFORE_DROP)
             for _ in range(2):
                 engine.generate(prompt, 1)
