@@ -14,7 +14,7 @@ from kvcodec.cache import KVCache
 from kvcodec.codecs.raw import Raw
 from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping
 from kvcodec.store import DenseSink, KVStore, MemoryTier, PagedSink, PrefixLoad
-from kvcodec.store.plan import LoadPlanner, finish_s
+from kvcodec.store.plan import Contention, LoadPlanner, finish_s
 
 CHUNK, LAYERS, HEADS, DIM, BS = 32, 3, 2, 16, 16
 
@@ -230,6 +230,59 @@ def test_two_variants_load_from_both_ends(monkeypatch):
         for c in result.chunks:
             got, want = mine.keys[:, c.start:c.end].float(), theirs.keys[:, c.start:c.end].float()
             assert torch.equal(got, want) if c.variant == 1 else (got - want).abs().max() < 0.5
+
+
+class Slowdown(Contention):
+    """A contention the loads' own reads do not move."""
+
+    def __init__(self, slowdown: float) -> None:
+        super().__init__()
+        self.pinned = slowdown
+
+    def slowdown(self, bps: float) -> float:
+        return self.pinned
+
+
+@pytest.mark.parametrize("slowdown, smalls", [(1.0, True), (3.0, False)])
+def test_a_small_variant_is_decoded_only_where_it_saves_the_link_more_than_it_slows_it(monkeypatch, slowdown, smalls):
+    """raw takes 10 ms a chunk on the link, cachegen 30 ms to decode.  Where a decode does not slow the link, the
+    decoder works back through cachegen while raw comes; where it slows it 3x (30 ms of decoding cost the link
+    20 ms, more than the 10 ms raw chunk it saves), every chunk comes raw."""
+    store = KVStore([MemoryTier(None)], model="m", codec=["cachegen", "raw"], chunk_tokens=CHUNK)
+    ids, kv = list(range(1000, 1000 + 4 * CHUNK)), _kv(4 * CHUNK)
+    kv = KVCache([(l.keys.float(), l.values.float()) for l in kv.layers], model="m")
+    store.put(ids, kv)
+    raw_bytes = store.variant_sizes(store.variant_keys(ids)[0][2])[1][0]
+    link = Link(raw_bytes / 0.010)
+    for key in [k for _, _, ks in store.variant_keys(ids) for k in ks]:
+        link.put(key, store.tiers[0].get(key))
+    store.tiers[0], store.links = link, {link.name: BandwidthEstimator(prior_bps=link.rate)}
+    store.contention = {link.name: Slowdown(slowdown)}
+    _slow_cachegen(monkeypatch, 0.030 / LAYERS)
+    store.decode_rate = lambda codec: Pinned(CHUNK / 0.030 if codec.codec_id == "cachegen" else 1e9)
+    result = PrefixLoad(store, ids, DenseSink()).start().finish()
+    variants = [c.variant for c in result.chunks]
+    assert result.complete and (0 in variants) == smalls, variants
+
+
+def test_contention_pairs_reads_close_in_time_at_the_link_speed_asked_about(monkeypatch):
+    clock = iter([0.0, 0.01, 0.02, 0.03, 5.0, 5.01, 6.0, 6.01]).__next__
+    monkeypatch.setattr("kvcodec.store.plan.time.perf_counter", clock)
+    contention = Contention()
+    assert contention.slowdown(100) == 1.0  # unmeasured
+    contention.observe(100, 1.0, beside_decode=False)
+    assert contention.slowdown(100) == 1.0  # half measured
+    contention.observe(100, 2.5, beside_decode=True)  # 10 ms later: a pair at 100 B/s alone, ratio 2.5
+    assert contention.slowdown(100) == pytest.approx(2.5) and contention.slowdown(1000) == 1.0
+    contention.observe(100, 1.0, beside_decode=False)  # pairs with the last one beside a decode
+    contention.observe(100, 0.5, beside_decode=True)  # faster beside a decode: ratio 0.5
+    assert contention.slowdown(100) == pytest.approx(2.5)  # the median of 2.5, 2.5 and 0.5
+    contention.observe(100, 100.0, beside_decode=True)  # 5 s later (the link dropped meanwhile): no pair
+    contention.observe(100, 0.1, beside_decode=False)  # pairs: 1000 B/s alone, ratio 1000
+    assert contention.slowdown(100) == pytest.approx(2.5) and contention.slowdown(1000) == pytest.approx(1000)
+    contention.observe(1000, 1.0, beside_decode=False)  # 1 s after the last: no pair
+    contention.observe(1000, 1.0, beside_decode=True)  # ratio 1 at 1000 B/s
+    assert contention.slowdown(1500) == pytest.approx(500.5)
 
 
 def test_a_link_that_drops_mid_request_costs_at_most_the_read_under_way(monkeypatch):

@@ -256,7 +256,9 @@ class PrefixLoad:
         self._reading: _Reading | None = None
         self._back_next = 0  # the next chunk whose small variant the fetch thread reads
         self._decoding: tuple[float, float] | None = None  # the decode under way: since when, its estimate
+        self._decoding_small = False  # ... and whether it is a small variant's
         self._fetched_all = False
+        self._full = False  # the fetch thread waits for room in the byte budget
         self._finished = False
         self._stop = threading.Event()
         self._t0 = 0.0
@@ -294,7 +296,9 @@ class PrefixLoad:
         with self._cond:
             while (self._front or self._back) and self._held_bytes + nbytes > self._prefetch_bytes \
                     and not self._stop.is_set() and i not in self._taken:
+                self._full = True  # the decoder makes room: it takes small variants even where they do not pay
                 self._cond.wait(0.05)
+            self._full = False
             if self._stop.is_set() or i in self._taken:
                 return False
             (self._front if front else self._back)[i] = chunk
@@ -373,8 +377,10 @@ class PrefixLoad:
             elif back >= self._limit:
                 return
             else:
-                with self._cond:  # the budget is full of chunks the decoder is on its way to
+                with self._cond:  # the budget is full of small variants: the decoder makes room
+                    self._full = True
                     self._cond.wait(0.05)
+                    self._full = False
 
     def _small_bytes(self, i: int) -> int:
         return self._options[i][0].nbytes if i in self._options else 0
@@ -421,7 +427,9 @@ class PrefixLoad:
         if not tier.ranged_reads or large.nbytes < 2 * piece_bytes:
             with self._cond:
                 self._reading = _Reading(i, large, t0, large.nbytes, 0)
+                decoding = self._decoding_small
             chunk = store.read_chunk(key, outcome.start, outcome.end)
+            self._observe(large, large.nbytes, time.perf_counter() - t0, decoding)
         else:
             chunk = self._read_pieces(i, large, key, piece_bytes)
         with self._cond:
@@ -445,11 +453,13 @@ class PrefixLoad:
                     outcome.nbytes += got
                     return None
                 self._reading = _Reading(i, large, time.perf_counter(), length, large.nbytes - got - length)
+                decoding = self._decoding_small
             t0 = time.perf_counter()
             piece = store.call_tier(tier, "get_range", key, got, piece_bytes)
             if not piece:
                 return store.read_chunk(key, outcome.start, outcome.end)  # gone here: any tier holding it
             store.links[tier.name].observe(len(piece), time.perf_counter() - t0)
+            self._observe(large, len(piece), time.perf_counter() - t0, decoding)
             with self._cond:
                 self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
             parts.append(piece)
@@ -457,15 +467,24 @@ class PrefixLoad:
         chunk = store.accept(key, tier.name, b"".join(parts), outcome.start, outcome.end, evict=False)
         return chunk if chunk is not None else store.read_chunk(key, outcome.start, outcome.end)
 
+    def _observe(self, option: Option, nbytes: int, seconds: float, decoding_before: bool) -> None:
+        """A large read's throughput, for :class:`~kvcodec.store.plan.Contention` when a small variant's decode ran
+        all through it or not at all."""
+        with self._cond:
+            decoding = self._decoding_small
+        if decoding == decoding_before:
+            self.store.contention[option.tier].observe(nbytes, seconds, beside_decode=decoding)
+
     def _decode(self) -> None:
         try:
             while (taken := self._take()) is not None:
-                i, chunk = taken
+                i, chunk, small = taken
                 outcome = self.chunks[i]
                 t0 = time.perf_counter()
                 variant = self._variant_of(i, chunk)
                 with self._cond:
                     self._decoding = (t0, self.planner.decode_s(Option(variant, 0, chunk.tier), chunk.end - chunk.start))
+                    self._decoding_small = small
                 try:
                     self._check_shape(chunk)
                     decode_chunk_into(self.store, chunk, self.sink, self.start_token, self.end, device=self.device,
@@ -480,7 +499,7 @@ class PrefixLoad:
                     continue
                 finally:
                     with self._cond:
-                        self._decoding = None
+                        self._decoding, self._decoding_small = None, False
                 outcome.decode_s = time.perf_counter() - t0
                 outcome.status, outcome.variant, outcome.tier = "loaded", variant, chunk.tier
                 self.store.decode_rate(self.variants[outcome.variant]).observe(chunk.end - chunk.start,
@@ -497,9 +516,11 @@ class PrefixLoad:
     def _variant_of(self, i: int, chunk: FetchedChunk) -> int:
         return self.chunks[i].keys.index(chunk.key)
 
-    def _take(self) -> tuple[int, FetchedChunk] | None:
-        """The next chunk to decode: the lowest fetched from the front, else the highest small variant, unless its
-        large variant is arriving sooner than the small one would decode; None when every chunk is done."""
+    def _take(self) -> tuple[int, FetchedChunk, bool] | None:
+        """The next chunk to decode (and whether it is a small variant from the back): the lowest fetched from the
+        front, else the highest small variant, unless its large variant is arriving sooner than the small one would
+        decode, or decoding it would slow the link by more than it saves while large variants are still coming;
+        None when every chunk is done."""
         with self._cond:
             while not self._stop.is_set():
                 live = [i for i in range(self._limit) if i not in self._taken]
@@ -508,7 +529,8 @@ class PrefixLoad:
                 pick = next((i for i in live if i in self._front), None)
                 if pick is None:
                     backs = [i for i in live if i in self._back]
-                    if backs and not self._worth_waiting(backs[-1]) and not self._smalls_soon(backs[-1]):
+                    if backs and not self._worth_waiting(backs[-1]) and not self._smalls_soon(backs[-1]) \
+                            and (self._fetched_all or self._full or self._small_pays(backs[-1])):
                         pick = backs[-1]
                     elif not backs and self._fetched_all:
                         self._limit = live[0]  # nothing more is coming for it: the engine's
@@ -517,13 +539,18 @@ class PrefixLoad:
                         continue
                 if pick is not None:
                     self._taken.add(pick)
+                    small = pick not in self._front
                     chunk = self._front.pop(pick, None) or self._back.pop(pick)
                     for other in (self._front.pop(pick, None), self._back.pop(pick, None), chunk):
                         self._held_bytes -= 0 if other is None else len(other.data)
                     self._cond.notify_all()
-                    return pick, chunk
+                    return pick, chunk, small
                 self._cond.wait(0.005)
             return None
+
+    def _small_pays(self, i: int) -> bool:
+        small, large = self._options[i]
+        return large is None or self.planner.small_pays(small, large, self.chunks[i].end - self.chunks[i].start)
 
     def _smalls_soon(self, i: int) -> bool:
         """Whether the small variants still to come will all be in before chunk ``i``'s small variant would be

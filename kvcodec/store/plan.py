@@ -11,18 +11,23 @@ two meet, the load is done.  So the link and the decoder are both busy whatever 
 slows or drops in the middle of a request costs at most the large read under way, and no rate has to be right in
 advance.
 
-Estimates still decide three things (:class:`LoadPlanner`): whether loading the rest is worth it at all, or the
+Estimates still decide four things (:class:`LoadPlanner`): whether loading the rest is worth it at all, or the
 engine recomputing it at ``recompute_tps`` (tokens per second of prefill the engine hook observed) would be sooner;
-whether a large variant can still arrive before the decoder reaches its chunk from the back; and whether the
-decoder, reaching the chunk whose large variant is arriving, waits for it.  Fetching takes a variant's bytes over
-the estimated throughput of the tier holding it (:attr:`KVStore.links`, from the store's own recent reads: the
-harmonic mean of the last few, which drops at once when the link does); decoding takes its tokens at the variant's
-decode rate (:meth:`KVStore.decode_rate`, from the store's own recent decodes).
+whether a large variant can still arrive before the decoder reaches its chunk from the back; whether the decoder,
+reaching the chunk whose large variant is arriving, waits for it; and whether decoding a small variant pays at all
+where the decoder and the link share a machine's cores (:class:`Contention`): on a fast link a decode can slow the
+fetch by more than it saves.  Fetching takes a variant's bytes over the estimated throughput of the tier holding
+it (:attr:`KVStore.links`, from the store's own recent reads: the harmonic mean of the last few, which drops at once
+when the link does); decoding takes its tokens at the variant's decode rate (:meth:`KVStore.decode_rate`, from the
+store's own recent decodes).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -39,6 +44,39 @@ class Option:
     variant: int
     nbytes: int
     tier: str
+
+
+class Contention:
+    """How much a small variant's decode slows one tier's reads on this machine, at a given link speed, from the
+    store's own loads.  Where the network path or the server itself runs on the decoder's cores, decoding is not
+    free for the link (measured here: a raw fetch from Redis on loopback took 1.5x as long beside a kvtc decode,
+    2.7x beside a cachegen one); behind a slower link the shaper, not the cores, sets the pace, and a decode costs
+    it nothing.  So each measurement is a pair of large reads within ``PAIR_S`` of each other, one with no small
+    decode running and one beside such a decode (a link that changes speed in between moves one pair, not the
+    estimate): the ratio of their throughputs, kept with the first one's.  :meth:`slowdown` is the median ratio
+    of the pairs measured within 2x of the speed asked about, 1 where there are none."""
+
+    PAIR_S = 0.1
+    WINDOW = 16
+
+    def __init__(self) -> None:
+        self._last: dict[bool, tuple[float, float]] = {}  # beside_decode: (when, bytes/s) of the latest read
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (bytes/s alone, ratio)
+
+    def observe(self, nbytes: int, seconds: float, *, beside_decode: bool) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        now, rate = time.perf_counter(), nbytes / seconds
+        self._last[beside_decode] = (now, rate)
+        other = self._last.get(not beside_decode)
+        if other is not None and now - other[0] <= self.PAIR_S:
+            alone, beside = (other[1], rate) if beside_decode else (rate, other[1])
+            self._pairs.append((alone, alone / beside))
+
+    def slowdown(self, bps: float) -> float:
+        """How many times longer a read takes beside a small decode than alone, on a link of ``bps`` bytes/s."""
+        ratios = [r for alone, r in self._pairs if bps / 2 <= alone <= bps * 2]
+        return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
 class LoadPlanner:
@@ -62,6 +100,12 @@ class LoadPlanner:
     def decode_known(self, option: Option) -> bool:
         """Whether :meth:`decode_s` comes from this store's own decodes of that variant."""
         return bool(self.store.decode_rate(self.variants[option.variant]).samples)
+
+    def small_pays(self, small: Option, large: Option, tokens: int) -> bool:
+        """Whether decoding a chunk's small variant saves the link more time (its large variant's read) than the
+        decode costs the link by slowing it (:class:`Contention`)."""
+        slowdown = self.store.contention[large.tier].slowdown(self.store.links[large.tier].estimate)
+        return self.fetch_s(large) > self.decode_s(small, tokens) * (1 - 1 / slowdown)
 
     def worth_loading(self, small: Option, large: Option | None, tokens: int, remaining_tokens: int,
                       backlog_s: float = 0.0) -> bool:

@@ -31,6 +31,7 @@ from kvcodec.store.auth import check_secret, seal, unseal
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
 from kvcodec.store.keys import CacheIdentity, chunk_bounds, chunk_hashes, format_key, namespace, salted
 from kvcodec.store.load import DenseSink, PrefixLoad, decode_chunk_into
+from kvcodec.store.plan import Contention
 from kvcodec.store.tiers import StorageTier
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class KVStore:
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "promoted": 0, "demoted": 0, "puts": 0}
         # each tier's read throughput, from this store's own reads (what load-time adaptation plans with)
         self.links = {t.name: BandwidthEstimator() for t in self.tiers}
+        # how much a decode slows each tier's reads here (loads from both ends weigh it)
+        self.contention = {t.name: Contention() for t in self.tiers}
         # each codec's decode rate in tokens per second, from this store's own loads (by repr(codec))
         self.decode_rates: dict[str, BandwidthEstimator] = {}
         self._lock = threading.Lock()
