@@ -98,5 +98,7 @@ def test_values_cross_the_link_at_its_rate_and_loads_follow_it(mooncake_behind_l
         assert result.complete
         return [c.variant for c in result.chunks]
 
-    assert variants(10_000) == [1, 1]  # raw: a few ms a chunk, less than decoding cachegen
-    assert variants(20) == [0, 0]  # cachegen: 5.9 MB of raw is 2.4 s a chunk at 20 Mbit/s
+    # raw from the front (a few ms a chunk, less than decoding cachegen) while the decoder may work back from the
+    # last chunk's cachegen
+    assert variants(10_000)[0] == 1
+    assert variants(20) == [0, 0]  # cachegen only: 5.9 MB of raw is 2.4 s a chunk at 20 Mbit/s
