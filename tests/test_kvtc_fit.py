@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,6 +138,27 @@ def test_format_2_stores_only_components_above_the_finest_floor_and_format_1_sti
     assert Calibration.from_bytes(old).keys[0].components == cal.keys[0].components
     with pytest.raises(CorruptDataError, match="this kvcodec reads"):
         Calibration.from_bytes(_with_format(cal.to_bytes(), "kvcodec-kvtc-calibration-9"))
+
+
+_FIT_IN_A_PROCESS = """
+import torch
+from kvcodec.codecs.kvtc.calibration import LayerInfo
+from kvcodec.tools.kvtc_calibration import fit_calibration
+g = torch.Generator().manual_seed(5)
+x = torch.randn(300, 16, generator=g) @ torch.randn(16, 16, generator=g)
+ones = [torch.ones(8)] * 2
+cal = fit_calibration("toy-process", [LayerInfo(2, 4, 4, None)] * 2, [[0, 1]], list(x.split(8, 1)),
+                      list((x * 2).split(8, 1)), ones, ones, (0.5, 0.5))
+print(cal.digest)
+"""
+
+
+def test_the_same_fit_gives_the_same_bytes_in_every_process():
+    """A calibration is named by its hash, so a fresh process must write the same bytes (safetensors orders its
+    metadata differently from process to process; the header is written sorted)."""
+    digests = {subprocess.run([sys.executable, "-c", _FIT_IN_A_PROCESS], capture_output=True, text=True, check=True,
+                              timeout=120).stdout.strip() for _ in range(3)}
+    assert len(digests) == 1 and len(digests.pop()) == 64
 
 
 def _with_format(data: bytes, fmt: str) -> bytes:
