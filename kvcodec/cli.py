@@ -446,10 +446,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
     from kvcodec.tools.models import load_model
 
-    model = load_model(args.model, progress=not args.quiet)
+    model = load_model(args.model, progress=not args.quiet, cached=False)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
     stats = collect_statistics(model, texts, group_layers=args.group_layers, max_tokens=args.tokens,
                                progress=_progress(args, "calibrate: run the model", unit="segment"))
+    if not args.loss_weights:  # only they run the model again: its memory goes before the fit's peak
+        model = None
     if not args.quiet:  # the fit has no steps to count
         print(f"calibrate: fitting the PCA bases of {len(stats.groups)} layer group(s) from "
               f"{stats.settings['tokens']} tokens", file=sys.stderr)

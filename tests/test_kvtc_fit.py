@@ -39,6 +39,16 @@ def test_streamed_moments_equal_the_batch_covariance(width, rows, seed, offset):
     assert torch.allclose(m.select(sub).covariance(), torch.cov(x[:, sub].T), atol=1e-8)
 
 
+def test_moments_leave_the_callers_rows_as_they_were():
+    """The rows are shifted in a copy: float64 rows (which need no conversion) are not changed in place."""
+    x = torch.randn(50, 4, dtype=torch.float64) + 3
+    before = x.clone()
+    m = Moments(4)
+    m.add(x)
+    m.add(x)
+    assert torch.equal(x, before)
+
+
 def test_moments_refuse_wrong_rows():
     m = Moments(3)
     with pytest.raises(ValueError, match=r"\[N, 3\]"):
@@ -79,6 +89,23 @@ def test_randomized_fit_matches_the_exact_leading_components(monkeypatch):
     assert float((exact_vec[:, :k].T @ vec).pow(2).sum(1).min()) > 0.99
     monkeypatch.setattr(kvtc_eigen, "EXACT_MAX", 4096)
     assert leading_eigenpairs(cov, floor)[2] == "exact"
+
+
+def test_full_solver_is_torchs_eigendecomposition_and_deterministic():
+    """The full path (numpy's LAPACK) gives the eigenpairs torch's does (to float64 rounding; vectors up to sign), as
+    float64 torch tensors, and the same bits on every call (the calibration file is named by its hash)."""
+    cov, lam = _spectrum_matrix(200, 7)
+    floor = float(lam[49] + lam[50]) / 2  # between two eigenvalues: 50 are above
+    var, vec, method = leading_eigenpairs(cov, floor)
+    assert method == "exact" and var.dtype == vec.dtype == torch.float64
+    ref_var, ref_vec = torch.linalg.eigh(cov)
+    ref_var, ref_vec = ref_var.flip(0), ref_vec.flip(1)
+    k = int((ref_var >= floor).sum())
+    assert var.shape == (k,) and vec.shape == (200, k)
+    assert torch.allclose(var, ref_var[:k], rtol=1e-10, atol=0)
+    assert torch.allclose((vec * ref_vec[:, :k]).sum(0).abs(), torch.ones(k, dtype=torch.float64), atol=1e-8)
+    again = leading_eigenpairs(cov.clone(), floor)
+    assert torch.equal(again[0], var) and torch.equal(again[1], vec)
 
 
 def test_grouping_rule_bounds_the_features_per_group():

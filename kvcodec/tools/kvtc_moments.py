@@ -31,10 +31,10 @@ class Moments:
             raise ValueError(f"feature rows must be [N, {self.width}], not {list(rows.shape)}")
         if not rows.shape[0]:
             return
-        x = rows.double()
+        x = rows.to(torch.float64, copy=True)  # its own copy, shifted in place (one segment-sized copy, not two)
         if self.shift is None:
             self.shift = x.mean(0)
-        x = x - self.shift
+        x -= self.shift
         self.count += x.shape[0]
         self.sum += x.sum(0)
         # numpy multiplies a matrix by its own transpose with BLAS's syrk (one triangle: half the work of torch's
