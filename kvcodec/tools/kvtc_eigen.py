@@ -53,7 +53,8 @@ def components_above(cov: torch.Tensor, floor: float) -> int:
 
 def leading_eigenpairs(cov: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor, str]:
     """The eigenvalues of ``cov`` (symmetric float64 ``[F, F]``) that are at least ``floor``, largest first
-    (always at least one), their eigenvectors ``[F, K]``, and the method used (``"exact"`` or ``"randomized"``)."""
+    (always at least one), their eigenvectors ``[F, K]``, and the method used (``"exact"`` or ``"randomized"``;
+    the exact path computes on the CPU)."""
     n = cov.shape[0]
     if n > EXACT_MAX:
         k = max(1, components_above(cov, floor))
@@ -61,7 +62,7 @@ def leading_eigenpairs(cov: torch.Tensor, floor: float) -> tuple[torch.Tensor, t
         if block <= RANDOMIZED_MAX_FRACTION * n:
             var, vec = _randomized(cov, block)
             return var[:k].clamp_min(0), vec[:, :k], "randomized"
-    w, v = np.linalg.eigh(cov.double().numpy())
+    w, v = np.linalg.eigh(cov.detach().cpu().double().numpy())
     var, vec = torch.from_numpy(w).flip(0).clamp_min(0), torch.from_numpy(v).flip(1)
     keep = max(1, int((var >= floor).sum()))
     return var[:keep], vec[:, :keep], "exact"

@@ -31,7 +31,7 @@ class Moments:
             raise ValueError(f"feature rows must be [N, {self.width}], not {list(rows.shape)}")
         if not rows.shape[0]:
             return
-        x = rows.to(torch.float64, copy=True)  # its own copy, shifted in place (one segment-sized copy, not two)
+        x = rows.detach().to("cpu", torch.float64, copy=True)  # its own copy, shifted in place (one copy, not two)
         if self.shift is None:
             self.shift = x.mean(0)
         x -= self.shift
