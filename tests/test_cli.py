@@ -33,6 +33,18 @@ def test_help_explains_itself(capsys, sub):
         assert all(s in out for s in SUBCOMMANDS)
 
 
+@pytest.mark.parametrize("sub", ["dump", "eval", "calibrate"])
+def test_text_help_names_every_form_load_text_takes(capsys, sub):
+    """--text's help lists each kind of spec kvcodec.tools.texts.load_text reads, not only files and licenses."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([sub, "--help"])
+    from kvcodec.tools.texts import SPECS
+
+    out = " ".join(capsys.readouterr().out.split())
+    for form in [spec for spec in SPECS if " " not in spec]:  # the forms with a syntax (not "a file path")
+        assert form in out, form
+
+
 def test_console_script_runs():
     exe = shutil.which("kvcodec") or pytest.fail("the kvcodec console script is not installed")
     res = subprocess.run([exe, "codecs", "--json"], capture_output=True, text=True, timeout=120)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,16 @@ def test_streamed_moments_equal_the_batch_covariance(width, rows, seed, offset):
     assert torch.allclose(m.covariance(w), torch.cov((x * w).T).reshape(width, width), atol=1e-8)
     sub = [width - 1, 0]
     assert torch.allclose(m.select(sub).covariance(), torch.cov(x[:, sub].T), atol=1e-8)
+
+
+def test_moments_leave_the_callers_rows_as_they_were():
+    """The rows are shifted in a copy: float64 rows (which need no conversion) are not changed in place."""
+    x = torch.randn(50, 4, dtype=torch.float64) + 3
+    before = x.clone()
+    m = Moments(4)
+    m.add(x)
+    m.add(x)
+    assert torch.equal(x, before)
 
 
 def test_moments_refuse_wrong_rows():
@@ -77,6 +89,23 @@ def test_randomized_fit_matches_the_exact_leading_components(monkeypatch):
     assert float((exact_vec[:, :k].T @ vec).pow(2).sum(1).min()) > 0.99
     monkeypatch.setattr(kvtc_eigen, "EXACT_MAX", 4096)
     assert leading_eigenpairs(cov, floor)[2] == "exact"
+
+
+def test_full_solver_is_torchs_eigendecomposition_and_deterministic():
+    """The full path (numpy's LAPACK) gives the eigenpairs torch's does (to float64 rounding; vectors up to sign), as
+    float64 torch tensors, and the same bits on every call (the calibration file is named by its hash)."""
+    cov, lam = _spectrum_matrix(200, 7)
+    floor = float(lam[49] + lam[50]) / 2  # between two eigenvalues: 50 are above
+    var, vec, method = leading_eigenpairs(cov, floor)
+    assert method == "exact" and var.dtype == vec.dtype == torch.float64
+    ref_var, ref_vec = torch.linalg.eigh(cov)
+    ref_var, ref_vec = ref_var.flip(0), ref_vec.flip(1)
+    k = int((ref_var >= floor).sum())
+    assert var.shape == (k,) and vec.shape == (200, k)
+    assert torch.allclose(var, ref_var[:k], rtol=1e-10, atol=0)
+    assert torch.allclose((vec * ref_vec[:, :k]).sum(0).abs(), torch.ones(k, dtype=torch.float64), atol=1e-8)
+    again = leading_eigenpairs(cov.clone(), floor)
+    assert torch.equal(again[0], var) and torch.equal(again[1], vec)
 
 
 def test_grouping_rule_bounds_the_features_per_group():
@@ -136,6 +165,27 @@ def test_format_2_stores_only_components_above_the_finest_floor_and_format_1_sti
     assert Calibration.from_bytes(old).keys[0].components == cal.keys[0].components
     with pytest.raises(CorruptDataError, match="this kvcodec reads"):
         Calibration.from_bytes(_with_format(cal.to_bytes(), "kvcodec-kvtc-calibration-9"))
+
+
+_FIT_IN_A_PROCESS = """
+import torch
+from kvcodec.codecs.kvtc.calibration import LayerInfo
+from kvcodec.tools.kvtc_calibration import fit_calibration
+g = torch.Generator().manual_seed(5)
+x = torch.randn(300, 16, generator=g) @ torch.randn(16, 16, generator=g)
+ones = [torch.ones(8)] * 2
+cal = fit_calibration("toy-process", [LayerInfo(2, 4, 4, None)] * 2, [[0, 1]], list(x.split(8, 1)),
+                      list((x * 2).split(8, 1)), ones, ones, (0.5, 0.5))
+print(cal.digest)
+"""
+
+
+def test_the_same_fit_gives_the_same_bytes_in_every_process():
+    """A calibration is named by its hash, so a fresh process must write the same bytes (safetensors orders its
+    metadata differently from process to process; the header is written sorted)."""
+    digests = {subprocess.run([sys.executable, "-c", _FIT_IN_A_PROCESS], capture_output=True, text=True, check=True,
+                              timeout=120).stdout.strip() for _ in range(3)}
+    assert len(digests) == 1 and len(digests.pop()) == 64
 
 
 def _with_format(data: bytes, fmt: str) -> bytes:

@@ -6,6 +6,8 @@ what a decoder needs of a calibration (the file, its lookup); this half runs mod
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import inspect
 import math
 from dataclasses import dataclass
@@ -193,6 +195,12 @@ class _AttentionTaps:
             return torch.ones(1, dtype=torch.float64)
         return self._cross[idx] / self._square[idx].clamp_min(1e-30)
 
+    def forget_segment(self) -> None:
+        """Drop the last segment's queries and attention outputs (300 MB for SmolLM2's 2048 tokens), so they are not
+        held while the next segment runs."""
+        self.queries.clear()
+        self._attn_out.clear()
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -263,9 +271,11 @@ def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_T
                 rows["keys"].append(k[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
                 rows["values"].append(v[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
             del out, kv, cache
+            taps.forget_segment()
             for kind, per_layer in rows.items():
                 for members, m in zip(groups, moments[kind]):
                     m.add(torch.cat([per_layer[i] for i in members], 1))
+            del rows, per_layer  # not held while the next segment runs
             counted += n - SINK_TOKENS
     finally:
         taps.remove()
@@ -287,6 +297,18 @@ def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_T
                       value_weights, settings)
 
 
+def _return_freed_memory() -> None:
+    """Hand freed memory back to the OS before the fit allocates a covariance and its solver's workspace.  glibc
+    keeps freed blocks under its mmap threshold (the model run's activations) in its heaps, and the fit's large
+    arrays, each mapped on its own, cannot reuse them: measured on SmolLM2, the fit's peak resident memory was
+    2.94 GB without this and 2.62 GB with it."""
+    gc.collect()  # a model let go may be held in reference cycles
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator is not this one
+        pass
+
+
 def _floored(weight: torch.Tensor) -> torch.Tensor:
     """Weights of at least ``WEIGHT_FLOOR`` times the layer's largest: a channel nothing reads (Gemma 3 270M's
     query norm zeroes some query channels, so their keys' weight is 0) must still be invertible; its error then
@@ -300,7 +322,8 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
               weight_values: bool = True, loss_weights: bool = False, progress: Any = None,
               statistics: Statistics | None = None) -> Calibration:
     """Compute a calibration of ``loaded`` from ``texts`` (see :func:`collect_statistics`, or pass ``statistics``
-    already collected with the same or a coarser grouping).
+    already collected with the same or a coarser grouping; ``loaded`` may then be None unless ``loss_weights``
+    runs the model again).
 
     ``group_layers`` pools that many consecutive layers per basis (None: :func:`default_groups`' rule).
     ``loss_weights`` scales each layer's value weights so that a unit of error costs the same loss in every layer,
@@ -360,6 +383,7 @@ def fit(stats: Statistics, finest_steps: tuple[float, float] | None = None, sett
 
 def _basis(moments: Moments, w: torch.Tensor, min_std: float) -> GroupBasis:
     """PCA of the weighted feature rows, components with std >= ``min_std``."""
+    _return_freed_memory()
     cov = moments.covariance(w)
     var, vec, _ = leading_eigenpairs(cov, min_std ** 2)
     del cov

@@ -96,13 +96,15 @@ def _assembled_gemma3() -> tuple[str, str]:
     return os.path.dirname(os.fspath(path)), os.path.basename(os.fspath(path))
 
 
-def load_model(spec: str = SMOLLM2, *, progress: bool = True) -> LoadedModel:
+def load_model(spec: str = SMOLLM2, *, progress: bool = True, cached: bool = True) -> LoadedModel:
     """Load a model on the CPU in float32, offline (cached per process).  ``progress=False`` hides
-    transformers' progress bars (loading weights, converting GGUF tensors)."""
+    transformers' progress bars (loading weights, converting GGUF tensors); ``cached=False`` loads a copy the
+    cache does not keep, whose memory goes when the caller lets it go."""
+    load = _load_model if cached else _load_model.__wrapped__
     if progress:
-        return _load_model(spec)
+        return load(spec)
     with _no_progress_bars():
-        return _load_model(spec)
+        return load(spec)
 
 
 @contextlib.contextmanager

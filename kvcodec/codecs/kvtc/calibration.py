@@ -128,8 +128,8 @@ class Calibration:
                     tensors[f"rotary.{i}.inv_freq"] = torch.from_numpy(layer.rotary.inv_freq.astype(np.float64))
             layout = {"layers": [[l.heads, l.key_dim, l.value_dim, None if l.rotary is None else l.rotary.scaling]
                                  for l in self.layers], "groups": self.groups, "settings": self.settings}
-            self._bytes = save(tensors, metadata={"format": FORMAT, "model": self.model,
-                                                  "layout": json.dumps(layout, sort_keys=True)})
+            self._bytes = _sorted_header(save(tensors, metadata={"format": FORMAT, "model": self.model,
+                                                                 "layout": json.dumps(layout, sort_keys=True)}))
         return self._bytes
 
     @property
@@ -199,6 +199,16 @@ class Calibration:
     @property
     def basis_bytes(self) -> int:
         return sum(b.basis.numel() * 2 for b in self.keys + self.values)
+
+
+def _sorted_header(data: bytes) -> bytes:
+    """A safetensors file with its JSON header's keys in sorted order.  safetensors (0.8) writes the metadata map
+    in an order that changes from process to process, and a calibration is named by the hash of its bytes: the same
+    calibration must give the same bytes in every process.  Padded with spaces to 8 bytes, as safetensors pads."""
+    n = int.from_bytes(data[:8], "little")
+    raw = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n:]
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:
