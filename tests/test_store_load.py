@@ -204,20 +204,28 @@ def test_the_load_stops_where_recomputing_the_rest_is_sooner():
     assert "recompute" not in _loaded(store, ids, recompute_tps=1e5) + _loaded(store, ids)
 
 
-def test_two_variants_load_from_both_ends(monkeypatch):
-    """raw takes 30 ms a chunk on the link, cachegen 30 ms a chunk to decode: the link brings raw for the first
-    chunks while the decoder works back from the last through cachegen, sooner than either alone."""
+def _behind_link(monkeypatch, raw_s: float, cachegen_s: float) -> tuple[KVStore, list[int], KVCache]:
+    """Four float32 chunks kept as cachegen and raw (6x its bytes, as for a float32 model) behind a :class:`Link`
+    that takes ``raw_s`` per raw chunk; cachegen takes ``cachegen_s`` a chunk to decode, as the store has learnt."""
     store = KVStore([MemoryTier(None)], model="m", codec=["cachegen", "raw"], chunk_tokens=CHUNK)
     ids, kv = list(range(1000, 1000 + 4 * CHUNK)), _kv(4 * CHUNK)
-    kv = KVCache([(l.keys.float(), l.values.float()) for l in kv.layers], model="m")  # raw 6x cachegen, as float32 models
+    kv = KVCache([(l.keys.float(), l.values.float()) for l in kv.layers], model="m")
     store.put(ids, kv)
     raw_bytes = store.variant_sizes(store.variant_keys(ids)[0][2])[1][0]
-    link = Link(raw_bytes / 0.030)
+    link = Link(raw_bytes / raw_s)
     for key in [k for _, _, ks in store.variant_keys(ids) for k in ks]:
         link.put(key, store.tiers[0].get(key))
     store.tiers[0], store.links = link, {link.name: BandwidthEstimator(prior_bps=link.rate)}
-    _slow_cachegen(monkeypatch, 0.030 / LAYERS)
-    store.decode_rate = lambda codec: Pinned(CHUNK / 0.030 if codec.codec_id == "cachegen" else 1e9)  # learned
+    store.contention = {link.name: Contention()}
+    _slow_cachegen(monkeypatch, cachegen_s / LAYERS)
+    store.decode_rate = lambda codec: Pinned(CHUNK / cachegen_s if codec.codec_id == "cachegen" else 1e9)
+    return store, ids, kv
+
+
+def test_two_variants_load_from_both_ends(monkeypatch):
+    """raw takes 30 ms a chunk on the link, cachegen 30 ms a chunk to decode: the link brings raw for the first
+    chunks while the decoder works back from the last through cachegen, sooner than either alone."""
+    store, ids, kv = _behind_link(monkeypatch, raw_s=0.030, cachegen_s=0.030)
     sink = DenseSink()
     t0 = time.perf_counter()
     result = PrefixLoad(store, ids, sink).start().finish()
@@ -248,18 +256,8 @@ def test_a_small_variant_is_decoded_only_where_it_saves_the_link_more_than_it_sl
     """raw takes 10 ms a chunk on the link, cachegen 30 ms to decode.  Where a decode does not slow the link, the
     decoder works back through cachegen while raw comes; where it slows it 3x (30 ms of decoding cost the link
     20 ms, more than the 10 ms raw chunk it saves), every chunk comes raw."""
-    store = KVStore([MemoryTier(None)], model="m", codec=["cachegen", "raw"], chunk_tokens=CHUNK)
-    ids, kv = list(range(1000, 1000 + 4 * CHUNK)), _kv(4 * CHUNK)
-    kv = KVCache([(l.keys.float(), l.values.float()) for l in kv.layers], model="m")
-    store.put(ids, kv)
-    raw_bytes = store.variant_sizes(store.variant_keys(ids)[0][2])[1][0]
-    link = Link(raw_bytes / 0.010)
-    for key in [k for _, _, ks in store.variant_keys(ids) for k in ks]:
-        link.put(key, store.tiers[0].get(key))
-    store.tiers[0], store.links = link, {link.name: BandwidthEstimator(prior_bps=link.rate)}
-    store.contention = {link.name: Slowdown(slowdown)}
-    _slow_cachegen(monkeypatch, 0.030 / LAYERS)
-    store.decode_rate = lambda codec: Pinned(CHUNK / 0.030 if codec.codec_id == "cachegen" else 1e9)
+    store, ids, _ = _behind_link(monkeypatch, raw_s=0.010, cachegen_s=0.030)
+    store.contention = {name: Slowdown(slowdown) for name in store.links}
     result = PrefixLoad(store, ids, DenseSink()).start().finish()
     variants = [c.variant for c in result.chunks]
     assert result.complete and (0 in variants) == smalls, variants
