@@ -388,8 +388,8 @@ class PrefixLoad:
     def _worth_loading(self, i: int) -> bool:
         small, large = self._options[i]
         with self._cond:
-            queued = sum(self.planner.decode_s(self._options[j][0], c.end - c.start)
-                         for j, c in enumerate(self.chunks) if j in self._back)
+            queued = sum(self.planner.decode_s(self._options[j][0], self.chunks[j].end - self.chunks[j].start)
+                         for j in self._back)
         outcome = self.chunks[i]
         return self.planner.worth_loading(small, large, outcome.end - outcome.start, self.end - outcome.start,
                                           queued)
@@ -455,11 +455,12 @@ class PrefixLoad:
                 self._reading = _Reading(i, large, time.perf_counter(), length, large.nbytes - got - length)
                 decoding = self._decoding_small
             t0 = time.perf_counter()
-            piece = store.call_tier(tier, "get_range", key, got, piece_bytes)
+            piece = store.call_tier(tier, "get_range", key, got, length)
+            seconds = time.perf_counter() - t0
             if not piece:
                 return store.read_chunk(key, outcome.start, outcome.end)  # gone here: any tier holding it
-            store.links[tier.name].observe(len(piece), time.perf_counter() - t0)
-            self._observe(large, len(piece), time.perf_counter() - t0, decoding)
+            store.links[tier.name].observe(len(piece), seconds)
+            self._observe(large, len(piece), seconds, decoding)
             with self._cond:
                 self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
             parts.append(piece)
