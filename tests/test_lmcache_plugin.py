@@ -13,6 +13,7 @@ import kvcodec
 import kvcodec.engines.lmcache_plugin as lp
 from kvcodec.cache import KVCache
 from kvcodec.errors import InvalidInputError
+from kvcodec.store import KVStore
 
 L, T, H, D = 4, 256, 3, 16
 
@@ -84,7 +85,7 @@ def test_remote_connector_put_get_exists():
     conn = lp.KVCodecConnectorAdapter().create_connector(SimpleNamespace(
         url="kvcodec://local/?backend=memory&codec=raw", loop=None, local_cpu_backend=FakeCPUBackend(),
         config=SimpleNamespace(extra_config={}), metadata=SimpleNamespace(kv_shape=(L, 2, T, H, D), model_name="m")))
-    assert conn.codec.num_heads == H and conn.codec.codec.codec_id == "raw"
+    assert conn.num_heads == H and conn.store.codec.codec_id == "raw"
     chunk = _chunk(torch.bfloat16, seed=3)
     obj = FakeMemoryObj(chunk.clone())
     key = Key("m@1@0@abc@bfloat16")
@@ -94,7 +95,7 @@ def test_remote_connector_put_get_exists():
     assert _run(conn.exists(key)) and conn.exists_sync(key)
     got = _run(conn.get(key))
     assert isinstance(got, FakeMemoryObj) and torch.equal(got.tensor, chunk)
-    assert _run(conn.list()) == [key.s]
+    assert _run(conn.list()) == [conn.key(key)]  # the store's hashed names
     assert conn.batched_contains([key, Key("nope"), key]) == 1  # leading hits, as LMCache's lookup adds them up
     assert conn.batched_contains([key, key]) == 2 and conn.batched_contains([]) == 0
     assert _run(conn.get(Key("nope"))) is None
@@ -116,16 +117,17 @@ def test_remote_connector_partial_chunk_and_disk(tmp_path):
 def test_damaged_chunk_is_a_miss_and_deleted():
     conn = lp.connector_from_url(f"kvcodec://local/?backend=memory&codec=raw&num_heads={H}")
     _run(conn.put(Key("k"), FakeMemoryObj(_chunk())))
-    blob = bytearray(conn.tier.get("k"))
+    tier, k = conn.tier, conn.key(Key("k"))
+    blob = bytearray(tier.get(k))
     blob[len(blob) // 2] ^= 0x55
-    conn.tier.put("k", bytes(blob))
+    tier.put(k, bytes(blob))
     assert _run(conn.get(Key("k"))) is None  # not raised: LMCache recomputes the chunk
     assert not conn.exists_sync(Key("k")) and conn.stats["corrupt"] == 1
 
 
 def test_codec_options_from_url():
     conn = lp.connector_from_url(f"kvcodec://local/?backend=memory&codec=kivi&bits=4&num_heads={H}")
-    assert conn.codec.codec.codec_id == "kivi" and conn.codec.codec.get_config().get("bits") == 4
+    assert conn.store.codec.codec_id == "kivi" and conn.store.codec.get_config().get("bits") == 4
     with pytest.raises(InvalidInputError):
         lp.connector_from_url("redis://127.0.0.1:6379")
     with pytest.raises(InvalidInputError):
@@ -160,7 +162,7 @@ def test_adapter_takes_the_plugin_url_of_remote_storage_plugins():
     conn = adapter.create_connector(SimpleNamespace(url="plugin://kvcodec", plugin_name="kvcodec", loop=None,
                                                     local_cpu_backend=None, metadata=None,
                                                     config=SimpleNamespace(extra_config=extra)))
-    assert conn.codec.codec.codec_id == "raw" and conn.tier.name == "cpu"
+    assert conn.store.codec.codec_id == "raw" and conn.tier.name == "cpu"
     with pytest.raises(InvalidInputError, match="remote_storage_plugin.kvcodec.url"):
         adapter.create_connector(SimpleNamespace(url="plugin://kvcodec", plugin_name="kvcodec", loop=None,
                                                  local_cpu_backend=None, metadata=None,
@@ -173,15 +175,33 @@ def _connector(tier_heads: int = H):
     return lp.KVCodecConnectorAdapter().create_connector(SimpleNamespace(
         url=f"kvcodec://local/?backend=memory&codec=raw&num_heads={tier_heads}", loop=None,
         local_cpu_backend=FakeCPUBackend(), config=SimpleNamespace(extra_config={}),
-        metadata=SimpleNamespace(kv_shape=(L, 2, T, H, D), model_name="m")))
+        metadata=SimpleNamespace(kv_shape=(L, 2, T, H, D), kv_dtype=torch.float16, model_name="m")))
+
+
+def _plant(conn, key: str, chunk: torch.Tensor, heads: int = H, name: str | None = None) -> None:
+    """Write ``chunk`` under the tier key of LMCache's ``key`` as a writer that checks nothing would: no engine shape,
+    no secret, and written for ``name``'s key (default ``key``'s own)."""
+    planted = KVStore(conn.store.tiers, model="m", codec="raw", chunk_tokens=T)
+    value_key = conn.key(Key(name or key))
+    conn.tier.delete(value_key)  # replace what is there
+    planted.put_chunk(value_key, KVCache.from_lmcache(chunk, heads, model="m"))
+    if name is not None:
+        conn.tier.put(conn.key(Key(key)), conn.tier.get(value_key))
 
 
 def test_a_chunk_of_another_shape_than_lmcaches_is_a_miss_and_deleted():
     """Same element count, other heads and head size ([2, L, T, 1*48] where LMCache holds 3 heads of 16)."""
     conn = _connector()
-    other = lp.LMCacheChunkCodec("raw", num_heads=1)
-    conn.tier.put("k", other.encode(_chunk()))
+    _plant(conn, "k", _chunk(), heads=1)
     assert _run(conn.get(Key("k"))) is None and not conn.exists_sync(Key("k")) and conn.stats["corrupt"] == 1
+
+
+def test_a_chunk_moved_to_another_key_is_a_miss_and_deleted():
+    """A valid chunk of the right shape, copied under another chunk's key, is not served as that chunk."""
+    conn = _connector()
+    _plant(conn, "b", _chunk(seed=7), name="a")
+    assert _run(conn.get(Key("a"))) is not None
+    assert _run(conn.get(Key("b"))) is None and not conn.exists_sync(Key("b")) and conn.stats["corrupt"] == 1
 
 
 def test_a_local_decode_fault_is_a_miss_that_keeps_the_entry(monkeypatch):
@@ -191,7 +211,7 @@ def test_a_local_decode_fault_is_a_miss_that_keeps_the_entry(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(lp.LMCacheChunkCodec, "decode", staticmethod(out_of_memory))
+    monkeypatch.setattr(KVStore, "decode_chunk", out_of_memory)
     assert _run(conn.get(Key("k"))) is None and conn.exists_sync(Key("k")) and conn.stats["corrupt"] == 0
 
 
@@ -214,5 +234,5 @@ def test_with_a_deployment_secret_values_are_authenticated(monkeypatch):
     chunk = _chunk()
     _run(conn.put(Key("k"), FakeMemoryObj(chunk)))
     assert torch.equal(_run(conn.get(Key("k"))).tensor, chunk)
-    conn.tier.put("k", lp.LMCacheChunkCodec("raw", num_heads=H).encode(_chunk(seed=9)))  # valid KV, no tag
+    _plant(conn, "k", _chunk(seed=9))  # valid KV, no tag
     assert _run(conn.get(Key("k"))) is None and not conn.exists_sync(Key("k")) and conn.stats["corrupt"] == 1

@@ -84,6 +84,28 @@ def test_partial_last_chunk(real_kv):
     assert store.get(ids).equal(kv)
 
 
+def test_chunks_an_engine_names_itself(real_kv):
+    """put_chunk/load_chunk under engine_key (LMCache's and SGLang's hooks): one chunk per key, its length read from
+    the chunk, other engines' names and other codecs kept apart, and a chunk under another name never served."""
+    kv = kvcodec.KVCache([(l.keys[:, :100], l.values[:, :100]) for l in real_kv.layers], model=real_kv.model)
+    tier = MemoryTier(None)
+    store = KVStore([tier], model=real_kv.model, codec="raw")
+    key = store.engine_key("page-1", b"engine/1\0")
+    assert key != store.engine_key("page-1", b"other/1\0") and key != store.engine_key("page-2", b"engine/1\0")
+    assert key != KVStore([tier], model=real_kv.model, codec="kivi").engine_key("page-1", b"engine/1\0")
+    size = store.put_chunk(key, kv)
+    assert size == len(tier.get(key)) and store.put_chunk(key, kv) == 0  # already there: nothing written
+    assert store.load_chunk(key).equal(kv) and store.load_chunk(key, 100).equal(kv)
+    assert store.holders([key, "nope"]) == ["cpu", None]
+    assert store.load_chunk(key, 256) is None and store.stats["corrupt"] == 1 and not tier.contains(key)
+    store.put_chunk(key, kv)
+    other = store.engine_key("page-2", b"engine/1\0")
+    tier.put(other, tier.get(key))  # a valid chunk, written for another name
+    assert store.load_chunk(other) is None and not tier.contains(other)
+    with pytest.raises(kvcodec.InvalidInputError, match="1 to 256 tokens"):
+        store.put_chunk(key, real_kv)
+
+
 def test_default_codec_is_cachegen(real_kv):
     ids = real_kv.token_ids[:256]
     kv = kvcodec.KVCache([(l.keys[:, :256], l.values[:, :256]) for l in real_kv.layers], model=real_kv.model,

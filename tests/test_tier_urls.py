@@ -106,7 +106,7 @@ def test_engine_config_tiers_are_bounded(tmp_path, monkeypatch):
     conn = lp.connector_from_url(f"kvcodec://local/?backend=memory&codec=raw&num_heads={H}")
     assert conn.tier.capacity_bytes == 1 << 30  # was unbounded
     conn = lp.connector_from_url(f"kvcodec://local/?backend=memory&capacity=2MiB&codec=raw&num_heads={H}")
-    assert conn.tier.capacity_bytes == 2 << 20 and conn.codec.codec.codec_id == "raw"
+    assert conn.tier.capacity_bytes == 2 << 20 and conn.store.codec.codec_id == "raw"
     conn = lp.connector_from_url(f"kvcodec://{tmp_path}/lm?backend=disk&capacity=3MiB&codec=raw&num_heads={H}")
     assert conn.tier.capacity_bytes == 3 << 20 and conn.tier.path == f"{tmp_path}/lm"
     conn = lp.connector_from_url(f"kvcodec://127.0.0.1:6390/?backend=redis&ttl=60&timeout=0.3&codec=raw&num_heads={H}")

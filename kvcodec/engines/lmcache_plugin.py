@@ -7,9 +7,11 @@ codec into a single-chunk container (checksummed, self-describing: shapes, dtype
 settings travel with it), and back with :meth:`KVCache.to_lmcache`.  Two ways in:
 
 **1. A remote storage connector** (``remote_storage_plugins``, LMCache's ``RemoteConnector`` /
-``ConnectorAdapter`` interface).  The compressed chunks go to Redis (:class:`kvcodec.store.RedisTier`: kvcodec's
-own ``kvcodec:<key>:data`` / ``:meta`` names, which LMCache's own Redis connector never reads), a folder (atomic
-writes, :class:`kvcodec.store.DiskTier`) or process memory::
+``ConnectorAdapter`` interface) over a :class:`kvcodec.store.KVStore`, as every other engine hook: the store
+encodes, keys, checks and decodes each chunk.  The compressed chunks go to Redis (:class:`kvcodec.store.RedisTier`),
+a folder (atomic writes, :class:`kvcodec.store.DiskTier`) or process memory, under the store's hash of LMCache's
+chunk key (:meth:`KVStore.engine_key`: with the model, codec and its settings, so that LMCache's own Redis connector
+never reads them and a codec switch never mixes chunks)::
 
     # lmcache.yaml
     chunk_size: 256
@@ -30,11 +32,14 @@ writes, :class:`kvcodec.store.DiskTier`) or process memory::
    10 GiB), ``shared``, ``max_value``; memory: ``capacity`` (default 1 GiB)) make the tier, as they would in the
    vLLM connector's ``tiers``.  Query parameters other than those, ``backend``, ``codec``, ``num_heads`` and
    ``workers`` are the codec's settings (numbers are parsed: ``level=2``, ``bits=4``).  ``num_heads`` defaults to LMCache's
-   ``metadata.kv_shape[3]`` (the KV heads of this worker).  A chunk that is missing, damaged
-   (checksum) or fails to decode is a miss (``get`` returns None, and it is deleted), so LMCache
+   ``metadata.kv_shape[3]`` (the KV heads of this worker).  A chunk is served only once the store has checked it
+   (:meth:`KVStore.check_chunk`: every checksum, the key it was written for, the model, and LMCache's ``kv_shape``
+   and ``kv_dtype``, bounded before anything is decoded; authenticated under ``$KVCODEC_STORE_SECRET``).  A chunk
+   that is missing, bad or fails to decode is a miss (``get`` returns None; a bad one is deleted), so LMCache
    recomputes it; no exception reaches the engine.  With ``codec=kvtc`` the calibration is found by
-   LMCache's ``model_name``; when none is installed, the plugin loads that model (a folder, a GGUF file or
-   ``smollm2``) with transformers on the CPU and calibrates it once at start-up, saying so in the log
+   LMCache's ``model_name`` (and stored once beside the chunks, for other machines); when none is installed, the
+   plugin loads that model (a folder, a GGUF file or ``smollm2``) with transformers on the CPU and calibrates it
+   once at start-up, saying so in the log
    (``calibrate.max_tokens=4096`` and other ``calibrate.*`` parameters set the calibration).
 
 **2. A serializer** for the L2 adapters of LMCache's multiprocess server (``register_serde_factory``):
@@ -71,10 +76,10 @@ from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec, get_codec
 from kvcodec.engines.auto_calibration import ensure_model_calibration, load_served_model, wants_calibration
-from kvcodec.errors import CorruptDataError, InvalidInputError, LimitExceededError
+from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.reader import Reader
-from kvcodec.store import StorageTier
-from kvcodec.store.auth import seal, secret_from_env, unseal
+from kvcodec.store import DEFAULT_STORE_CHUNK_TOKENS, ChunkShape, KVStore, StorageTier, format_key
+from kvcodec.store.auth import secret_from_env
 from kvcodec.store.urls import OPTIONS as TIER_OPTIONS
 from kvcodec.store.urls import redact, tier_from_url
 
@@ -125,10 +130,19 @@ except Exception:
         """Stand-in for LMCache's serde ``Deserializer``."""
 
 
-MAGIC_OVERHEAD = 1 << 16  # header, index and tables beyond the element bytes (an upper bound for the estimate)
+MAGIC_OVERHEAD = 1 << 16
+KEY_CONTEXT = b"lmcache-chunk/1\0"  # keeps LMCache's chunk keys apart from other engines' names (KVStore.engine_key)
+UNNAMED_MODEL = "unnamed"  # the store's model name when LMCache gives none  # header, index and tables beyond the element bytes (an upper bound for the estimate)
 
 
-# --- the chunk codec both plugins use -----------------------------------------------------------
+# --- the chunk codec the serializer uses ------------------------------------------------------------
+
+def prepare_model(codec: str | Codec, codec_options: dict[str, Any], model: str | None,
+                  calibration_options: dict[str, Any] | None) -> None:
+    """kvtc: calibrate ``model`` (LMCache's ``model_name``) once, now, when no calibration of it is installed."""
+    if model and wants_calibration(codec, codec_options):
+        ensure_model_calibration(model, lambda: load_served_model(model, log.info), log.info, calibration_options)
+
 
 class LMCacheChunkCodec:
     """``[2, L, T, H*D]`` tensors to kvcodec container bytes and back."""
@@ -137,8 +151,7 @@ class LMCacheChunkCodec:
                  calibration_options: dict[str, Any] | None = None, **codec_options: Any) -> None:
         self.codec = codec if isinstance(codec, Codec) else get_codec(codec, **codec_options)
         self.num_heads, self.model = num_heads, model
-        if model and wants_calibration(codec, codec_options):  # kvtc: calibrate the model when none is installed
-            ensure_model_calibration(model, lambda: load_served_model(model, log.info), log.info, calibration_options)
+        prepare_model(codec, codec_options, model, calibration_options)
 
     def encode(self, chunk: torch.Tensor, num_heads: int | None = None) -> bytes:
         h = num_heads or self.num_heads
@@ -148,30 +161,9 @@ class LMCacheChunkCodec:
         return encode(kv, self.codec, chunk_tokens=max(1, chunk.shape[2]))
 
     @staticmethod
-    def decode(data: bytes | bytearray | memoryview, *, device: Any = None, expect: Any = None) -> torch.Tensor:
-        """The ``[2, L, T, H*D]`` chunk of ``data`` (raises on damaged or undecodable data).  ``expect``, LMCache's
-        ``kv_shape`` ``(L, 2, chunk_size, H, D)``, bounds the decode to that size and makes a chunk of any other
-        layer count, head count or head size :class:`CorruptDataError`."""
-        if expect is None:
-            return decode(bytes(data), device=device).to_lmcache()
-        layers, _, most, heads, dim = (int(x) for x in expect)
-        with Reader(bytes(data), 2 * layers * most * heads * dim * 4) as r:  # up to float32: bounded before decoding
-            got = [(s.heads, s.key_dim, s.value_dim) for s in r.header.layers]
-            if got != [(heads, dim, dim)] * layers or not 0 < r.header.max_tokens <= most:
-                raise CorruptDataError(f"the chunk holds {len(got)} layers of (heads, key_dim, value_dim) "
-                                       f"{got[0] if got else None} over {r.header.max_tokens} tokens; LMCache expects "
-                                       f"{layers} of {(heads, dim, dim)} over at most {most}")
-            return r.decode(device=device).to_lmcache()
-
-    @staticmethod
-    def intact(data: bytes) -> bool:
-        """Every checksum of a single-chunk container holds (no decoding)."""
-        try:
-            with Reader(data) as r:
-                r.verify_checksums()
-            return True
-        except Exception:
-            return False
+    def decode(data: bytes | bytearray | memoryview, *, device: Any = None) -> torch.Tensor:
+        """The ``[2, L, T, H*D]`` chunk of ``data`` (raises on damaged or undecodable data)."""
+        return decode(bytes(data), device=device).to_lmcache()
 
     @staticmethod
     def estimate_size(shape: Any, dtype: torch.dtype) -> int:
@@ -202,26 +194,40 @@ def _key_str(key: Any) -> str:
 # --- 1. remote storage connector ---------------------------------------------------------------
 
 class KVCodecRemoteConnector(RemoteConnector):
-    """LMCache ``RemoteConnector`` storing each chunk compressed by a kvcodec codec in a kvcodec tier.
+    """LMCache ``RemoteConnector`` over a kvcodec :class:`KVStore`: each chunk is stored, checked and loaded by the
+    store (:meth:`KVStore.put_chunk`, :meth:`KVStore.load_chunk`) under :meth:`KVStore.engine_key` of LMCache's
+    chunk key, which chains the prefix already.
 
-    ``local_cpu_backend`` is LMCache's allocator (``allocate(shape, dtype, fmt)`` returning a
-    ``MemoryObj`` with a ``.tensor``); ``metadata`` (LMCache's engine metadata) gives the chunk shape
-    ``kv_shape = (L, 2, chunk_size, H, D)`` and dtype.  The async methods LMCache awaits on its event loop run
-    the tier and codec work (Redis round trips, file I/O, encoding, decoding) in a small thread pool of their
-    own, so that loop never blocks on them.
+    ``num_heads`` splits LMCache's ``[2, L, T, H*D]``; ``local_cpu_backend`` is LMCache's allocator
+    (``allocate(shape, dtype, fmt)`` returning a ``MemoryObj`` with a ``.tensor``).  The async methods LMCache awaits
+    on its event loop run the store's work (round trips, file I/O, encoding, decoding) in a small thread pool of
+    their own, so that loop never blocks on them.
     """
 
-    def __init__(self, tier: StorageTier, codec: LMCacheChunkCodec, *, local_cpu_backend: Any = None,
+    def __init__(self, store: KVStore, num_heads: int | None, *, local_cpu_backend: Any = None,
                  loop: asyncio.AbstractEventLoop | None = None, metadata: Any = None, config: Any = None,
                  max_workers: int = 2) -> None:
         if HAVE_LMCACHE and config is not None and metadata is not None:
             super().__init__(config, metadata)  # LMCache's RemoteConnector(config, metadata): chunk sizes, formats
-        self.tier, self.codec, self.local_cpu_backend, self.loop, self.metadata = tier, codec, local_cpu_backend, loop, metadata
-        if self.codec.num_heads is None and metadata is not None and getattr(metadata, "kv_shape", None):
-            self.codec.num_heads = int(metadata.kv_shape[3])
-        self.stats = {"puts": 0, "hits": 0, "misses": 0, "corrupt": 0, "bytes_in": 0, "bytes_out": 0}
-        self.secret = secret_from_env()  # authenticates every value when the deployment has a secret
+        self.store, self.num_heads = store, num_heads
+        self.local_cpu_backend, self.loop, self.metadata = local_cpu_backend, loop, metadata
+        self.bytes_out = 0
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvcodec-lmcache")
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The store's counters (``hits``: chunks read intact, ``misses``, ``corrupt``, ``puts``, ...) and
+        ``bytes_out``, the bytes of the values stored."""
+        return {**self.store.stats, "bytes_out": self.bytes_out}
+
+    @property
+    def tier(self) -> StorageTier:
+        """The tier the URL names (the store's only one)."""
+        return self.store.tiers[0]
+
+    def key(self, key: Any) -> str:
+        """The tier key of LMCache's chunk ``key``."""
+        return self.store.engine_key(_key_str(key), KEY_CONTEXT)
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -231,10 +237,7 @@ class KVCodecRemoteConnector(RemoteConnector):
         return await self._off_loop(self.exists_sync, key)
 
     def exists_sync(self, key: Any) -> bool:
-        try:
-            return bool(self.tier.contains(_key_str(key)))
-        except Exception:
-            return False
+        return self.batched_contains([key]) == 1
 
     # LMCache's memory objects are only touched on its event loop (a copy in, a copy out): LMCache frees its memory
     # pool when it shuts down, also while a thread of ours might still be reading a chunk.
@@ -243,33 +246,13 @@ class KVCodecRemoteConnector(RemoteConnector):
         return self._deliver(chunk)
 
     def get_sync(self, key: Any) -> Any:
-        """The chunk as a freshly allocated LMCache ``MemoryObj``, or None (miss, damaged, undecodable)."""
+        """The chunk as a freshly allocated LMCache ``MemoryObj``, or None (a miss: missing, damaged, not of this
+        engine's shape, or undecodable here; the store evicts what is bad)."""
         return self._deliver(self._fetch(key))
 
     def _fetch(self, key: Any) -> torch.Tensor | None:
-        """The decoded ``[2, L, T, H*D]`` chunk, or None (miss; damaged or undecodable: deleted)."""
-        k = _key_str(key)
-        try:
-            data = self.tier.get(k)
-        except Exception:
-            data = None
-        if data is None:
-            self.stats["misses"] += 1
-            return None
-        try:
-            chunk = self.codec.decode(unseal(self.secret, k, data), expect=getattr(self.metadata, "kv_shape", None))
-        except (CorruptDataError, LimitExceededError):
-            log.warning("kvcodec chunk %s is damaged, not authentic or not of this engine's shape; deleted (LMCache "
-                        "recomputes it)", k, exc_info=True)
-            self.stats["corrupt"] += 1
-            self._delete(k)
-            return None
-        except Exception:  # this machine's fault (memory, a calibration it lacks): a miss, the entry stays
-            log.warning("kvcodec chunk %s could not be decoded here; treated as a miss", k, exc_info=True)
-            self.stats["misses"] += 1
-            return None
-        self.stats["bytes_in"] += len(data)
-        return chunk
+        kv = self.store.load_chunk(self.key(key))
+        return None if kv is None else kv.to_lmcache()
 
     async def put(self, key: Any, memory_obj: Any) -> None:
         await self._off_loop(self._store, key, _chunk_of(memory_obj).clone())
@@ -281,61 +264,53 @@ class KVCodecRemoteConnector(RemoteConnector):
 
     def _store(self, key: Any, chunk: torch.Tensor) -> bool:
         try:
-            data = seal(self.secret, _key_str(key), self.codec.encode(chunk))
-            ok = bool(self.tier.put(_key_str(key), data))
-            if ok:
-                self.stats["puts"] += 1
-                self.stats["bytes_out"] += len(data)
-            return ok
+            if not self.num_heads:
+                raise InvalidInputError("the number of KV heads is needed to split [2, L, T, H*D]")
+            size = self.store.put_chunk(self.key(key), KVCache.from_lmcache(chunk.detach().cpu(), int(self.num_heads),
+                                                                             model=self.store.model))
+            self.bytes_out += size
+            return size > 0
         except Exception:
             log.warning("encoding or storing chunk %s failed; not stored", _key_str(key), exc_info=True)
             return False
 
     async def list(self) -> list[str]:
-        return await self._off_loop(self.tier.keys)
+        """The tier keys of this store's chunks (kvcodec's hashed names: LMCache's own keys are not kept)."""
+        return await self._off_loop(self._keys)
+
+    def _keys(self) -> list[str]:
+        prefix = format_key(self.store.model, b"", self.store.identity.namespace)
+        return sorted({k for t in self.store.tiers for k in KVStore.call_tier(t, "keys", default=[])
+                       if k.startswith(prefix)})
 
     async def close(self) -> None:
         """Finish the puts and gets in flight first: they read and write LMCache's memory objects, which LMCache
         frees once its backends are closed."""
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
-        self.tier.close()
+        self.store.close()
 
     def remove_sync(self, key: Any) -> bool:
-        return self._delete(_key_str(key))
+        k = self.key(key)
+        return any([bool(KVStore.call_tier(t, "delete", k, default=False)) for t in self.store.tiers])
 
     def support_batched_contains(self) -> bool:
         return True
 
     def batched_contains(self, keys: list[Any]) -> int:
         """How many of ``keys``, from the first, are stored (LMCache's prefix hit, in chunks): one batch question
-        to the tier."""
-        try:
-            held = self.tier.contains_many([_key_str(k) for k in keys])
-        except Exception:
-            return 0
-        n = 0
-        while n < len(held) and held[n]:
-            n += 1
-        return n
+        per tier."""
+        held = [h is not None for h in self.store.holders([self.key(k) for k in keys])]
+        return held.index(False) if False in held else len(held)
 
     def support_ping(self) -> bool:
         return False
 
     def __repr__(self) -> str:
-        return f"<KVCodecRemoteConnector codec={self.codec.codec.codec_id} tier={self.tier!r}>"
+        return f"<KVCodecRemoteConnector codec={self.store.codec!r} tiers={[t.name for t in self.store.tiers]}>"
 
     # helpers --------------------------------------------------------------------------------------
-    def _delete(self, key: str) -> bool:
-        try:
-            return bool(self.tier.delete(key))
-        except Exception:
-            return False
-
     def _deliver(self, chunk: torch.Tensor | None) -> Any:
-        obj = None if chunk is None else self._allocate(chunk)
-        if obj is not None:
-            self.stats["hits"] += 1
-        return obj
+        return None if chunk is None else self._allocate(chunk)
 
     def _allocate(self, chunk: torch.Tensor) -> Any:
         backend = self.local_cpu_backend
@@ -418,10 +393,25 @@ def connector_from_url(url: str, *, local_cpu_backend: Any = None, loop: Any = N
     options = dict((extra or {}).get(f"remote_storage_plugin.{plugin}.codec_options", {}) or {})
     options.update(q)
     model = getattr(metadata, "model_name", None)
-    codec_obj = LMCacheChunkCodec(codec, num_heads=int(num_heads) if num_heads else None, model=model,
-                                  calibration_options=calibration, **options)
-    return KVCodecRemoteConnector(tier, codec_obj, local_cpu_backend=local_cpu_backend, loop=loop, metadata=metadata,
-                                  config=config, max_workers=workers)
+    prepare_model(codec, options, model, calibration)
+    kv_shape = getattr(metadata, "kv_shape", None)
+    if num_heads is None and kv_shape:
+        num_heads = kv_shape[3]
+    store = KVStore([tier], model=model or UNNAMED_MODEL, codec=get_codec(codec, **options), secret=secret_from_env(),
+                    chunk_tokens=int(kv_shape[2]) if kv_shape else DEFAULT_STORE_CHUNK_TOKENS,
+                    shape=_engine_shape(metadata))
+    return KVCodecRemoteConnector(store, int(num_heads) if num_heads else None, local_cpu_backend=local_cpu_backend,
+                                  loop=loop, metadata=metadata, config=config, max_workers=workers)
+
+
+def _engine_shape(metadata: Any) -> ChunkShape | None:
+    """What LMCache's engine holds (``kv_shape`` ``(L, 2, chunk_size, H, D)`` and ``kv_dtype``): chunks of any other
+    shape are corrupt, and every decode is bounded by it.  None without metadata (the store's byte bound then)."""
+    kv_shape, dtype = getattr(metadata, "kv_shape", None), getattr(metadata, "kv_dtype", None)
+    if not kv_shape or not isinstance(dtype, torch.dtype):
+        return None
+    layers, _, _, heads, dim = (int(x) for x in kv_shape)
+    return ChunkShape(layers, heads, dim, dim, str(dtype).removeprefix("torch."))
 
 
 class KVCodecConnectorAdapter(ConnectorAdapter):

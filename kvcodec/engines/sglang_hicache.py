@@ -42,15 +42,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvcodec.api import encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs import get_codec
 from kvcodec.errors import InvalidInputError
 from kvcodec.profiles import find_profile
-from kvcodec.store import CacheIdentity, ChunkShape, KVStore, StorageTier, format_key, tier_from_url
-from kvcodec.store.auth import seal, secret_from_env
-from kvcodec.store.keys import hasher
-from kvcodec.store.store import STORE_KEY_META
+from kvcodec.store import CacheIdentity, ChunkShape, KVStore, PlacementPolicy, StorageTier, format_key, tier_from_url
+from kvcodec.store.auth import secret_from_env
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -171,7 +168,8 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         identity = CacheIdentity(kv_dtype=pages.shape().dtype, tp_rank=c.tp_rank, tp_size=c.tp_size,
                                  pp_rank=c.pp_rank, pp_size=c.pp_size, namespace=self.namespace)
         self.store = KVStore(self.tiers, model=self.model, codec=self.codec, chunk_tokens=pages.page_size,
-                             identity=identity, secret=self.secret, shape=pages.shape())
+                             identity=identity, secret=self.secret, shape=pages.shape(),
+                             policy=PlacementPolicy(put_tiers=[t.name for t in self.tiers]))
         self.pages = pages
         if getattr(self.codec, "profile", None) == "auto" and find_profile(self.model) is None:
             log.warning("kvcodec HiCache backend: no %s profile of model %r; keys get steps from the data (set "
@@ -183,11 +181,9 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     # keys and the store -------------------------------------------------------------------------
     def key(self, page_hash: str) -> str:
-        """The tier key of SGLang's page ``page_hash``: the store's namespace and the hash, hashed (HMAC under a
-        secret), so that it names the model, codec, page size, dtype and rank too."""
-        store = self._store()
-        digest = hasher(store.hash, store.secret)(store.seed + KEY_CONTEXT + str(page_hash).encode())
-        return format_key(self.model, digest, store.identity.namespace)
+        """The tier key of SGLang's page ``page_hash`` (:meth:`KVStore.engine_key`: it names the model, codec, page
+        size, dtype and rank too)."""
+        return self._store().engine_key(page_hash, KEY_CONTEXT)
 
     def _store(self) -> KVStore:
         if self.store is None:
@@ -200,31 +196,23 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     def _load(self, page_hash: str, dest: torch.Tensor) -> bool:
         """Fill ``dest`` (a canonical page view) from the fastest tier holding the page intact; False: a miss."""
-        store = self._store()
-        chunk = store.read_chunk(self.key(page_hash), 0, self.pages.page_size)
-        if chunk is not None:
-            try:
-                PoolPages.fill(dest, store.decode_chunk(chunk))
-                self._count("hits")
-                return True
-            except Exception as err:
-                store.discard(chunk, err)
-        self._count("misses")
-        return False
+        kv = self._store().load_chunk(self.key(page_hash), self.pages.page_size)
+        if kv is None:
+            self._count("misses")
+            return False
+        PoolPages.fill(dest, kv)
+        self._count("hits")
+        return True
 
     def _save(self, page_hash: str, page: torch.Tensor) -> bool:
         """Encode the page (a canonical view) once and write it to every tier that lacks it."""
         store, key = self._store(), self.key(page_hash)
-        missing = [t for t in store.tiers if not KVStore.call_tier(t, "contains", key, default=False)]
-        if not missing:
+        if all(KVStore.call_tier(t, "contains", key, default=False) for t in store.tiers):
             return True
-        container = encode(self.pages.to_kv(page, self.model), store.codec, chunk_tokens=self.pages.page_size,
-                           meta={STORE_KEY_META: key})
-        value = seal(store.secret, key, container)
-        stored = [bool(KVStore.call_tier(t, "put", key, value, default=False)) for t in missing]
-        if any(stored):
+        if store.put_chunk(key, self.pages.to_kv(page, self.model)):
             self._count("puts")
-        return any(stored)
+            return True
+        return False
 
     # SGLang's interface ----------------------------------------------------------------------------
     @_never_raises(None)
@@ -280,15 +268,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         holds."""
         if self.store is None or not keys:
             return 0
-        wanted = [self.key(k) for k in keys]
-        held = [False] * len(wanted)
-        for tier in self.store.tiers:
-            todo = [i for i, h in enumerate(held) if not h]
-            if not todo:
-                break
-            answers = KVStore.call_tier(tier, "contains_many", [wanted[i] for i in todo], default=[False] * len(todo))
-            for i, yes in zip(todo, answers):
-                held[i] = bool(yes)
+        held = [h is not None for h in self.store.holders([self.key(k) for k in keys])]
         return held.index(False) if False in held else len(held)
 
     def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:

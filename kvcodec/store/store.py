@@ -29,7 +29,7 @@ from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, Li
 from kvcodec.reader import build_codecs
 from kvcodec.store.auth import check_secret, seal, unseal
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
-from kvcodec.store.keys import CacheIdentity, chunk_bounds, chunk_hashes, format_key, namespace, salted
+from kvcodec.store.keys import CacheIdentity, chunk_bounds, chunk_hashes, format_key, hasher, namespace, salted
 from kvcodec.store.load import DenseSink, PrefixLoad, decode_chunk_into
 from kvcodec.store.plan import Contention
 from kvcodec.store.tiers import StorageTier
@@ -174,6 +174,14 @@ class KVStore:
         per_variant = [self._keys(token_ids, salt, seed) for seed in seeds]
         return [(s, e, [keys[i][0] for keys in per_variant]) for i, (_, s, e) in enumerate(per_variant[0])]
 
+    def engine_key(self, name: str, context: bytes) -> str:
+        """The tier key of a chunk that an engine names itself (SGLang's page hash, LMCache's chunk key), which
+        already chains its prefix: ``name`` hashed with the store's namespace (model, codec and its settings, chunk
+        size, identity; HMAC under a secret), so that caches of another model, codec or rank never meet.
+        ``context`` (one per engine contract, e.g. ``b"sglang-hicache/1\\0"``) keeps two engines' names apart."""
+        digest = hasher(self.hash, self.secret)(self.seed + context + str(name).encode())
+        return format_key(self.model, digest, self.identity.namespace)
+
     def tier(self, name: str) -> StorageTier:
         for t in self.tiers:
             if t.name == name:
@@ -228,21 +236,42 @@ class KVStore:
             for codec, key in zip(variants, keys):
                 if not replicate and any(self.call_tier(t, "contains", key, default=False) for t in self.tiers):
                     continue
-                missing = [t for t in targets if not self.call_tier(t, "contains", key, default=False)]
-                if not missing:
-                    continue
                 positions = kv.positions[s:e] if kv.positions is not None else (
                     range(s, e) if codec.uses_positions else None)
                 part = KVCache([(l.keys[:, s:e], l.values[:, s:e]) for l in kv.layers], model=self.model,
                                rope=kv.rope, positions=positions)
-                value = seal(self.secret, key, encode(part, codec, chunk_tokens=e - s, meta={STORE_KEY_META: key}))
-                if any([self.call_tier(t, "put", key, value, default=False) for t in missing]):
-                    wrote = True
+                wrote = self._write(key, codec, part, targets) > 0 or wrote
             written += wrote
         if written:
             self._hold_side_data(targets)
         self._count("puts", written)
         return written
+
+    def put_chunk(self, key: str, kv: KVCache) -> int:
+        """Store ``kv``, one chunk of at most ``chunk_tokens`` tokens, under ``key`` (an :meth:`engine_key`) in the
+        best variant, in every put tier that lacks it.  Returns the stored value's size in bytes (0: every put tier
+        held it already, or none took it)."""
+        if not 0 < kv.num_tokens <= self.chunk_tokens:
+            raise InvalidInputError(f"a chunk holds 1 to {self.chunk_tokens} tokens, not {kv.num_tokens}")
+        if kv.model is not None and kv.model != self.model:
+            raise InvalidInputError(f"the cache is of model {kv.model!r}, the store of {self.model!r}")
+        if self.shape is not None and ChunkShape.of(kv) != self.shape:
+            raise InvalidInputError(f"the cache is of shape {ChunkShape.of(kv)}, the store's engine {self.shape}")
+        targets = self._put_tiers()
+        size = self._write(key, self.codec, kv, targets)
+        if size:
+            self._hold_side_data(targets)
+            self._count("puts")
+        return size
+
+    def _write(self, key: str, codec: Codec, part: KVCache, targets: Sequence[StorageTier]) -> int:
+        """Encode ``part`` (one chunk) once and put it under ``key`` in each of ``targets`` that lacks it: the
+        value's size, or 0 when none needed or took it."""
+        missing = [t for t in targets if not self.call_tier(t, "contains", key, default=False)]
+        if not missing:
+            return 0
+        value = seal(self.secret, key, encode(part, codec, chunk_tokens=part.num_tokens, meta={STORE_KEY_META: key}))
+        return len(value) if any([self.call_tier(t, "put", key, value, default=False) for t in missing]) else 0
 
     # A codec that decodes with side data (kvtc's calibration) gets it stored once, by name, beside the chunks, so
     # a store on another machine that shares the tiers can decode them.
@@ -287,16 +316,7 @@ class KVStore:
     def lookup(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> Lookup:
         """How many leading tokens of ``token_ids`` are stored (in any variant), and in which tier each chunk is."""
         chunks = self.variant_keys(token_ids, salt=salt)
-        keys = [k for _, _, ks in chunks for k in ks]
-        holder: list[str | None] = [None] * len(keys)
-        for tier in self.tiers:  # one batch per tier, for the keys no faster tier holds
-            todo = [i for i, h in enumerate(holder) if h is None]
-            if not todo:
-                break
-            held = self.call_tier(tier, "contains_many", [keys[i] for i in todo], default=[False] * len(todo))
-            for i, yes in zip(todo, held):
-                if yes:
-                    holder[i] = tier.name
+        holder = self.holders([k for _, _, ks in chunks for k in ks])
         n, where, v = 0, [], len(self.variants)
         for c, (_, e, _) in enumerate(chunks):
             name = next((h for h in holder[c * v:(c + 1) * v][::-1] if h is not None), None)
@@ -304,6 +324,20 @@ class KVStore:
                 break
             n, where = e, where + [name]
         return Lookup(n, where)
+
+    def holders(self, keys: Sequence[str]) -> list[str | None]:
+        """For each of ``keys``, the name of the fastest tier holding it (None: none does), asking each tier once
+        for the keys no faster tier holds."""
+        holder: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, h in enumerate(holder) if h is None]
+            if not todo:
+                break
+            held = self.call_tier(tier, "contains_many", [keys[i] for i in todo], default=[False] * len(todo))
+            for i, yes in zip(todo, held):
+                if yes:
+                    holder[i] = tier.name
+        return holder
 
     def variant_sizes(self, keys: Sequence[str]) -> list[tuple[int, str] | None]:
         """For each of ``keys``, the size of its value and the fastest tier holding it (None: none does), asking
@@ -323,13 +357,14 @@ class KVStore:
         """The most a decode of a ``tokens``-token chunk may produce (the engine's shape, or ``max_chunk_bytes``)."""
         return self.shape.output_bytes(tokens) if self.shape is not None else self.max_chunk_bytes
 
-    def check_chunk(self, key: str, value: bytes, tokens: int, tier: str = "", start: int = 0) -> FetchedChunk:
+    def check_chunk(self, key: str, value: bytes, tokens: int | None, tier: str = "", start: int = 0) -> FetchedChunk:
         """``value``, read from ``tier`` under ``key`` for the chunk of tokens ``start .. start+tokens-1``, once it
         is authentic, intact (every checksum) and the chunk asked for, of the engine's shape; raises
-        :class:`CorruptDataError` (or :class:`LimitExceededError`) otherwise.  Nothing is decoded; what the check
-        parsed is kept for the decode."""
+        :class:`CorruptDataError` (or :class:`LimitExceededError`) otherwise.  ``tokens`` None (an engine that
+        learns a chunk's length from the chunk) takes the count written for ``key``, at most ``chunk_tokens``.
+        Nothing is decoded; what the check parsed is kept for the decode."""
         container = unseal(self.secret, key, value)
-        with ContainerFile(container, self.max_bytes(tokens)) as f:
+        with ContainerFile(container, self.max_bytes(tokens or self.chunk_tokens)) as f:
             header = f.header
             meta = header.meta
             if f.num_chunks != 1:
@@ -337,6 +372,10 @@ class KVStore:
             if meta.get(STORE_KEY_META) != key or meta.get("model") != self.model:
                 raise CorruptDataError(f"{key} holds the chunk written for {meta.get(STORE_KEY_META)!r} "
                                        f"(model {meta.get('model')!r})")
+            if tokens is None:
+                if not 0 < header.max_tokens <= self.chunk_tokens:
+                    raise CorruptDataError(f"{key} holds {header.max_tokens} tokens, not 1 to {self.chunk_tokens}")
+                tokens = header.max_tokens
             if header.max_tokens != tokens:
                 raise CorruptDataError(f"{key} holds {header.max_tokens} tokens, not {tokens}")
             if self.shape is not None:
@@ -358,10 +397,11 @@ class KVStore:
             log.warning("chunk %s from tier %s could not be loaded here (%s: %s); treated as a miss, left stored",
                         chunk.key, chunk.tier, type(reason).__name__, reason)
 
-    def read_chunk(self, key: str, start: int, end: int) -> FetchedChunk | None:
-        """The chunk of tokens ``start .. end-1`` stored under ``key``, from the fastest tier that holds it intact
-        (:meth:`check_chunk`); a bad value is evicted from its tier (:meth:`discard`) and the next tier is tried.
-        A hit in a slower tier is promoted as the policy says.  None when no tier holds it intact."""
+    def read_chunk(self, key: str, start: int = 0, end: int | None = None) -> FetchedChunk | None:
+        """The chunk of tokens ``start .. end-1`` stored under ``key`` (``end`` None: as many as were written for it),
+        from the fastest tier that holds it intact (:meth:`check_chunk`); a bad value is evicted from its tier
+        (:meth:`discard`) and the next tier is tried.  A hit in a slower tier is promoted as the policy says.  None
+        when no tier holds it intact."""
         for tier in self.tiers:
             t0 = time.perf_counter()
             value = self.call_tier(tier, "get", key)
@@ -374,16 +414,17 @@ class KVStore:
         self._count("misses")
         return None
 
-    def accept(self, key: str, tier: str, value: bytes, start: int, end: int, *,
+    def accept(self, key: str, tier: str, value: bytes, start: int, end: int | None, *,
                evict: bool = True) -> FetchedChunk | None:
-        """``value``, read from ``tier`` under ``key``, as the checked chunk of tokens ``start .. end-1``, promoted
-        as the policy says; None when it fails its check (and, with ``evict``, evicted when the value itself is
-        bad: not for a value read in pieces, which a concurrent rewrite can tear)."""
+        """``value``, read from ``tier`` under ``key``, as the checked chunk of tokens ``start .. end-1`` (``end``
+        None: see :meth:`check_chunk`), promoted as the policy says; None when it fails its check (and, with
+        ``evict``, evicted when the value itself is bad: not for a value read in pieces, which a concurrent rewrite
+        can tear)."""
         try:
-            chunk = self.check_chunk(key, value, end - start, tier, start)
+            chunk = self.check_chunk(key, value, None if end is None else end - start, tier, start)
         except Exception as err:
             if evict:
-                self.discard(FetchedChunk(key, tier, start, end, b""), err)
+                self.discard(FetchedChunk(key, tier, start, start if end is None else end, b""), err)
             return None
         index = [t.name for t in self.tiers].index(tier)
         if self.policy.promote_on_hit and index > self.policy.promote_to:
@@ -409,6 +450,21 @@ class KVStore:
         sink = DenseSink(device=device)
         decode_chunk_into(self, chunk, sink, chunk.start, chunk.end, device=device)
         return sink.cache(model=self.model)
+
+    def load_chunk(self, key: str, tokens: int | None = None, *,
+                   device: torch.device | str | None = None) -> KVCache | None:
+        """The chunk stored under ``key`` (an :meth:`engine_key`), read as :meth:`read_chunk` reads it and decoded:
+        for engines that ask for their chunks one at a time.  ``tokens`` None takes the count written for it.  None
+        is a miss: no tier holds it intact, or it did not decode (then :meth:`discard` says whether it stays)."""
+        chunk = self.read_chunk(key, 0, tokens)
+        if chunk is None:
+            return None
+        try:
+            return self.decode_chunk(chunk, device=device)
+        except Exception as err:
+            self.discard(chunk, err)
+            self._count("misses")
+            return None
 
     def get(self, token_ids: Sequence[int], *, device: torch.device | str | None = None,
             salt: str | bytes | None = None) -> KVCache | None:
