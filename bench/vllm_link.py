@@ -9,8 +9,9 @@ and at 100 Gbit/s for the "unshaped" row (tbf then never holds a packet back: th
 One vLLM engine per strategy: without the connector (recompute), with each fixed codec, and adaptive (the store
 keeps every variant; :mod:`kvcodec.store.plan` picks each chunk's, or stops and lets vLLM recompute).  Per
 engine the prompt (the first ``--tokens`` tokens of ``license:GPL-3``) is saved once at full speed, then at each
-rate the same prompt is asked for with one generated token (its wall time is the time to first token), after one
-unmeasured request at that rate (the adaptive store learns the link from its own reads, as in serving).  "drop":
+rate the same prompt is asked for with one generated token (its wall time is the time to first token), ``--reps``
+times after one unmeasured request at that rate (the adaptive store learns the link from its own reads, as in
+serving); the table shows the median and the spread.  "drop":
 the link runs at 1 Gbit/s and falls to 20 Mbit/s ``--drop-after`` seconds into the request.  Bytes moved and the
 variants used come from the connector's log line for the request.  Writes ``bench/results/vllm_link.md``/``.json``.
 """
@@ -53,20 +54,28 @@ def last_load(engine: Engine) -> dict:
             "variants": " ".join(f"{v}x{n}" for v, n in counts.items())}
 
 
-def request(engine: Engine, ids: list[int], link: ShapedLink, rate: float, drop_after: float | None = None) -> dict:
-    link.set_rate(rate)
-    engine.generate(ids, 1)  # unmeasured: the link's first reads teach the store its throughput
-    dropper = None
-    if drop_after is not None:
-        link.set_rate(1000)
-        engine.generate(ids, 1)
-        dropper = threading.Timer(drop_after, link.set_rate, (20,))
-    if dropper is not None:
-        dropper.start()
-    reply = engine.generate(ids, 1, timeout_s=1800)
-    if dropper is not None:
-        dropper.join()
-    return {"ttft_s": reply["seconds"], **last_load(engine)}
+def request(engine: Engine, ids: list[int], link: ShapedLink, rate: float | None, drop_after: float | None,
+            reps: int) -> dict:
+    """``reps`` requests for ``ids`` at ``rate`` (None: vLLM recomputes), after one unmeasured at the same rate, so
+    that the store has learnt the link from its own reads as in serving; with ``drop_after``, each at 1 Gbit/s
+    falling to 20 Mbit/s that many seconds in, after one unmeasured at 1 Gbit/s.  The median request's row, with
+    every time in ``ttft_all``."""
+    runs, warm = [], int(drop_after is None)
+    for i in range(reps + warm):
+        link.set_rate(1000 if drop_after is not None else rate or UNSHAPED)
+        if drop_after is not None:  # each dropping request comes after one at 1 Gbit/s, not after the last drop
+            engine.generate(ids, 1)
+        dropper = None if drop_after is None else threading.Timer(drop_after, link.set_rate, (20,))
+        if dropper is not None:
+            dropper.start()
+        reply = engine.generate(ids, 1, timeout_s=1800)
+        if dropper is not None:
+            dropper.join()
+        if i >= warm:
+            runs.append({"ttft_s": reply["seconds"], **(last_load(engine) if rate is not None else
+                                                       {"loaded": 0, "bytes": 0, "variants": ""})})
+    runs.sort(key=lambda r: r["ttft_s"])
+    return {**runs[len(runs) // 2], "ttft_all": [r["ttft_s"] for r in runs]}
 
 
 def main() -> None:
@@ -77,6 +86,7 @@ def main() -> None:
     ap.add_argument("--drop-after", type=float, default=0.3, help="seconds into the request the link drops")
     ap.add_argument("--strategies", default=",".join(["recompute", *STRATEGIES]))
     ap.add_argument("--keep", action="store_true", help="keep the other strategies' rows of the last run's JSON")
+    ap.add_argument("--reps", type=int, default=3, help="measured requests per cell (the median is shown)")
     args = ap.parse_args()
     why = unavailable()
     if why:
@@ -100,16 +110,13 @@ def main() -> None:
                     link.set_rate(UNSHAPED)
                     engine.generate(prompt, 1)  # saved (a miss), at full speed
                     for rate in rates:
-                        if name == "recompute":
-                            got = {"ttft_s": engine.generate(prompt, 1)["seconds"], "loaded": 0, "bytes": 0,
-                                   "variants": ""}
-                        elif rate == "drop":
-                            got = request(engine, prompt, link, UNSHAPED, args.drop_after)
-                        else:
-                            got = request(engine, prompt, link, UNSHAPED if rate == "unshaped" else rate)
+                        got = request(engine, prompt, link,
+                                      None if name == "recompute" else UNSHAPED if isinstance(rate, str) else rate,
+                                      args.drop_after if rate == "drop" else None, args.reps)
                         row = {"strategy": name, "rate": rate, **got}
                         rows.append(row)
-                        print(f"vllm_link: {name} at {rate}: {got['ttft_s']:.2f} s, {got['bytes'] / 1e6:.1f} MB, "
+                        print(f"vllm_link: {name} at {rate}: {got['ttft_s']:.2f} s (of "
+                              f"{', '.join(f'{t:.2f}' for t in got['ttft_all'])}), {got['bytes'] / 1e6:.1f} MB, "
                               f"{got['loaded']} tokens loaded {got['variants']}", flush=True)
         finally:
             redis.stop()
@@ -131,10 +138,11 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         return rate if isinstance(rate, str) else f"{rate:g} Mbit/s"
 
     lines = [f"# Time to first token in vLLM from Redis over a shaped link ({args.tokens}-token prompt)", "",
-             f"`python bench/vllm_link.py --tokens {args.tokens} --rates {args.rates}` on "
+             f"`python bench/vllm_link.py --tokens {args.tokens} --rates {args.rates} --reps {args.reps}` on "
              f"{time.strftime('%Y-%m-%d')}: vLLM CPU 0.32.0, SmolLM2-135M-Instruct in float32, one engine per "
-             "strategy, Redis in a network namespace behind tbf on a veth pair. Seconds to the first token (one "
-             "request after one unmeasured at the same rate); below each, MB moved and the variants loaded."
+             f"strategy, Redis in a network namespace behind tbf on a veth pair. Seconds to the first token: the "
+             f"median of {args.reps} requests after one unmeasured at the same rate, the slowest and fastest in "
+             "brackets; below each, the median request's MB moved and the variants loaded."
              + (f" Rows of {', '.join(sorted({r['strategy'] for r in kept}))} are from the previous run (--keep)."
                 if kept else ""), "",
              "| strategy | " + " | ".join(label(r) for r in rates) + " |", "|---" * (len(rates) + 1) + "|"]
@@ -148,7 +156,9 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
             extra = "" if name == "recompute" else f"<br>{r['bytes'] / 1e6:.1f} MB, {r['loaded']} tok"
             if name == "adaptive" and r["variants"]:
                 extra += f"<br>{r['variants']}"
-            cells.append(f"{r['ttft_s']:.2f} s{extra}")
+            spread = r.get("ttft_all", [])
+            spread = f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
+            cells.append(f"{r['ttft_s']:.2f} s{spread}{extra}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
