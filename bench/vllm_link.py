@@ -141,7 +141,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
              f"`python bench/vllm_link.py --tokens {args.tokens} --rates {args.rates} --reps {args.reps}` on "
              f"{time.strftime('%Y-%m-%d')}: vLLM CPU 0.32.0, SmolLM2-135M-Instruct in float32, one engine per "
              f"strategy, Redis in a network namespace behind tbf on a veth pair. Seconds to the first token: the "
-             f"median of {args.reps} requests after one unmeasured at the same rate, the slowest and fastest in "
+             f"median of {args.reps} requests after one unmeasured at the same rate, the fastest and slowest in "
              "brackets; below each, the median request's MB moved and the variants loaded."
              + (f" Rows of {', '.join(sorted({r['strategy'] for r in kept}))} are from the previous run (--keep)."
                 if kept else ""), "",
