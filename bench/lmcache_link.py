@@ -53,7 +53,9 @@ def main() -> None:
         try:
             for db, codec in enumerate(args.codecs.split(",")):
                 url = f"kvcodec://{redis.host}:{redis.port}/{db}?backend=redis&codec={codec}&timeout=600"
-                config = kvcodec_plugin_config(url)
+                # LMCache gives up on one chunk's get after blocking_timeout_secs (10 s by default), which a raw
+                # chunk (5.9 MB) behind a 10 Mbit/s link takes about half of when nothing else shares the link
+                config = kvcodec_plugin_config(url, blocking_timeout_secs=600)
                 make = lambda: CPUEngine(config, layers=L, heads=H, head_dim=D, dtype=kv.dtype)  # noqa: E731
                 link.set_rate(UNSHAPED)
                 with make() as engine:
