@@ -224,10 +224,7 @@ class KVStore:
         token_ids = [int(t) for t in token_ids]
         if any(l.keys.shape[1] != len(token_ids) for l in kv.layers):
             raise InvalidInputError(f"every layer must hold {len(token_ids)} tokens, one per token id")
-        if kv.model is not None and kv.model != self.model:
-            raise InvalidInputError(f"the cache is of model {kv.model!r}, the store of {self.model!r}")
-        if self.shape is not None and ChunkShape.of(kv) != self.shape:
-            raise InvalidInputError(f"the cache is of shape {ChunkShape.of(kv)}, the store's engine {self.shape}")
+        self._check_cache(kv)
         targets = self._put_tiers()
         written = 0
         variants, seeds = self._state  # one snapshot: a codec switch meanwhile cannot pair a key with another codec
@@ -253,16 +250,19 @@ class KVStore:
         held it already, or none took it)."""
         if not 0 < kv.num_tokens <= self.chunk_tokens:
             raise InvalidInputError(f"a chunk holds 1 to {self.chunk_tokens} tokens, not {kv.num_tokens}")
-        if kv.model is not None and kv.model != self.model:
-            raise InvalidInputError(f"the cache is of model {kv.model!r}, the store of {self.model!r}")
-        if self.shape is not None and ChunkShape.of(kv) != self.shape:
-            raise InvalidInputError(f"the cache is of shape {ChunkShape.of(kv)}, the store's engine {self.shape}")
+        self._check_cache(kv)
         targets = self._put_tiers()
         size = self._write(key, self.codec, kv, targets)
         if size:
             self._hold_side_data(targets)
             self._count("puts")
         return size
+
+    def _check_cache(self, kv: KVCache) -> None:
+        if kv.model is not None and kv.model != self.model:
+            raise InvalidInputError(f"the cache is of model {kv.model!r}, the store of {self.model!r}")
+        if self.shape is not None and ChunkShape.of(kv) != self.shape:
+            raise InvalidInputError(f"the cache is of shape {ChunkShape.of(kv)}, the store's engine {self.shape}")
 
     def _write(self, key: str, codec: Codec, part: KVCache, targets: Sequence[StorageTier]) -> int:
         """Encode ``part`` (one chunk) once and put it under ``key`` in each of ``targets`` that lacks it: the
