@@ -71,7 +71,7 @@ def main() -> None:
     specs = a.spec or ["kvtc:level=2"]
     codecs = [parse_codec(s, [f"calibration={cal_path}"]) for s in specs]
     cases = {t: prepare(model, t, 1536, 512) for g in GROUPS.values() for t in g}
-    base = {"mix": a.mix, "texts": cal.settings["texts"], "tokens": cal.settings["tokens"],
+    base = {"specs": specs, "mix": a.mix, "texts": cal.settings["texts"], "tokens": cal.settings["tokens"], "text_tokens": a.text_tokens,
             "loss_weights": a.loss_weights, "calibration": cal.digest, "steps": a.steps}
     if a.breakdown:
         for t, case in cases.items():
@@ -118,6 +118,15 @@ def calibration(model, a) -> tuple[Calibration, str]:
     return register_calibration(cal), path
 
 
+def command(r: dict) -> str:
+    """The command line that measured row ``r`` (a run measures all its --spec at once: the same line each)."""
+    parts = ["python bench/kvtc_heldout_levers.py", f"--mix {r['mix']}", "--texts " + ",".join(r["texts"])]
+    parts += [f"--text-tokens {r['text_tokens']}"] if r.get("text_tokens") else []
+    parts += ["--loss-weights"] if r["loss_weights"] else []
+    parts += [f"--spec {s}" for s in r.get("specs", [r["spec"]])] + [f"--steps {s}" for s in r["steps"]]
+    return " ".join(parts + (["--breakdown"] if "breakdown" in r else []))
+
+
 def append(rec: dict) -> None:
     with open(LOG, "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -131,7 +140,9 @@ def render() -> None:
              "essay, a commented configuration file, a data table). Each text alone: 1536-token float16 prefix, "
              "perplexity of the next 512 tokens; the means are over the three texts of a set. Cells: bits/element, "
              "perplexity change, greedy agreement. Target for the default level: at most 0.6 bits, at most +1%, at "
-             "least 94%, on both sets.", "",
+             "least 94%, on both sets. Measured 2026-12-02 on the shared 2-core machine by this script's working copy "
+             "(the same calibration, codec and evaluation calls; it kept the prepared caches between runs), each "
+             "calibration named by its hash.", "",
              "| calibration (tokens) | spec (steps measured for a level) | evaluation texts | held-out kinds | "
              "essay / configuration / data table: perplexity change | calibration |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -142,7 +153,11 @@ def render() -> None:
                      f"`{r['spec']}` {' '.join(r['steps'])} | {fmt(r['eval'])} | {fmt(r['heldout'])} | "
                      f"{' / '.join(f'{v:+.2f}%' for v in held)} | {r['calibration'][:12]} |")
     mixes = {r["mix"]: r["texts"] for r in rows}
-    lines += ["", "Mixes: " + "; ".join(f"**{m}**: {', '.join(t)}" for m, t in mixes.items()) + "."]
+    lines += ["", "Mixes: " + "; ".join(f"**{m}**: {', '.join(t)}" for m, t in mixes.items()) + ".", "",
+              "Each row: `python bench/kvtc_heldout_levers.py " + "--mix MIX --texts TEXTS [--text-tokens N] "
+              "[--loss-weights] --spec SPEC [--steps LEVEL=K,V]` (a breakdown row: `--breakdown`), the options as in "
+              "its row:", ""]
+    lines += [f"- `{c}`" for c in dict.fromkeys(command(r) for r in rows)]
     broken = [r for r in rows if "breakdown" in r]
     if broken:
         lines += ["", "Where the change comes from (decoded keys alone, decoded values alone, the rest the float16 "
