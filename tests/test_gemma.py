@@ -137,9 +137,8 @@ def test_kvtc_round_trip_selection_and_positions(gemma, ids, small_cal):
 
     level = 4
     kv = _kv_at(gemma, ids, 0)
-    # every component the calibration stores coded: this checks the pipeline on Gemma's shapes; the rate and quality of the defaults on
-    # this model are bench/results/rate_distortion-gemma3-270m.md's (with min_std 0.2 and this test's small
-    # calibration, 64 tokens lose more than 5%)
+    # every component the calibration stores coded: this checks the pipeline on Gemma's shapes; the rate and quality
+    # of the defaults on this model are bench/results/rate_distortion-gemma3-270m.md's
     codec = KVTC(level=level, calibration=small_cal, min_std=0)
     blob = kvcodec.encode(kv, codec)
     assert blob == kvcodec.encode(kv, codec)
