@@ -71,8 +71,8 @@ def main() -> None:
     specs = a.spec or ["kvtc:level=2"]
     codecs = [parse_codec(s, [f"calibration={cal_path}"]) for s in specs]
     cases = {t: prepare(model, t, 1536, 512) for g in GROUPS.values() for t in g}
-    base = {"specs": specs, "mix": a.mix, "texts": cal.settings["texts"], "tokens": cal.settings["tokens"], "text_tokens": a.text_tokens,
-            "loss_weights": a.loss_weights, "calibration": cal.digest, "steps": a.steps}
+    base = {"specs": specs, "mix": a.mix, "texts": cal.settings["texts"], "tokens": cal.settings["tokens"],
+            "text_tokens": a.text_tokens, "loss_weights": a.loss_weights, "calibration": cal.digest, "steps": a.steps}
     if a.breakdown:
         for t, case in cases.items():
             d = decode(encode(case.kv, codecs[0]))
