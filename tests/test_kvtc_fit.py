@@ -213,3 +213,15 @@ def test_a_container_written_with_a_format_1_calibration_still_decodes():
     with kvcodec.open(blob) as r:
         assert r.info.config["calibration"] == cal.digest
     assert_within_kvtc_tolerance(blob, kvcodec.decode(blob), kvcodec.decode((data / "kvtc-f16.reference.kvc").read_bytes()))
+
+
+def test_text_tokens_takes_the_same_share_of_each_calibration_text(smollm2):
+    """``text_tokens`` keeps a mix balanced: each text gives at most that many tokens (here one 256-token segment
+    each; the 44 left over are under a quarter segment and dropped), the sink token of each segment left out."""
+    from kvcodec.tools.kvtc_calibration import collect_statistics
+    from kvcodec.tools.texts import load_text
+
+    texts = ["license:Artistic", "license:Apache-2.0"]
+    assert all(len(smollm2.tokenize(load_text(t))) > 1000 for t in texts)  # uncapped: several segments each
+    stats = collect_statistics(smollm2, texts, segment_tokens=256, text_tokens=300)
+    assert stats.settings["tokens"] == stats.keys[0].count == 2 * 255

@@ -209,7 +209,8 @@ class _AttentionTaps:
 @torch.no_grad()
 def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *,
                        group_layers: int | None = None, segment_tokens: int = SEGMENT_TOKENS,
-                       max_tokens: int | None = None, undo_rope: bool = True, progress: Any = None) -> Statistics:
+                       max_tokens: int | None = None, text_tokens: int | None = None, undo_rope: bool = True,
+                       progress: Any = None) -> Statistics:
     """Run ``loaded`` (a :class:`kvcodec.tools.models.LoadedModel`) over ``texts`` (specs for
     :func:`kvcodec.tools.texts.load_text`) in segments of ``segment_tokens`` and accumulate the calibration
     statistics of the groups ``group_layers`` gives (see :func:`default_groups`).  Memory: the model, one segment's
@@ -230,7 +231,7 @@ def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_T
         raise InvalidInputError("kvtc calibration needs attention layers with q_proj and o_proj (Llama, Qwen, Gemma, ...)")
     segments = []
     for spec in texts:
-        ids = loaded.tokenize(load_text(spec))
+        ids = loaded.tokenize(load_text(spec))[:text_tokens]
         segments += [ids[i:i + segment_tokens] for i in range(0, len(ids), segment_tokens)
                      if len(ids) - i >= segment_tokens // 4]
     if max_tokens is not None:

@@ -17,7 +17,8 @@ LICENSE_DIR = "/usr/share/common-licenses"
 DEFAULT_EVAL_TEXTS = ("pydoc-topics", "license:GPL-3", "license:MPL-2.0")
 # Kinds of text that no calibration default and no evaluation default is of: an essay on a library's design in
 # reStructuredText, a commented configuration file, and a table of data (HTML's character entities, a Python
-# dict literal).  kvtc's out-of-domain check (bench/kvtc_heldout.py) measures on them.
+# dict literal).  kvtc's out-of-domain checks (bench/rate_distortion.py --texts heldout,
+# bench/kvtc_heldout_levers.py) measure on them.
 HELDOUT_TEXTS = ("stdlib:email/architecture.rst", "package:matplotlib/mpl-data/matplotlibrc", "stdlib:html/entities.py")
 SPECS = ("a file path", "pydoc-topics", "pydoc:MODULE", "license:NAME", "stdlib:PATH", "package:PACKAGE/PATH")
 
