@@ -269,7 +269,7 @@ class KVCodecRemoteConnector(RemoteConnector):
             size = self.store.put_chunk(self.key(key), KVCache.from_lmcache(chunk.detach().cpu(), int(self.num_heads),
                                                                              model=self.store.model))
             self.bytes_out += size
-            return size > 0
+            return size > 0 or self.exists_sync(key)  # nothing written: stored already, or a fault
         except Exception:
             log.warning("encoding or storing chunk %s failed; not stored", _key_str(key), exc_info=True)
             return False

@@ -207,12 +207,11 @@ class KVCodecHiCacheStorage(HiCacheStorage):
     def _save(self, page_hash: str, page: torch.Tensor) -> bool:
         """Encode the page (a canonical view) once and write it to every tier that lacks it."""
         store, key = self._store(), self.key(page_hash)
-        if all(KVStore.call_tier(t, "contains", key, default=False) for t in store.tiers):
-            return True
         if store.put_chunk(key, self.pages.to_kv(page, self.model)):
             self._count("puts")
             return True
-        return False
+        # nothing written: every tier holds it already, or none that lacks it took it
+        return all(KVStore.call_tier(t, "contains", key, default=False) for t in store.tiers)
 
     # SGLang's interface ----------------------------------------------------------------------------
     @_never_raises(None)
