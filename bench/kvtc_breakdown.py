@@ -52,7 +52,7 @@ def main() -> None:
                       d.values if values and (layers is None or i in layers) else o.values)
                      for i, (o, d) in enumerate(zip(case.kv.layers, decoded.layers))]
             kv = KVCache(mixed, model=case.kv.model, token_ids=case.kv.token_ids, rope=case.kv.rope)
-            nll, _ = _score(model, kv, case.continuation)
+            nll, _, _ = _score(model, kv, case.continuation)
             change[name] += (math.exp(float(nll.mean())) / case.ref_ppl - 1) / len(texts)
             print(f"{text} {name}: {100 * (math.exp(float(nll.mean())) / case.ref_ppl - 1):+.2f}%", flush=True)
     lines = [f"# kvtc level {args.level} on {model.model_id}: where the perplexity change comes from", "",

@@ -4,7 +4,7 @@
         [--spec kvtc:level=2,...] [--steps LEVEL=K,V] [--breakdown]
     python bench/kvtc_heldout_levers.py --render
 
-One run loads SmolLM2, fits (or reuses) the calibration of a text mix, and measures kvtc specs on the three
+One run loads a model (``--model``, default SmolLM2), fits (or reuses) the calibration of a text mix, and measures kvtc specs on the three
 evaluation texts (kvcodec.tools.texts.DEFAULT_EVAL_TEXTS) and the three held-out kinds (HELDOUT_TEXTS), each text
 alone, with the protocol of bench/rate_distortion.py (1536-token float16 prefix, perplexity of the next 512).
 The calibration is the one named (its hash is printed and recorded), never one found installed: a measurement of
@@ -44,6 +44,7 @@ GROUPS = {"eval": list(DEFAULT_EVAL_TEXTS), "heldout": list(HELDOUT_TEXTS)}
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="the model (any spec kvcodec dump takes; default smollm2)")
     p.add_argument("--mix", help="a name for the calibration text mix (its statistics are kept under it)")
     p.add_argument("--texts", help="comma-separated calibration text specs (needed the first time a mix is run)")
     p.add_argument("--text-tokens", type=int, help="at most this many tokens of each calibration text")
@@ -64,14 +65,14 @@ def main() -> None:
         key, value = map(float, steps.split(","))
         levels.LEVELS[int(level)] = (key, value)
     t0 = time.time()
-    model = load_model("smollm2", progress=False)
+    model = load_model(a.model, progress=False)
     cal, cal_path = calibration(model, a)
     print(f"calibration {cal.digest} ({cal.settings.get('tokens')} tokens of {', '.join(cal.settings['texts'])}; "
           f"loss weights {cal.settings.get('loss_weights')}), {time.time() - t0:.0f} s", flush=True)
     specs = a.spec or ["kvtc:level=2"]
     codecs = [parse_codec(s, [f"calibration={cal_path}"]) for s in specs]
     cases = {t: prepare(model, t, 1536, 512) for g in GROUPS.values() for t in g}
-    base = {"specs": specs, "mix": a.mix, "texts": cal.settings["texts"], "tokens": cal.settings["tokens"],
+    base = {"model": a.model, "specs": specs, "mix": a.mix, "texts": cal.settings["texts"], "tokens": cal.settings["tokens"],
             "text_tokens": a.text_tokens, "loss_weights": a.loss_weights, "calibration": cal.digest, "steps": a.steps}
     if a.breakdown:
         for t, case in cases.items():
@@ -81,7 +82,7 @@ def main() -> None:
                 kv = KVCache([(dl.keys if keys else o.keys, dl.values if values else o.values)
                               for o, dl in zip(case.kv.layers, d.layers)],
                              model=case.kv.model, token_ids=case.kv.token_ids, rope=case.kv.rope)
-                nll, pred = _score(model, kv, case.continuation)
+                nll, pred, _ = _score(model, kv, case.continuation)
                 res[name] = (100 * (math.exp(float(nll.mean())) / case.ref_ppl - 1),
                              100 * float((pred == case.ref_pred).float().mean()))
             print(f"breakdown {specs[0]} {t}: " + ", ".join(f"{k} {v[0]:+.2f}% {v[1]:.1f}%" for k, v in res.items()))
@@ -90,21 +91,23 @@ def main() -> None:
     per_text = {t: evaluate(model, [case], codecs, labels=specs) for t, case in cases.items()}
     for i, spec in enumerate(specs):
         rec = base | {"spec": spec, "per_text": {t: (rows[i].bits_per_element, 100 * rows[i].ppl_change,
-                                                     100 * rows[i].agreement) for t, rows in per_text.items()}}
+                                                     100 * rows[i].agreement, rows[i].kl) for t, rows in per_text.items()}}
         for g, texts in GROUPS.items():  # the texts are of one length, so the mean of bits is the pooled rate
-            rec[g] = [sum(rec["per_text"][t][j] for t in texts) / len(texts) for j in range(3)]
-        print(f"{spec} {a.steps}: " + " | ".join(f"{g} {rec[g][0]:.3f} bits {rec[g][1]:+.2f}% {rec[g][2]:.2f}%"
-                                                 for g in GROUPS), flush=True)
+            rec[g] = [sum(rec["per_text"][t][j] for t in texts) / len(texts) for j in range(4)]
+        print(f"{spec} {a.steps}: " + " | ".join(f"{g} {rec[g][0]:.3f} bits {rec[g][1]:+.2f}% {rec[g][2]:.2f}% "
+                                                 f"KL {rec[g][3]:.4f}" for g in GROUPS), flush=True)
         append(rec)
 
 
 def calibration(model, a) -> tuple[Calibration, str]:
     """The calibration of ``--mix`` (statistics collected once per mix, the fit once per mix and weighting)."""
-    name = a.mix + ("-lw" if a.loss_weights else "")
+    # SmolLM2's files keep the names they had before --model
+    prefix = "" if a.model == "smollm2" else a.model + "-"
+    name = prefix + a.mix + ("-lw" if a.loss_weights else "")
     path = os.path.join(a.work, name + ".kvtc")
     if os.path.exists(path):
         return register_calibration(Calibration.load(path)), path
-    stats_path = os.path.join(a.work, a.mix + ".stats.pt")
+    stats_path = os.path.join(a.work, prefix + a.mix + ".stats.pt")
     if os.path.exists(stats_path):
         stats = torch.load(stats_path, weights_only=False)
     else:
@@ -120,7 +123,8 @@ def calibration(model, a) -> tuple[Calibration, str]:
 
 def command(r: dict) -> str:
     """The command line that measured row ``r`` (a run measures all its --spec at once: the same line each)."""
-    parts = ["python bench/kvtc_heldout_levers.py", f"--mix {r['mix']}", "--texts " + ",".join(r["texts"])]
+    parts = ["python bench/kvtc_heldout_levers.py"] + ([f"--model {r['model']}"] if r.get("model", "smollm2") != "smollm2" else [])
+    parts += [f"--mix {r['mix']}", "--texts " + ",".join(r["texts"])]
     parts += [f"--text-tokens {r['text_tokens']}"] if r.get("text_tokens") else []
     parts += ["--loss-weights"] if r["loss_weights"] else []
     parts += [f"--spec {s}" for s in r.get("specs", [r["spec"]])] + [f"--steps {s}" for s in r["steps"]]
@@ -134,13 +138,15 @@ def append(rec: dict) -> None:
 
 def render() -> None:
     rows = [json.loads(line) for line in LOG.read_text().splitlines() if line.strip()]
-    fmt = lambda v: f"{v[0]:.3f}, {v[1]:+.2f}%, {v[2]:.1f}%"  # noqa: E731
-    lines = ["# kvtc's default level out of domain: the levers measured (SmolLM2)", "",
+    # rows measured before the KL column existed have three numbers
+    fmt = lambda v: f"{v[0]:.3f}, {v[1]:+.2f}%, {v[2]:.1f}%" + (f", {v[3]:.4f}" if len(v) > 3 else "")  # noqa: E731
+    lines = ["# kvtc's default level out of domain: the levers measured (SmolLM2; a Gemma row says so)", "",
              f"Evaluation texts {', '.join(GROUPS['eval'])}; held-out kinds {', '.join(GROUPS['heldout'])} (an rST "
              "essay, a commented configuration file, a data table). Each text alone: 1536-token float16 prefix, "
              "perplexity of the next 512 tokens; the means are over the three texts of a set. Cells: bits/element, "
-             "perplexity change, greedy agreement. Target for the default level: at most 0.6 bits, at most +1%, at "
-             "least 94%, on both sets. Measured 2026-12-02 on the shared 2-core machine by this script's working copy "
+             "perplexity change, greedy agreement and, in rows measured since it was added, the KL divergence from the "
+             "float16 cache's next-token distributions (nats per token; kvcodec.tools.evaluate.kl). Target for the "
+             "default level: at most 0.6 bits, at most +1%, at least 94%, on both sets. Measured 2026-12-02 on the shared 2-core machine by this script's working copy "
              "(the same calibration, codec and evaluation calls; it kept the prepared caches between runs), each "
              "calibration named by its hash.", "",
              "| calibration (tokens) | spec (steps measured for a level) | evaluation texts | held-out kinds | "
@@ -149,7 +155,8 @@ def render() -> None:
         if "breakdown" in r:
             continue
         held = [r["per_text"][t][1] for t in GROUPS["heldout"]]
-        lines.append(f"| {r['mix']} ({r['tokens']:,}){' + loss weights' if r['loss_weights'] else ''} | "
+        model = "" if r.get("model", "smollm2") == "smollm2" else r["model"] + ": "
+        lines.append(f"| {model}{r['mix']} ({r['tokens']:,}){' + loss weights' if r['loss_weights'] else ''} | "
                      f"`{r['spec']}` {' '.join(r['steps'])} | {fmt(r['eval'])} | {fmt(r['heldout'])} | "
                      f"{' / '.join(f'{v:+.2f}%' for v in held)} | {r['calibration'][:12]} |")
     mixes = {r["mix"]: r["texts"] for r in rows}

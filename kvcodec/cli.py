@@ -387,14 +387,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     lines = [f"{model.model_id}, {len(texts)} text(s), {args.tokens}-token prefix, perplexity of the next "
              f"{args.continuation} tokens; reference perplexity (from the {args.dtype} cache): "
              + ", ".join(f"{k} {v:.3f}" for k, v in ref.items()),
-             f"Per cache (mean over the {len(texts)} text(s)): KB, perplexity change, agreement, encode and decode "
+             f"Per cache (mean over the {len(texts)} text(s)): KB, perplexity change, agreement, KL divergence from "
+             "the reference (nats per token, over its 256 likeliest tokens and the rest), encode and decode "
              f"seconds (one whole-cache call on {args.threads} thread(s), as kvcodec bench and encode time it); "
              "bits/elem, x and MB/s over all of them.", ""]
-    lines += _table(["codec", "KB/cache", "bits/elem", f"x vs {args.dtype}", "ppl change", "agreement",
+    lines += _table(["codec", "KB/cache", "bits/elem", f"x vs {args.dtype}", "ppl change", "agreement", "KL",
                      "enc s/cache", "dec s/cache", "enc MB/s", "dec MB/s"],
                     [[r.codec, f"{r.bytes_per_cache / 1e3:.1f}", f"{r.bits_per_element:.3f}",
                       f"{raw_bits / r.bits_per_element:.2f}", f"{100 * r.ppl_change:+.3f}%", f"{100 * r.agreement:.2f}%",
-                      f"{r.encode_s_per_cache:.2f}", f"{r.decode_s_per_cache:.2f}", f"{r.encode_MBps:.1f}",
+                      f"{r.kl:.4f}", f"{r.encode_s_per_cache:.2f}", f"{r.decode_s_per_cache:.2f}", f"{r.encode_MBps:.1f}",
                       f"{r.decode_MBps:.1f}"] for r in rows])
     if args.plot:
         from kvcodec.tools.plot import rate_distortion_plot
@@ -593,7 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "For each codec: dump the KV cache of a TOKENS-token prefix of each text, encode, decode, let the\n"
                  "model continue from the decoded cache over the next CONTINUATION tokens, and report bits per\n"
                  "element (every container byte), the perplexity change against the stored cache, and greedy\n"
-                 "next-token agreement (the model's top-1 choice at each continuation position, teacher-forced).")
+                 "next-token agreement (the model's top-1 choice at each continuation position, teacher-forced),\n"
+                 "and the KL divergence of the model's next-token distributions from the reference's: it adds\n"
+                 "only losses, so it separates close settings that the perplexity change, a difference of gains\n"
+                 "and losses over a few hundred tokens, cannot.")
     sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
     sp.add_argument("--text", action="append", help=texts_help + "; repeatable (default: pydoc-topics, license:GPL-3, license:MPL-2.0)")
     sp.add_argument("--codec", action="append",

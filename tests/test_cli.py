@@ -132,6 +132,7 @@ def test_eval_measures_kivi_with_the_real_model(capsys, tmp_path):
     assert k2["bits_per_element"] < k4["bits_per_element"] < k8["bits_per_element"] < 9
     assert abs(k8["ppl_change"]) < 0.01 and k8["agreement"] > 0.97
     assert k2["ppl_change"] > k4["ppl_change"] and k2["ppl_change"] > 0.05
+    assert rows["raw"]["kl"] == 0.0 and k2["kl"] > k4["kl"] > k8["kl"] > 0
     assert k4["cases"] == 1 and k4["bytes_per_cache"] == k4["bytes"]
     assert k4["encode_MBps"] == pytest.approx(k4["raw_bytes"] / k4["encode_s"] / 1e6)
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

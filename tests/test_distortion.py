@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import kvcodec
@@ -33,3 +34,21 @@ def test_numbers_match_their_definitions():
     assert d["values"].bit_exact and not d["keys"].bit_exact
     assert d["keys"].max_abs_error == 1.0 and math.isclose(d["keys"].relative_error, 1 / 5)
     assert math.isclose(d["keys"].snr_db, 10 * math.log10(25))
+
+
+def test_kl_is_the_coarsened_divergence_from_the_reference():
+    from kvcodec.tools.evaluate import KL_TOP, kl
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.log_softmax(3 * torch.randn(40, 1000, generator=g), -1)
+    top = ref.topk(KL_TOP, -1)
+    assert kl(top, ref) == 0.0
+    other = torch.log_softmax(ref + 0.5 * torch.randn(40, 1000, generator=g), -1)
+    full = float((ref.exp() * (ref - other)).sum(1).mean())
+    # the reference's top tokens, and one bucket for the rest, by hand
+    p, q = ref.exp().gather(1, top.indices), other.exp().gather(1, top.indices)
+    pr, qr = 1 - p.sum(1), 1 - q.sum(1)
+    by_hand = float(((p * (p / q).log()).sum(1) + pr * (pr / qr).log()).mean())
+    got = kl(top, other)
+    assert got == pytest.approx(by_hand, rel=1e-6)
+    assert 0 < got <= full and got > 0.9 * full  # a lower bound, close where the top tokens hold most of the mass

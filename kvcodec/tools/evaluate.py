@@ -31,6 +31,8 @@ class EvalCase:
     continuation: list[int]
     ref_nll: torch.Tensor
     ref_pred: torch.Tensor
+    # the reference's KL_TOP most likely tokens at each position: their log-probabilities and ids (see kl())
+    ref_top: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def ref_ppl(self) -> float:
@@ -51,6 +53,7 @@ class EvalRow:
     decode_s: float
     cases: int = 1
     raw_bytes: int = 0
+    kl: float = float("nan")  # mean KL divergence from the reference, nats per token (see kl())
 
     @property
     def bytes_per_cache(self) -> float:
@@ -93,10 +96,31 @@ class EvalJob(NamedTuple):
     case: EvalCase
 
 
-def _score(model: LoadedModel, kv: KVCache, continuation: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model.continue_from(kv, continuation[:-1])
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(continuation[1:]), reduction="none")
-    return nll, logits.argmax(-1)
+KL_TOP = 256
+
+
+def _score(model: LoadedModel, kv: KVCache, continuation: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per scored token: the negative log-likelihood, the greedy choice, and the log-probabilities ``[N, V]``."""
+    logp = torch.log_softmax(model.continue_from(kv, continuation[:-1]).float(), -1)
+    nll = -logp.gather(1, torch.tensor(continuation[1:])[:, None])[:, 0]
+    return nll, logp.argmax(-1), logp
+
+
+def kl(ref_top: tuple[torch.Tensor, torch.Tensor], logp: torch.Tensor) -> float:
+    """Mean KL divergence (nats per token) of the next-token distributions ``logp [N, V]`` from the reference's,
+    both coarsened to the reference's ``KL_TOP`` most likely tokens and one bucket for the rest: a lower bound of
+    the full KL (coarsening never raises it), within a small fraction of it where those tokens hold nearly all of
+    the reference's mass.  A codec's perplexity change over a few hundred tokens mixes gains and losses of
+    single tokens and moves by a point between neighbouring settings; the KL adds only losses, and separates
+    settings that the perplexity change cannot."""
+    ref_lp, ids = ref_top
+    ref_lp, lp = ref_lp.double(), logp.gather(1, ids).double()
+    p = ref_lp.exp()
+    # the rest's mass, floored: a distribution whose top tokens hold all of it (to rounding) adds 0 for the rest
+    rest_ref = (1 - p.sum(1)).clamp(min=1e-12)
+    rest = (1 - lp.exp().sum(1)).clamp(min=1e-12)
+    terms = (p * (ref_lp - lp)).sum(1) + rest_ref * (rest_ref.log() - rest.log())
+    return float(terms.mean())
 
 
 def prepare(model: LoadedModel, text: str, prefix_tokens: int, continuation_tokens: int,
@@ -108,8 +132,8 @@ def prepare(model: LoadedModel, text: str, prefix_tokens: int, continuation_toke
         raise InvalidInputError(f"text {text!r} has {len(ids)} tokens; {need} are needed")
     kv = model.prefill(ids[:prefix_tokens], dtype=dtype)
     continuation = ids[prefix_tokens:need]
-    nll, pred = _score(model, kv, continuation)
-    return EvalCase(text, kv, continuation, nll, pred)
+    nll, pred, logp = _score(model, kv, continuation)
+    return EvalCase(text, kv, continuation, nll, pred, logp.topk(KL_TOP, -1))
 
 
 def evaluate(model: LoadedModel, cases: Sequence[EvalCase], codecs: Sequence[Codec], *,
@@ -128,18 +152,19 @@ def evaluate(model: LoadedModel, cases: Sequence[EvalCase], codecs: Sequence[Cod
         t1 = time.perf_counter()
         decoded = decode(blob, threads=threads)
         t2 = time.perf_counter()
-        nll, pred = _score(model, decoded, case.continuation)
-        a = acc.setdefault(row, dict(bytes=0, elements=0, raw=0, change=0.0, agree=0.0, enc=0.0, dec=0.0))
+        nll, pred, logp = _score(model, decoded, case.continuation)
+        a = acc.setdefault(row, dict(bytes=0, elements=0, raw=0, change=0.0, agree=0.0, enc=0.0, dec=0.0, kl=0.0))
         a["bytes"] += len(blob)
         a["elements"] += case.kv.num_elements
         a["raw"] += case.kv.nbytes
         a["change"] += math.exp(float(nll.mean())) / case.ref_ppl - 1
         a["agree"] += float((pred == case.ref_pred).float().mean())
+        a["kl"] += kl(case.ref_top, logp) if case.ref_top is not None else float("nan")
         a["enc"] += t1 - t0
         a["dec"] += t2 - t1
     n = len(cases)
     return [EvalRow(name, int(a["bytes"]), 8 * a["bytes"] / a["elements"], a["change"] / n, a["agree"] / n, a["enc"],
-                    a["dec"], n, int(a["raw"])) for name, a in zip(names, (acc[i] for i in range(len(names))))]
+                    a["dec"], n, int(a["raw"]), a["kl"] / n) for name, a in zip(names, (acc[i] for i in range(len(names))))]
 
 
 @dataclass
