@@ -72,6 +72,18 @@ def test_components_above_counts_by_inertia(n, floor_index):
     assert components_above(cov, float(lam[0]) * 2) == 0
 
 
+def test_components_above_a_rank_deficient_or_zero_covariance():
+    """Floor 0 keeps every component, as it means (the rounding of a rank-deficient covariance's zero eigenvalues
+    must not decide); a floor that is exactly an eigenvalue, which leaves the factorization a zero pivot, is
+    counted from the eigenvalues."""
+    x = torch.randn(5, 20, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert components_above(x.T @ x, 0.0) == 20
+    assert components_above(x.T @ x, 1e-9) == 5
+    assert components_above(torch.zeros(20, 20, dtype=torch.float64), 0.0) == 20
+    assert components_above(torch.zeros(20, 20, dtype=torch.float64), 1.0) == 0
+    assert components_above(torch.eye(6, dtype=torch.float64), 1.0) == 6
+
+
 def test_randomized_fit_matches_the_exact_leading_components(monkeypatch):
     """Above EXACT_MAX, few kept components take the randomized path: the same count, orthonormal vectors spanning
     the exact leading subspace, and Ritz values within 1% of the exact eigenvalues."""

@@ -35,8 +35,14 @@ SEED = 0  # the calibration file is named by its hash: the same statistics must 
 def components_above(cov: torch.Tensor, floor: float) -> int:
     """How many eigenvalues of the symmetric ``cov`` are at least ``floor`` (the inertia of ``cov - floor·I``)."""
     n = cov.shape[0]
+    if floor <= 0:
+        # every eigenvalue of a covariance is at least 0; the factorization would count a rank-deficient one's
+        # zeros by their rounding, and a zero matrix stops it
+        return n
     shifted = cov - floor * torch.eye(n, dtype=cov.dtype)
-    ld, pivots = torch.linalg.ldl_factor(shifted)
+    ld, pivots, info = torch.linalg.ldl_factor_ex(shifted)
+    if info:  # floor is exactly an eigenvalue: D has a zero pivot, and its signs no longer give the count
+        return int((torch.linalg.eigvalsh(cov) >= floor).sum())
     diag, sub, piv = ld.diagonal(), ld.diagonal(-1), pivots.tolist()
     negative, k = 0, 0
     while k < n:
