@@ -1,12 +1,12 @@
 """kvtc's default level on kinds of text no calibration saw: what each lever does (issue 21).
 
-    python bench/kvtc_heldout_levers.py --mix NAME --texts SPEC,SPEC,... [--text-tokens N] [--loss-weights]
+    python bench/kvtc_heldout_levers.py [--model M] --mix NAME --texts SPEC,SPEC,... [--text-tokens N] [--loss-weights]
         [--spec kvtc:level=2,...] [--steps LEVEL=K,V] [--breakdown]
     python bench/kvtc_heldout_levers.py --render
 
-One run loads a model (``--model``, default SmolLM2), fits (or reuses) the calibration of a text mix, and measures kvtc specs on the three
-evaluation texts (kvcodec.tools.texts.DEFAULT_EVAL_TEXTS) and the three held-out kinds (HELDOUT_TEXTS), each text
-alone, with the protocol of bench/rate_distortion.py (1536-token float16 prefix, perplexity of the next 512).
+One run loads a model (``--model``, default SmolLM2), fits (or reuses) the calibration of a text mix, and measures
+kvtc specs on the three evaluation texts (kvcodec.tools.texts.DEFAULT_EVAL_TEXTS) and the three held-out kinds
+(HELDOUT_TEXTS), each text alone, with the protocol of bench/rate_distortion.py (1536-token float16 prefix, perplexity of the next 512).
 The calibration is the one named (its hash is printed and recorded), never one found installed: a measurement of
 a mix must not silently read another calibration.  ``--steps 3=0.35,1.5`` measures other steps for a level in this
 process only (the format's levels are fixed, so this asks what a new level would give).  ``--breakdown`` lets the
@@ -72,7 +72,8 @@ def main() -> None:
     specs = a.spec or ["kvtc:level=2"]
     codecs = [parse_codec(s, [f"calibration={cal_path}"]) for s in specs]
     cases = {t: prepare(model, t, 1536, 512) for g in GROUPS.values() for t in g}
-    base = {"model": a.model, "specs": specs, "mix": a.mix, "texts": cal.settings["texts"], "tokens": cal.settings["tokens"],
+    base = {"model": a.model, "specs": specs, "mix": a.mix, "texts": cal.settings["texts"],
+            "tokens": cal.settings["tokens"],
             "text_tokens": a.text_tokens, "loss_weights": a.loss_weights, "calibration": cal.digest, "steps": a.steps}
     if a.breakdown:
         for t, case in cases.items():
@@ -123,7 +124,8 @@ def calibration(model, a) -> tuple[Calibration, str]:
 
 def command(r: dict) -> str:
     """The command line that measured row ``r`` (a run measures all its --spec at once: the same line each)."""
-    parts = ["python bench/kvtc_heldout_levers.py"] + ([f"--model {r['model']}"] if r.get("model", "smollm2") != "smollm2" else [])
+    parts = ["python bench/kvtc_heldout_levers.py"]
+    parts += [f"--model {r['model']}"] if r.get("model", "smollm2") != "smollm2" else []
     parts += [f"--mix {r['mix']}", "--texts " + ",".join(r["texts"])]
     parts += [f"--text-tokens {r['text_tokens']}"] if r.get("text_tokens") else []
     parts += ["--loss-weights"] if r["loss_weights"] else []

@@ -111,7 +111,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calibration", required=True, help="a SmolLM2 kvtc calibration file")
     p.add_argument("--spec", action="append", default=[], help="kvtc specs (default: kvtc:level=2)")
-    p.add_argument("--variant", action="append", default=[], help="variants (default: " + ", ".join(DEFAULT_VARIANTS) + ")")
+    p.add_argument("--variant", action="append", default=[],
+                   help="variants (default: " + ", ".join(DEFAULT_VARIANTS) + ")")
     a = p.parse_args()
     t0 = time.time()
     model = load_model("smollm2", progress=False)

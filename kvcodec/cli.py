@@ -395,8 +395,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                      "enc s/cache", "dec s/cache", "enc MB/s", "dec MB/s"],
                     [[r.codec, f"{r.bytes_per_cache / 1e3:.1f}", f"{r.bits_per_element:.3f}",
                       f"{raw_bits / r.bits_per_element:.2f}", f"{100 * r.ppl_change:+.3f}%", f"{100 * r.agreement:.2f}%",
-                      f"{r.kl:.4f}", f"{r.encode_s_per_cache:.2f}", f"{r.decode_s_per_cache:.2f}", f"{r.encode_MBps:.1f}",
-                      f"{r.decode_MBps:.1f}"] for r in rows])
+                      f"{r.kl:.4f}", f"{r.encode_s_per_cache:.2f}", f"{r.decode_s_per_cache:.2f}",
+                      f"{r.encode_MBps:.1f}", f"{r.decode_MBps:.1f}"] for r in rows])
     if args.plot:
         from kvcodec.tools.plot import rate_distortion_plot
 
@@ -450,6 +450,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model = load_model(args.model, progress=not args.quiet, cached=False)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
     stats = collect_statistics(model, texts, group_layers=args.group_layers, max_tokens=args.tokens,
+                               text_tokens=args.text_tokens,
                                progress=_progress(args, "calibrate: run the model", unit="segment"))
     if not args.loss_weights:  # only they run the model again: its memory goes before the fit's peak
         model = None
@@ -498,6 +499,8 @@ def cmd_codecs(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvcodec.tools.texts import DEFAULT_TEXT_TOKENS
+
     formatter = argparse.RawDescriptionHelpFormatter
     p = Parser(
         prog="kvcodec", formatter_class=formatter,
@@ -639,7 +642,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "is named in containers by its SHA-256; decoders find it in the cache folder or $KVCODEC_CALIBRATIONS.")
     sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
     sp.add_argument("--text", action="append",
-                    help=texts_help + " (repeatable; default: four licenses kvcodec eval does not use)")
+                    help=texts_help + " (repeatable; default: two licenses, two Python modules' source and two "
+                         "pydoc pages, none of them a text kvcodec eval uses)")
+    sp.add_argument("--text-tokens", type=positive_int, default=DEFAULT_TEXT_TOKENS,
+                    help=f"at most this many tokens of each text, so that no one kind outweighs the others (default: "
+                         f"{DEFAULT_TEXT_TOKENS})")
     sp.add_argument("--tokens", type=int, default=None, help="at most this many calibration tokens (default: all)")
     sp.add_argument("--group-layers", type=int, default=None,
                     help="layers per PCA basis (default: the fewest groups of consecutive layers of one kind with at "

@@ -45,7 +45,7 @@ def ids(gemma):
 
 @pytest.fixture(scope="module")
 def small_cal(gemma):
-    """A calibration from four 1024-token segments (a test's budget; `kvcodec calibrate` uses all four texts), without
+    """A calibration from four 1024-token segments of one license (a test's budget), without
     the loss-measured layer weights (their measurement is tested on its own, below).  Four, not one: the windowed
     layers' group is 15 x 256 = 3840 features wide, and a basis fitted on fewer feature rows than that spans only
     part of the space, so a cache of another text loses what lies outside it whatever the step (measured with one
@@ -53,7 +53,8 @@ def small_cal(gemma):
     level-4 codes)."""
     from kvcodec.codecs.kvtc import register_calibration
     from kvcodec.tools.kvtc_calibration import calibrate
-    return register_calibration(calibrate(gemma, segment_tokens=1024, max_tokens=4096, loss_weights=False))
+    return register_calibration(calibrate(gemma, ["license:GFDL-1.3"], segment_tokens=1024, max_tokens=4096,
+                                          text_tokens=None, loss_weights=False))
 
 
 def _kv_at(loaded, ids: list[int], start: int) -> kvcodec.KVCache:

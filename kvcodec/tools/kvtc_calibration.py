@@ -24,11 +24,8 @@ from kvcodec.errors import InvalidInputError
 from kvcodec.tools.kvtc_eigen import leading_eigenpairs
 from kvcodec.tools.kvtc_moments import Moments
 from kvcodec.tools.kvtc_sensitivity import equalized_weights
-from kvcodec.tools.texts import load_text
+from kvcodec.tools.texts import DEFAULT_CALIBRATION_TEXTS, DEFAULT_TEXT_TOKENS, load_text
 
-# Calibration texts: every machine has them, and none is one of the default evaluation texts
-# (kvcodec.tools.texts.DEFAULT_EVAL_TEXTS) or a version of one.
-DEFAULT_CALIBRATION_TEXTS = ("license:GFDL-1.3", "license:LGPL-2.1", "license:Apache-2.0", "license:Artistic")
 SEGMENT_TOKENS = 2048
 SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
 # The basis keeps the components the codec codes at its finest level with its default min_std (a component with a
@@ -209,11 +206,12 @@ class _AttentionTaps:
 @torch.no_grad()
 def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *,
                        group_layers: int | None = None, segment_tokens: int = SEGMENT_TOKENS,
-                       max_tokens: int | None = None, text_tokens: int | None = None, undo_rope: bool = True,
-                       progress: Any = None) -> Statistics:
+                       max_tokens: int | None = None, text_tokens: int | None = DEFAULT_TEXT_TOKENS,
+                       undo_rope: bool = True, progress: Any = None) -> Statistics:
     """Run ``loaded`` (a :class:`kvcodec.tools.models.LoadedModel`) over ``texts`` (specs for
     :func:`kvcodec.tools.texts.load_text`) in segments of ``segment_tokens`` and accumulate the calibration
-    statistics of the groups ``group_layers`` gives (see :func:`default_groups`).  Memory: the model, one segment's
+    statistics of the groups ``group_layers`` gives (see :func:`default_groups`), from at most ``text_tokens`` of
+    each text (None: all of it) and ``max_tokens`` in all.  Memory: the model, one segment's
     activations, and the groups' moments (``8·(F² + 2F)`` bytes per group and K/V, F its width)."""
     from transformers import DynamicCache
 
@@ -292,8 +290,8 @@ def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_T
         wo = blocks[i].self_attn.o_proj.weight.double() * taps.output_gain(i)[:, None]
         col = wo.pow(2).sum(0).reshape(l.heads, nq // l.heads, l.value_dim).sum(1).sqrt()
         value_weights.append(_floored((col / math.sqrt(resid_sq[i] / counted)).reshape(-1)))
-    settings = {"texts": list(texts), "segment_tokens": segment_tokens, "tokens": counted, "undo_rope": undo_rope,
-                "window": getattr(cfg, "sliding_window", None)}
+    settings = {"texts": list(texts), "text_tokens": text_tokens, "segment_tokens": segment_tokens, "tokens": counted,
+                "undo_rope": undo_rope, "window": getattr(cfg, "sliding_window", None)}
     return Statistics(loaded.model_id, layers, windowed, groups, moments["keys"], moments["values"], key_weights,
                       value_weights, settings)
 
@@ -319,8 +317,8 @@ def _floored(weight: torch.Tensor) -> torch.Tensor:
 
 def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, group_layers: int | None = None,
               finest_steps: tuple[float, float] | None = None, segment_tokens: int = SEGMENT_TOKENS,
-              max_tokens: int | None = None, undo_rope: bool = True, weight_keys: bool = True,
-              weight_values: bool = True, loss_weights: bool = False, progress: Any = None,
+              max_tokens: int | None = None, text_tokens: int | None = DEFAULT_TEXT_TOKENS, undo_rope: bool = True,
+              weight_keys: bool = True, weight_values: bool = True, loss_weights: bool = False, progress: Any = None,
               statistics: Statistics | None = None) -> Calibration:
     """Compute a calibration of ``loaded`` from ``texts`` (see :func:`collect_statistics`, or pass ``statistics``
     already collected with the same or a coarser grouping; ``loaded`` may then be None unless ``loss_weights``
@@ -336,7 +334,8 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
     measuring what each is worth.
     """
     stats = statistics or collect_statistics(loaded, texts, group_layers=group_layers, segment_tokens=segment_tokens,
-                                             max_tokens=max_tokens, undo_rope=undo_rope, progress=progress)
+                                             max_tokens=max_tokens, text_tokens=text_tokens, undo_rope=undo_rope,
+                                             progress=progress)
     stats = stats.regroup(default_groups(stats.layers, group_layers, stats.windowed))
     key_weights = stats.key_weights if weight_keys else _flat(stats.key_weights, stats.groups)  # one per group
     value_weights = stats.value_weights if weight_values else _flat(stats.value_weights, stats.groups)
