@@ -14,7 +14,6 @@ LEVELS: dict[int, tuple[float, float]] = {
 DEFAULT_LEVEL = 2
 # Components whose calibration std is below this many steps are not coded (see KVTC.coded_components); 0 codes them all.
 # Measured at level 2 on the three texts of bench/rate_distortion.py with the four-license calibration that was the
-# default then (bench/results/kvtc_truncation.md): 0 gives
-# 0.596 bits/element at +0.67% perplexity and decodes 7.1 M elements per CPU-second; 0.2 gives 0.544 bits at
-# +0.77% and 12.0 M; 0.3 crosses +1% (+1.32%).
+# default then (bench/results/kvtc_truncation.md): 0 gives 0.596 bits/element at +0.67% perplexity and decodes
+# 7.1 M elements per CPU-second; 0.2 gives 0.544 bits at +0.77% and 12.0 M; 0.3 crosses +1% (+1.32%).
 DEFAULT_MIN_STD = 0.2
