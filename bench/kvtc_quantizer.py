@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvcodec.cli import parse_codec
-from kvcodec.codecs.cachegen.tables import RADIX, STEPS, code_lengths_fixed, table_scale
+from kvcodec.codecs.cachegen.tables import RADIX, STEPS, choose_tables, code_lengths_fixed, table_scale
 from kvcodec.codecs.kvtc import codec as kvtc_codec
 from kvcodec.codecs.kvtc.calibration import Calibration, register_calibration
 from kvcodec.codecs.kvtc.quantize import CODE_LENGTH_UNIT
@@ -51,12 +51,9 @@ DEFAULT_VARIANTS = ["midpoint", "rdo:0.06", "rdo:0.12", "centroid", "offset:0.1"
 def rd_round(u: np.ndarray, q: np.ndarray, lam: float) -> np.ndarray:
     """``q = rint(u)`` moved one toward zero where the added squared error is under ``lam`` times the bits saved
     under each row's cheapest table."""
-    rows = q.shape[0]
     m = np.abs(q)
-    lengths = code_lengths_fixed() / CODE_LENGTH_UNIT  # [RADIX + 1, tables]
-    hist = np.bincount((np.arange(rows)[:, None] * (RADIX + 1) + m).reshape(-1), minlength=rows * (RADIX + 1))
-    per_row = lengths[:, np.argmin(hist.reshape(rows, RADIX + 1) @ lengths, axis=1)].T
-    r = np.arange(rows)[:, None]
+    per_row = (code_lengths_fixed() / CODE_LENGTH_UNIT)[:, choose_tables(q)].T  # [rows, RADIX + 1] bits
+    r = np.arange(q.shape[0])[:, None]
     saved = per_row[r, m] - per_row[r, np.maximum(m - 1, 0)]
     return np.where((m > 0) & (2 * (np.abs(u) - m) + 1 < lam * saved), q - np.sign(q), q)
 

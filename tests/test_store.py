@@ -97,6 +97,7 @@ def test_chunks_an_engine_names_itself(real_kv):
     assert size == len(tier.get(key)) and store.put_chunk(key, kv) == 0  # already there: nothing written
     assert store.load_chunk(key).equal(kv) and store.load_chunk(key, 100).equal(kv)
     assert store.holders([key, "nope"]) == ["cpu", None]
+    assert store.held_prefix([key, "nope", key]) == 1 and store.held_prefix([key]) == 1 and store.held_prefix([]) == 0
     assert store.load_chunk(key, 256) is None and store.stats["corrupt"] == 1 and not tier.contains(key)
     store.put_chunk(key, kv)
     other = store.engine_key("page-2", b"engine/1\0")

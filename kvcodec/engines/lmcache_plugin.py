@@ -130,9 +130,9 @@ except Exception:
         """Stand-in for LMCache's serde ``Deserializer``."""
 
 
-MAGIC_OVERHEAD = 1 << 16
+MAGIC_OVERHEAD = 1 << 16  # header, index and tables beyond the element bytes (an upper bound for the estimate)
 KEY_CONTEXT = b"lmcache-chunk/1\0"  # keeps LMCache's chunk keys apart from other engines' names (KVStore.engine_key)
-UNNAMED_MODEL = "unnamed"  # the store's model name when LMCache gives none  # header, index and tables beyond the element bytes (an upper bound for the estimate)
+UNNAMED_MODEL = "unnamed"  # the store's model name when LMCache gives none
 
 
 # --- the chunk codec the serializer uses ------------------------------------------------------------
@@ -299,8 +299,7 @@ class KVCodecRemoteConnector(RemoteConnector):
     def batched_contains(self, keys: list[Any]) -> int:
         """How many of ``keys``, from the first, are stored (LMCache's prefix hit, in chunks): one batch question
         per tier."""
-        held = [h is not None for h in self.store.holders([self.key(k) for k in keys])]
-        return held.index(False) if False in held else len(held)
+        return self.store.held_prefix([self.key(k) for k in keys])
 
     def support_ping(self) -> bool:
         return False

@@ -267,8 +267,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         holds."""
         if self.store is None or not keys:
             return 0
-        held = [h is not None for h in self.store.holders([self.key(k) for k in keys])]
-        return held.index(False) if False in held else len(held)
+        return self.store.held_prefix([self.key(k) for k in keys])
 
     def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
         ps = self.pages.page_size if self.pages is not None else 0

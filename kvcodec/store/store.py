@@ -339,6 +339,11 @@ class KVStore:
                     holder[i] = tier.name
         return holder
 
+    def held_prefix(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, some tier holds: an engine's prefix hit, in its own chunks."""
+        held = [h is not None for h in self.holders(keys)]
+        return held.index(False) if False in held else len(held)
+
     def variant_sizes(self, keys: Sequence[str]) -> list[tuple[int, str] | None]:
         """For each of ``keys``, the size of its value and the fastest tier holding it (None: none does), asking
         each tier once for the keys no faster tier holds."""
