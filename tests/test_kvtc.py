@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvcodec
+from kvcodec.chunking import layer_context
 from kvcodec.codecs.kvtc import KVTC, Calibration, MissingCalibrationError, reposition
 from kvcodec.codecs.kvtc import calibration as calmod
 from kvcodec.codecs.kvtc.calibration import LayerInfo
@@ -222,10 +223,15 @@ def test_store_keeps_the_calibration_beside_the_chunks(toy_cal, tmp_path, monkey
     got = reader.get(ids)
     assert got is not None and got.num_tokens == 96 and reader.stats["corrupt"] == 0
     # kvtc chunks record their absolute positions (it undoes the rotary embedding at them): the stored cache is
-    # what encoding the whole cache gives, chunk for chunk (but for each chunk's first token, kept exact there)
+    # what encoding the whole cache gives, chunk for chunk (but for each chunk's first token, kept exact there;
+    # and without fine rows, which a chunk picks among the rows it codes, so that token changes them)
     with kvcodec.open(reader.fetch(ids)[2].data) as r:
         assert r.header.meta["positions"] == list(range(64, 96))
-    whole = kvcodec.decode(kvcodec.encode(kv, KVTC(calibration=toy_cal), chunk_tokens=32))
+    plain = KVTC(calibration=toy_cal, fine_tokens=0)
+    stored = KVStore([DiskTier(tmp_path / "plain")], model="toy", codec=plain, chunk_tokens=32)
+    stored.put(ids, kvcodec.KVCache(kv.layers, model="toy", rope="post"))
+    got = stored.get(ids)
+    whole = kvcodec.decode(kvcodec.encode(kv, plain, chunk_tokens=32))
     coded = [t for t in range(96) if t % 32]
     assert all(torch.equal(a.keys[:, coded], b.keys[:, coded]) for a, b in zip(got.layers, whole.layers))
 
@@ -242,3 +248,72 @@ def test_min_std_leaves_small_components_uncoded(toy_cal):
     assert fewer.coded_components() != every.coded_components()
     kv = _cache(40, 4)
     assert kvcodec.decode(kvcodec.encode(kv, fewer)).layers[0].keys.shape == kv.layers[0].keys.shape
+
+
+def test_fine_tokens_are_the_smallest_keys_at_finer_steps(toy_cal):
+    """With fine_tokens, each chunk's rows whose key is smallest against the chunk's usual one in some layer and
+    head (attention sinks) are coded at steps fine_octaves finer, on the normal part's live components with its
+    tables that many octaves wider; a config without the option means none."""
+    from kvcodec.codecs.cachegen.tables import STEPS
+
+    plain = KVTC(level=2, calibration=toy_cal, fine_tokens=0)
+    assert "fine_tokens" not in plain.get_config()
+    assert KVTC.from_file_config(plain.get_config()).fine_tokens == 0
+    codec = KVTC(level=2, calibration=toy_cal, fine_tokens=2, fine_octaves=2)
+    assert KVTC.from_file_config(codec.get_config()).get_config() == codec.get_config()
+    pre = _pre_rope(200, 9)
+    for token, layer in ((37, 1), (150, 2)):  # one head's key shrunk in one layer: a sink's mark
+        pre[layer][0][0, token] *= 0.02
+    pos = torch.arange(200)
+    kv = kvcodec.KVCache([(ROT.rotate(k, pos), v) for k, v in pre], model="toy", rope="post")
+    blob = kvcodec.encode(kv, codec, chunk_tokens=256)
+    with kvcodec.open(blob) as r:
+        assert r.info.config["fine_tokens"] == 2
+        frame = r._container.read_frame(0)
+        ctxs = [layer_context(r.header, l, r.header.local_range(l, 0, 200), torch.device("cpu"), "cpu")
+                for l in sorted(frame.sections)]
+    for g, present, block in codec.group_blocks(frame.sections[0], ctxs, {c.layer for c in ctxs}):
+        parts, _, fine = codec.parse_group(g, present, block)
+        keys, values, _ = codec._features(g, [((kv.layers[c.layer].keys, kv.layers[c.layer].values), c)
+                                              for c in present])
+        assert fine.tolist() == codec._fine_rows(keys, values, (D, D))[0].tolist()
+        assert (36 if g == 0 else 149) in fine  # the group's own shrunk key (row = token - 1 sink token)
+        for side, (x, gb) in enumerate(zip((keys, values), (toy_cal.keys[g], toy_cal.values[g]))):
+            normal, finer = parts[side], parts[2 + side]
+            assert np.array_equal(finer.live, normal.live)
+            assert np.array_equal(finer.table[finer.live], np.minimum(normal.table[normal.live] + 8, 47))
+            exact = codec._project((x[fine] - gb.mean) * gb.weight, gb, 0, finer.span)
+            got = codec.coefficients(finer).double().numpy().T
+            step = STEPS[finer.codes[:finer.span]].astype(np.float64)
+            live = finer.live
+            assert np.all(np.abs(got[live] - exact[live]) <= step[live, None] / 2 * (1 + 1e-6))
+            assert np.all(finer.codes[live] <= normal.codes[live] - 16)  # a quarter of the step, or finer
+    # every other token decodes as without fine tokens, but for a rare coefficient within the float32
+    # projection's rounding of a half step (the product may round with the row count): the rows go back in place
+    out, without = kvcodec.decode(blob), kvcodec.decode(kvcodec.encode(kv, plain, chunk_tokens=256))
+    others = [t for t in range(200) if t not in (37, 150)]
+    for a, b in zip(out.layers, without.layers):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            moved = ((x[:, others] - y[:, others]).abs().amax((0, 2)) > 1e-4).sum()
+            assert moved <= 2
+        assert not torch.equal(a.values[:, [37, 150]], b.values[:, [37, 150]])
+
+
+def test_fine_rows_are_checked(toy_cal):
+    codec = KVTC(level=2, calibration=toy_cal, fine_tokens=2)
+    kv = _cache(40, 10)
+    blob = kvcodec.encode(kv, codec)
+    with kvcodec.open(blob) as r:
+        header, section = r.header, r._container.read_frame(0).sections[0]
+    # the first group's block starts after the two group lengths: its fine row count, then its rows
+    for at, value, why in ((8, b"\x03\x00", "count over fine_tokens"), (10, b"\x05\x00\x05\x00", "rows not increasing"),
+                           (12, b"\x27\x00", "a row past the chunk's 39")):
+        bad = bytearray(section)
+        bad[at:at + len(value)] = value
+        frame = b"".join(write_container(header, [Frame(0, 0, 40, 0, [bytes(bad), b"", b"", b""])]))
+        with pytest.raises(CorruptDataError, match="fine rows"):
+            kvcodec.decode(frame)
+    for bad in ({"fine_tokens": -1}, {"fine_tokens": 1025}, {"fine_octaves": 0}, {"fine_octaves": 5},
+                {"fine_tokens": True}):
+        with pytest.raises(InvalidInputError, match="fine_"):
+            KVTC(calibration=toy_cal, **bad)

@@ -165,7 +165,7 @@ def test_format_2_stores_only_components_above_the_finest_floor_and_format_1_sti
     ones = [torch.ones(8)] * 2
     cal = fit_calibration("toy-format", layers, [[0, 1]], keys, values, ones, ones, (0.5, 0.5))
     floor = cal.settings["floor_std"]
-    assert floor == pytest.approx([0.1, 0.1])  # the codec's default min_std (0.2) times the finest steps given
+    assert floor == pytest.approx([0.1, 0.1])  # the file's floor (min_std 0.2, TRUNCATE_FRACTION) times the finest steps given
     for basis, f in zip(cal.keys + cal.values, floor + floor):
         assert bool((basis.variance.sqrt() >= f).all()) and basis.components < 16
     back = Calibration.from_bytes(cal.to_bytes())

@@ -68,7 +68,8 @@ def _assert_lanes_equal(blob: bytes) -> int:
 def test_lanes_are_bit_exact_and_the_decode_within_tolerance(golden, level):
     kv, cal = golden
     blob = kvcodec.encode(kv, KVTC(level=level, calibration=cal, **SMALL_LANES), chunk_tokens=24)
-    assert _assert_lanes_equal(blob) == 2 * 2 * 2  # two chunks of two groups of keys and values
+    # two chunks of two groups of keys and values, and their fine parts
+    assert _assert_lanes_equal(blob) == 2 * 2 * 4
     reference = kvcodec.decode(blob, backend="cpu")
     got = kvcodec.decode(blob, backend="triton")
     assert got.shapes == reference.shapes and got.dtype == reference.dtype
@@ -84,18 +85,22 @@ def test_lanes_are_bit_exact_and_the_decode_within_tolerance(golden, level):
 @given(layer=st.integers(0, 28), start=st.integers(0, 400), tokens=st.integers(1, 40), level=st.integers(0, 4),
        lane_components=st.integers(1, 12), lane_tokens=st.integers(1, 12), sink_tokens=st.integers(0, 3),
        min_std=st.sampled_from([0.0, 0.2]), rope=st.sampled_from(["post", "pre"]), shift=st.integers(0, 4000),
-       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
+       dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]), fine_tokens=st.integers(0, 4),
+       fine_octaves=st.integers(1, 4))
 @example(layer=0, start=0, tokens=1, level=0, lane_components=1, lane_tokens=1, sink_tokens=1, min_std=0.0,
-         rope="post", shift=0, dtype=torch.float16)  # a chunk of sink tokens only (the encoder could not code one)
+         rope="post", shift=0, dtype=torch.float16, fine_tokens=3, fine_octaves=2)  # a chunk of sink tokens only
+@example(layer=0, start=0, tokens=3, level=4, lane_components=1, lane_tokens=1, sink_tokens=0, min_std=0.2,
+         rope="post", shift=0, dtype=torch.float16, fine_tokens=4, fine_octaves=4)  # every row fine
 def test_any_real_slice_decodes_alike(real_kv, layer, start, tokens, level, lane_components, lane_tokens, sink_tokens,
-                                      min_std, rope, shift, dtype):
+                                      min_std, rope, shift, dtype, fine_tokens, fine_octaves):
     """Two real layers (one calibration group, fitted on them), any window, lane geometry, level, dtype and
     positions (the keys are rotated back and forth at them)."""
     kv = kvcodec.KVCache([(l.keys[:, start:start + tokens].to(dtype), l.values[:, start:start + tokens].to(dtype))
                           for l in real_kv.layers[layer:layer + 2]], model=real_kv.model, rope=rope,
                          positions=list(range(shift, shift + tokens)))
     codec = KVTC(level=level, calibration=fuzz_calibration(kv), sink_tokens=sink_tokens, min_std=min_std,
-                 lane_components=lane_components, lane_tokens=lane_tokens)
+                 lane_components=lane_components, lane_tokens=lane_tokens, fine_tokens=fine_tokens,
+                 fine_octaves=fine_octaves)
     blob = kvcodec.encode(kv, codec)
     _assert_lanes_equal(blob)
     reference, got = kvcodec.decode(blob, backend="cpu"), kvcodec.decode(blob, backend="triton")

@@ -18,7 +18,7 @@ import torch
 from kvcodec.cache import KVCache
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, LayerInfo, cache_dir, calibration_for_model,
                                              install, register_calibration)
-from kvcodec.codecs.kvtc.levels import DEFAULT_MIN_STD, LEVELS
+from kvcodec.codecs.kvtc.levels import LEVELS
 from kvcodec.codecs.kvtc.rope import Rotary
 from kvcodec.errors import InvalidInputError
 from kvcodec.tools.kvtc_eigen import leading_eigenpairs
@@ -28,9 +28,10 @@ from kvcodec.tools.texts import DEFAULT_CALIBRATION_TEXTS, DEFAULT_TEXT_TOKENS, 
 
 SEGMENT_TOKENS = 2048
 SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
-# The basis keeps the components the codec codes at its finest level with its default min_std (a component with a
-# smaller std is never coded then); a codec asking for a smaller min_std codes all the file holds.
-TRUNCATE_FRACTION = DEFAULT_MIN_STD
+# The basis keeps the components the codec codes at its finest level with min_std 0.2 (a component with a smaller
+# std is never coded then; the default, 0.23, codes fewer); a codec asking for a smaller min_std codes all the file
+# holds.  Kept at 0.2 when the default moved to 0.23: the calibrations made before stay what new ones are.
+TRUNCATE_FRACTION = 0.2
 # The layer-grouping rule: the layers of a kind are split into the fewest groups of consecutive layers (of sizes
 # differing by at most one) whose features are at most this wide.  A group's covariance is then at most 302 MB
 # (float64) and a basis at most 6144² float16 values per K/V: Llama-3-8B (32 layers of 8 × 128) gets groups of

@@ -77,7 +77,9 @@ def cases(source: kvcodec.KVCache) -> dict[str, tuple[str, kvcodec.KVCache, dict
         "kivi2-f16.kvc": ("kivi:bits=2,group=16", f16, grid),
         "kivi4-f16.kvc": ("kivi:bits=4,group=32", f16, dict(chunk_tokens=32)),
         "kivi8-f16.kvc": ("kivi:bits=8,group=128", f16, {}),
-        "kvtc-f16.kvc": ("kvtc:level=4,min_std=0", f16, {}),  # every component coded (min_std 0), as before the option
+        # every component coded (min_std 0) and no fine rows, as before the options
+        "kvtc-f16.kvc": ("kvtc:level=4,min_std=0,fine_tokens=0", f16, {}),
+        "kvtc-fine-f16.kvc": ("kvtc:level=2,min_std=0.23,fine_tokens=3,fine_octaves=2", f16, {}),
     }
 
 

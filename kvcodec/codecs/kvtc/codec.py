@@ -30,7 +30,8 @@ from kvcodec.codecs.cachegen.tables import NUM_TABLES, STEPS, choose_tables, ste
 from kvcodec.codecs.kvtc import gpu
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
                                              register_calibration)
-from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
+from kvcodec.codecs.kvtc.levels import (DEFAULT_FINE_OCTAVES, DEFAULT_FINE_TOKENS, DEFAULT_LEVEL, DEFAULT_MIN_STD,
+                                        LEVELS)
 from kvcodec.codecs.kvtc.quantize import quantize
 from kvcodec.codecs.kvtc.rate import RETRY_FRACTION, PartPricing, PartSteps, choose_steps
 from kvcodec.codecs.registry import register_codec
@@ -43,6 +44,8 @@ MAX_LANE_SYMBOLS = 1 << 16
 DIGEST = re.compile(r"[0-9a-f]{64}")
 OVERRIDE = struct.Struct("<IB")  # component, step code
 RATE_HEAD = struct.Struct("<BBI")  # rate mode: a part's step code, lead step code, leading components on the lead
+CODES_PER_OCTAVE = 8  # STEPS doubles every 8 codes
+TABLES_PER_OCTAVE = 4  # a codebook table's std doubles every 4 tables
 MAX_BITS = 16.0  # float16's own rate: asking for more is a mistake, not a rate
 # keys' and values' steps keep the levels' ratio (3 at every level): the value code is the key code plus this
 VALUE_CODE_OFFSET = int(step_code(LEVELS[DEFAULT_LEVEL][1])) - int(step_code(LEVELS[DEFAULT_LEVEL][0]))
@@ -78,7 +81,8 @@ class KVTC(Codec):
 
     def __init__(self, level: int | None = None, calibration: Any = "auto", sink_tokens: int = 1,
                  lane_components: int = 64, lane_tokens: int = 256, min_std: float = DEFAULT_MIN_STD,
-                 bits: float | None = None) -> None:
+                 bits: float | None = None, fine_tokens: int = DEFAULT_FINE_TOKENS,
+                 fine_octaves: int = DEFAULT_FINE_OCTAVES) -> None:
         if bits is not None:
             if level is not None:
                 raise InvalidInputError("kvtc takes a level or a rate (bits=), not both")
@@ -91,16 +95,18 @@ class KVTC(Codec):
         if bits is None and (not isinstance(level, int) or isinstance(level, bool) or level not in LEVELS):
             raise InvalidInputError(f"kvtc level must be one of {sorted(LEVELS)}, not {level!r}")
         self.bits = bits
-        for name, v, hi in (("sink_tokens", sink_tokens, 1024), ("lane_components", lane_components, 4096),
-                            ("lane_tokens", lane_tokens, MAX_LANE_SYMBOLS)):
-            if not isinstance(v, int) or isinstance(v, bool) or not (0 if name == "sink_tokens" else 1) <= v <= hi:
-                raise InvalidInputError(f"kvtc {name} must be an integer up to {hi}, not {v!r}")
+        for name, v, lo, hi in (("sink_tokens", sink_tokens, 0, 1024), ("lane_components", lane_components, 1, 4096),
+                                ("lane_tokens", lane_tokens, 1, MAX_LANE_SYMBOLS), ("fine_tokens", fine_tokens, 0, 1024),
+                                ("fine_octaves", fine_octaves, 1, 4)):
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise InvalidInputError(f"kvtc {name} must be an integer in {lo}..{hi}, not {v!r}")
         if isinstance(min_std, bool) or not isinstance(min_std, (int, float)) or not 0 <= min_std <= 10:
             raise InvalidInputError(f"kvtc min_std must be a number in 0..10 (a fraction of the step), not {min_std!r}")
         self.min_std = float(min_std)
         if lane_components * lane_tokens > MAX_LANE_SYMBOLS:
             raise InvalidInputError(f"kvtc lane_components * lane_tokens must be at most {MAX_LANE_SYMBOLS}")
         self.level, self.sink_tokens = level, sink_tokens
+        self.fine_tokens, self.fine_octaves = fine_tokens, fine_octaves
         self.lane_components, self.lane_tokens = lane_components, lane_tokens
         self._cal: Calibration | None = None
         if isinstance(calibration, Calibration):
@@ -126,14 +132,17 @@ class KVTC(Codec):
         config = ({"level": self.level} if self.bits is None else {"bits": self.bits}) | {
             "calibration": self.calibration, "sink_tokens": self.sink_tokens,
             "lane_components": self.lane_components, "lane_tokens": self.lane_tokens}
-        # 0 (every component coded) is what files written before the option meant, and they name no min_std
-        return config | ({"min_std": self.min_std} if self.min_std else {})
+        # 0 (every component coded; no fine tokens) is what files written before the options meant, and they name
+        # neither
+        return (config | ({"min_std": self.min_std} if self.min_std else {})
+                | ({"fine_tokens": self.fine_tokens, "fine_octaves": self.fine_octaves} if self.fine_tokens else {}))
 
     @classmethod
     def from_file_config(cls, config: dict[str, Any]) -> Codec:
         if not (isinstance(config.get("calibration"), str) and DIGEST.fullmatch(config["calibration"])):
             raise InvalidInputError("a kvtc container must name its calibration by SHA-256")
-        return cls.from_config({"min_std": 0.0} | config)  # written before min_std existed: every component coded
+        # written before the options existed: every component coded, no fine tokens
+        return cls.from_config({"min_std": 0.0, "fine_tokens": 0} | config)
 
     def for_cache(self, kv: Any) -> KVTC:
         """This codec with its calibration resolved for ``kv`` (``"auto"``: the one installed for its model)."""
@@ -144,7 +153,8 @@ class KVTC(Codec):
             raise InvalidInputError(
                 f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
                 "kvcodec.tools.kvtc_calibration.calibrate) and pass calibration=FILE")
-        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std, self.bits)
+        return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std, self.bits,
+                    self.fine_tokens, self.fine_octaves)
 
     @classmethod
     def needs_model(cls, config: dict[str, Any]) -> bool:
@@ -219,9 +229,12 @@ class KVTC(Codec):
             blocks = self._rate_blocks(groups, self.bits * elements / 8 - frame_head_size(len(ctxs)) - INDEX_ENTRY.size)
         else:
             cal = self.calibration_data()
-            key_step, value_step = LEVELS[self.level]
-            blocks = [b"".join([self._level_part(kx, cal.keys[g], key_step), self._level_part(vx, cal.values[g], value_step)]
-                               + sinks) for g, (kx, vx, sinks) in groups]
+            blocks = []
+            for g, (kx, vx, sinks) in groups:
+                fine, normal = self._fine_rows(kx, vx, self._head_dims(g))
+                parts = [self._level_part(x[normal], gb, step)
+                         for x, gb, step in zip((kx, vx), (cal.keys[g], cal.values[g]), LEVELS[self.level])]
+                blocks.append(self._block(fine, (kx, vx), (cal.keys[g], cal.values[g]), parts, sinks))
         return b"".join([struct.pack(f"<{len(blocks)}I", *map(len, blocks))] + blocks)
 
     def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -324,51 +337,126 @@ class KVTC(Codec):
         """Weighted, centred feature rows ``[T, F]`` on components ``[start, stop)``: ``[stop - start, T]`` (float64)."""
         return (weighted @ gb.rows32[start:stop].T).T.numpy().astype(np.float64)
 
-    def _level_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> bytes:
+    def _level_part(self, x: torch.Tensor, gb: GroupBasis, step: float) -> tuple[bytes, np.ndarray, np.ndarray]:
         k = self._coded(gb, step)
         codes, q = quantize(self._project((x - gb.mean) * gb.weight, gb, 0, k), np.full(k, step_code(step), np.int64))
         # the first component's code is the base, every other code an override (as files have always had it)
         return self._part_bytes(q, codes, b"", codes[0] if k else 0, codes[0] if k else 0)
 
-    def _rate_part(self, part: PartPricing, gb: GroupBasis, steps: PartSteps) -> bytes:
+    def _rate_part(self, part: PartPricing, gb: GroupBasis, steps: PartSteps) -> tuple[bytes, np.ndarray, np.ndarray]:
         k = max(steps.m, self._coded(gb, float(STEPS[steps.code])))
         nominal = np.where(np.arange(k) < steps.m, steps.lead, steps.code)
         codes, q = quantize(part.coefficients(k), nominal)
         return self._part_bytes(q, codes, RATE_HEAD.pack(steps.code, steps.lead, steps.m), nominal, None)
 
-    def _part_bytes(self, q: np.ndarray, codes: np.ndarray, head: bytes, nominal: Any, base: int | None) -> bytes:
+    def _part_bytes(self, q: np.ndarray, codes: np.ndarray, head: bytes, nominal: Any,
+                    base: int | None) -> tuple[bytes, np.ndarray, np.ndarray]:
         """A part from its symbols ``[K, T]`` and each component's step code: ``head``, the tables, the base code
-        (level mode only), the codes that differ from ``nominal`` as overrides, then the lanes."""
-        k, t = q.shape
+        (level mode only), the codes that differ from ``nominal`` as overrides, then the lanes; with its tables
+        and codes (a fine part's are made from them)."""
         live = np.flatnonzero(np.any(q != 0, axis=1))
-        table = np.full(k, DEAD, np.uint8)
+        table = np.full(q.shape[0], DEAD, np.uint8)
         table[live] = choose_tables(q[live])
+        count = b"" if base is None else struct.pack("<B", int(base))
+        return head + table.tobytes() + count + self._coded_symbols(q, codes, nominal, table), table, codes
+
+    def _coded_symbols(self, q: np.ndarray, codes: np.ndarray, nominal: Any, table: np.ndarray) -> bytes:
+        """The overrides (the live components' codes that differ from ``nominal``), the lane lengths and the lanes."""
         lanes, lengths = [], []
-        for runs in self._plan(live, t, table):
+        for runs in self._plan(np.flatnonzero(table != DEAD), q.shape[1], table):
             words = encode_lane([(r.gather(q), r.table) for r in runs])
             lanes.append(words.astype("<u4").tobytes())
             lengths.append(len(words))
         overrides = [OVERRIDE.pack(int(c), int(codes[c])) for c in np.flatnonzero(codes != nominal) if table[c] != DEAD]
-        count = struct.pack("<I", len(overrides)) if base is None else struct.pack("<BI", int(base), len(overrides))
-        return head + table.tobytes() + count + b"".join(overrides) + np.array(lengths, "<u2").tobytes() + b"".join(lanes)
+        return (struct.pack("<I", len(overrides)) + b"".join(overrides) + np.array(lengths, "<u2").tobytes()
+                + b"".join(lanes))
+
+    # --- fine tokens --------------------------------------------------------------------------
+
+    def _fine_rows(self, keys: torch.Tensor, values: torch.Tensor, dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows (of a group's ``[T - S, F]`` key and value features; ``dims``: a head's key and value sizes)
+        coded at the finer steps, and the others, both increasing.
+
+        Attention sinks past the first token (a "the", a space: tokens that many later queries attend to and that
+        add next to nothing) draw much of the attention a prefix receives, so their error weighs that much more
+        than another token's.  In some layer and head their value, and in models without a key norm their key,
+        is far smaller than the chunk's usual one: the rows taken are those with the smallest product of two
+        ratios, a row's smallest (over the group's layers and heads) key norm to the chunk's median key norm of
+        that layer and head, and the same of values (the rotation undone leaves key norms as they are).  Per
+        256-token chunk the two rows this takes drew 32% of the continuation's attention on SmolLM2 and 45% on
+        Gemma 3, besides the first token's, where an oracle knowing the attention takes 38% and 46%
+        (bench/results/kvtc_fine_tokens-*.md)."""
+        rows = keys.shape[0]
+        n = min(self.fine_tokens, rows)
+        if not n:
+            return np.zeros(0, np.int64), np.arange(rows)
+        score = torch.ones(rows)
+        for x, dim in zip((keys, values), dims):
+            norms = x.reshape(rows, -1, dim).norm(dim=2)
+            score *= (norms / norms.median(0).values.clamp_min(torch.finfo(torch.float32).tiny)).amin(1)
+        fine = np.sort(np.argsort(score.numpy(), kind="stable")[:n])
+        return fine, np.setdiff1d(np.arange(rows), fine)
+
+    def _head_dims(self, g: int) -> tuple[int, int]:
+        """A head's key and value sizes in group ``g`` (one kind of layer: the same in all its layers)."""
+        info = self.calibration_data().layers[self.calibration_data().groups[g][0]]
+        return info.key_dim, info.value_dim
+
+    def _fine_tables(self, table: np.ndarray) -> np.ndarray:
+        """A fine part's tables: the normal part's, as many octaves wider as its steps are finer (dead stays dead)."""
+        return np.where(table == DEAD, DEAD,
+                        np.minimum(table.astype(np.int64) + TABLES_PER_OCTAVE * self.fine_octaves, NUM_TABLES - 1)
+                        ).astype(np.uint8)
+
+    def _fine_part(self, x: torch.Tensor, gb: GroupBasis, table: np.ndarray, codes: np.ndarray) -> bytes:
+        """The fine rows ``x`` on the normal part's live components, at its steps made ``fine_octaves`` finer; no
+        tables (they follow from the normal part's), only overrides, lane lengths and lanes."""
+        nominal = np.maximum(codes - CODES_PER_OCTAVE * self.fine_octaves, 0)
+        coeff = self._project((x - gb.mean) * gb.weight, gb, 0, len(table))
+        coeff[table == DEAD] = 0  # the normal tokens' dead components are dead for these too
+        fine_codes, q = quantize(coeff, nominal)
+        return self._coded_symbols(q, fine_codes, nominal, self._fine_tables(table))
+
+    def _block(self, fine: np.ndarray, features: tuple[torch.Tensor, torch.Tensor],
+               bases: tuple[GroupBasis, GroupBasis], parts: list[tuple[bytes, np.ndarray, np.ndarray]],
+               sinks: list[bytes]) -> bytes:
+        """A group's block: the fine rows' list (with fine tokens on), the keys and values parts, their fine parts,
+        the sinks."""
+        head = struct.pack(f"<H{len(fine)}H", len(fine), *fine) if self.fine_tokens else b""
+        fine_parts = [self._fine_part(x[fine], gb, table, codes) for x, gb, (_, table, codes)
+                      in zip(features, bases, parts)] if len(fine) else []
+        return b"".join([head] + [p for p, _, _ in parts] + fine_parts + sinks)
 
     def _rate_blocks(self, groups: list[tuple[int, tuple[torch.Tensor, torch.Tensor, list[bytes]]]],
                      target: float) -> list[bytes]:
         """The groups' blocks coded at the rate asked for (:mod:`.rate`): the section's bytes (its group lengths,
-        parts and sink blocks) come within the search's resolution of ``target``, unless that is out of reach
-        for this frame (then the nearest the step codes allow)."""
+        parts, fine parts and sink blocks) come within the search's resolution of ``target``, unless that is out
+        of reach for this frame (then the nearest the step codes allow).  A part's fine part is priced with it."""
         cal = self.calibration_data()
-        items = [(x, gb) for g, (kx, vx, _) in groups for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g]))]
-        bases = [gb for _, gb in items]
-        parts = [PartPricing(lambda a, b, w=(x - gb.mean) * gb.weight, gb=gb: self._project(w, gb, a, b), x.shape[0],
-                             gb.variance.sqrt().double().numpy(), lambda code, gb=gb: self._coded(gb, float(STEPS[code])),
-                             VALUE_CODE_OFFSET * (i % 2), self.lane_components, self.lane_tokens)
-                 for i, (x, gb) in enumerate(items)]
+        fines = [self._fine_rows(kx, vx, self._head_dims(g)) for g, (kx, vx, _) in groups]
+        items = [(x[normal], x[fine], gb) for (g, (kx, vx, _)), (fine, normal) in zip(groups, fines)
+                 for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g]))]
+        shift = CODES_PER_OCTAVE * self.fine_octaves
+
+        def pricing(x: torch.Tensor, gb: GroupBasis, offset: int, count: Any, rider: PartPricing | None = None,
+                    tables: bool = True) -> PartPricing:
+            return PartPricing(lambda a, b, w=(x - gb.mean) * gb.weight: self._project(w, gb, a, b), x.shape[0],
+                               gb.variance.sqrt().double().numpy(), count, offset, self.lane_components,
+                               self.lane_tokens, rider, shift, tables)
+
+        parts = []
+        for i, (x, xf, gb) in enumerate(items):
+            count = lambda code, gb=gb: self._coded(gb, float(STEPS[code]))  # noqa: E731
+            # a fine part codes its part's components: as many as the part's (coarser) code gives
+            rider = pricing(xf, gb, VALUE_CODE_OFFSET * (i % 2) - shift,
+                            lambda code, count=count: count(min(code + shift, 255)), tables=False) if len(xf) else None
+            parts.append(pricing(x, gb, VALUE_CODE_OFFSET * (i % 2), count, rider))
         fixed = 4 * len(groups) + sum(len(b) for _, (_, _, sinks) in groups for b in sinks)
 
         def code(steps: list[PartSteps]) -> list[bytes]:
-            out = [self._rate_part(p, gb, st) for p, gb, st in zip(parts, bases, steps)]
-            return [b"".join(out[2 * i:2 * i + 2] + sinks) for i, (_, (_, _, sinks)) in enumerate(groups)]
+            out = [self._rate_part(p, gb, st) for p, (_, _, gb), st in zip(parts, items, steps)]
+            return [self._block(fine, (kx, vx), (cal.keys[g], cal.values[g]), out[2 * i:2 * i + 2], sinks)
+                    for i, ((g, (kx, vx, sinks)), (fine, _)) in enumerate(zip(groups, fines))]
 
         steps, estimate, out_of_reach = choose_steps(parts, fixed, target)
         blocks = code(steps)
@@ -387,21 +475,30 @@ class KVTC(Codec):
                 for c0 in range(0, len(live), self.lane_components) for t0 in range(0, tokens, self.lane_tokens)]
 
     def parse_group(self, g: int, present: list[LayerContext],
-                    data: memoryview) -> tuple[list[CodedPart], list[list[np.ndarray]]]:
-        """A group's block as parsed: its keys and values parts, and per layer its sink keys and values
-        (float16 ``[H, S, D]``)."""
+                    data: memoryview) -> tuple[list[CodedPart], list[list[np.ndarray]], np.ndarray]:
+        """A group's block as parsed: its keys and values parts (then, with fine rows, their fine parts), per layer
+        its sink keys and values (float16 ``[H, S, D]``), and its fine rows (increasing)."""
         cal = self.calibration_data()
         t, s = present[0].shape.tokens, self._sinks(present[0])
         reader = SectionBytes(data)
+        fine = np.zeros(0, np.int64)
+        if self.fine_tokens:
+            (n,) = struct.unpack("<H", reader.take(2, "u1").tobytes())
+            fine = reader.take(n, "<u2").astype(np.int64)
+            if n > min(self.fine_tokens, t - s) or np.any(np.diff(fine) <= 0) or (n and fine[-1] >= t - s):
+                raise CorruptDataError(f"kvtc group's {n} fine rows are not distinct rows of its {t - s} in order")
         steps = (None, None) if self.bits is not None else LEVELS[self.level]
-        parts = [self._parse_part(reader, gb, step, t - s) for gb, step in zip((cal.keys[g], cal.values[g]), steps)]
+        parts = [self._parse_part(reader, gb, step, t - s - len(fine))
+                 for gb, step in zip((cal.keys[g], cal.values[g]), steps)]
+        if len(fine):
+            parts += [self._parse_fine(reader, part, len(fine)) for part in parts]
         sinks = []
         for c in present:
             h = c.shape.heads
             sinks.append([reader.take(h * s * d, "<f2").reshape(h, s, d) for d in (c.shape.key_dim, c.shape.value_dim)])
         if reader.pos != len(data):
             raise CorruptDataError(f"kvtc group has {len(data) - reader.pos} bytes too many")
-        return parts, sinks
+        return parts, sinks, fine
 
     @staticmethod
     def spans(present: list[LayerContext],
@@ -425,11 +522,11 @@ class KVTC(Codec):
         t, s = ctx0.shape.tokens, self._sinks(ctx0)
         # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
         # all zero, and at the default level most of the basis is dead in any one chunk
-        coded, sinks = self.parse_group(g, present, data)
-        parts = [(self.coefficients(p), gb.rows32[:p.span]) for p, gb in zip(coded, (cal.keys[g], cal.values[g]))]
+        coded, sinks, fine = self.parse_group(g, present, data)
+        bases = (cal.keys[g], cal.values[g])
         spans, cover = self.spans(present, wanted)
-        feats = [self.features(*parts[i], gb.mean, gb.weight, cover[i])
-                 for i, gb in enumerate((cal.keys[g], cal.values[g]))]
+        feats = [self.side_features([(self.coefficients(p), bases[side].rows32[:p.span]) for p in coded[side::2]],
+                                    bases[side].mean, bases[side].weight, cover[side], fine) for side in (0, 1)]
         out = {}
         for c, sink in zip(present, sinks):
             h, dk, dv = c.shape.heads, c.shape.key_dim, c.shape.value_dim
@@ -444,6 +541,22 @@ class KVTC(Codec):
                 k[:, :s] = torch.from_numpy(sink[0].astype(np.float32))
                 out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
         return out
+
+    def side_features(self, parts: list[tuple[torch.Tensor, torch.Tensor]], mean: torch.Tensor, weight: torch.Tensor,
+                      cols: slice, fine: np.ndarray) -> tuple[torch.Tensor, int]:
+        """Features ``cols`` of one side (keys or values) of a group, ``[T - S, cols]``, from its parts'
+        (coefficients, basis rows): the normal part's, then with ``fine`` rows the fine part's, put back in
+        token order; and where they start."""
+        (normal, start), *rest = [self.features(coeff, rows, mean, weight, cols) for coeff, rows in parts]
+        if not rest:
+            return normal, start
+        out = normal.new_empty(normal.shape[0] + len(fine), normal.shape[1])
+        at = torch.from_numpy(fine).to(out.device)
+        keep = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+        keep[at] = False
+        out[keep] = normal
+        out[at] = rest[0][0]
+        return out, start
 
     def _parse_part(self, reader: SectionBytes, gb: GroupBasis, step: float | None, t: int) -> CodedPart:
         """One part's header and lanes, every count checked against the codec and the calibration; ``step``: the
@@ -462,17 +575,30 @@ class KVTC(Codec):
             base, n_over = struct.unpack("<BI", reader.take(5, "u1").tobytes())
             codes = np.full(k, base, np.int64)
         live = np.flatnonzero(table != DEAD)
+        if int(table[live].max(initial=0)) >= NUM_TABLES:
+            raise CorruptDataError("kvtc part names a table outside the codebook")
+        return self._read_symbols(reader, table, codes, live, n_over, t)
+
+    def _read_symbols(self, reader: SectionBytes, table: np.ndarray, codes: np.ndarray, live: np.ndarray,
+                      n_over: int, t: int) -> CodedPart:
+        """A part's overrides (applied to ``codes``), lane lengths and lanes, after its count of overrides."""
         if n_over > len(live):
             raise CorruptDataError("kvtc part has more step overrides than live components")
         for comp, code in OVERRIDE.iter_unpack(reader.take(n_over * OVERRIDE.size, "u1").tobytes()):
-            if comp >= k or table[comp] == DEAD:
+            if comp >= len(table) or table[comp] == DEAD:
                 raise CorruptDataError("kvtc step override names a component that is not coded")
             codes[comp] = code
-        if int(table[live].max(initial=0)) >= NUM_TABLES:
-            raise CorruptDataError("kvtc part names a table outside the codebook")
         lanes = -(-len(live) // self.lane_components) * -(-t // self.lane_tokens)  # as many as _plan makes
         lengths = reader.take(lanes, "<u2").astype(np.int64)
         return CodedPart(t, table, codes, live, lengths, reader.take(int(lengths.sum()), "<u4"))
+
+    def _parse_fine(self, reader: SectionBytes, part: CodedPart, n: int) -> CodedPart:
+        """A fine part of ``n`` rows after its normal ``part``: that part's live components, its tables as many
+        octaves wider and its codes as many octaves finer as nominal, then overrides and lanes as a part's."""
+        table = self._fine_tables(part.table)
+        codes = np.maximum(part.codes - CODES_PER_OCTAVE * self.fine_octaves, 0)
+        (n_over,) = struct.unpack("<I", reader.take(4, "u1").tobytes())
+        return self._read_symbols(reader, table, codes, part.live, n_over, n)
 
     def coefficients(self, part: CodedPart) -> torch.Tensor:
         """A part's dequantized coefficients ``[T, part.span]`` float32, its lanes decoded on the CPU."""

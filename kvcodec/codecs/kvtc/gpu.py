@@ -171,15 +171,18 @@ def decode_frame(codec: KVTC, blocks: list[tuple[int, list[LayerContext], memory
         return sink.out
     device = sink.device(next(c for _, present, _ in blocks for c in present if c.layer in wanted))
     parsed = [codec.parse_group(g, present, block) for g, present, block in blocks]
-    launch = CoefficientLaunch(codec, [p for parts, _ in parsed for p in parts], device)
+    launch = CoefficientLaunch(codec, [p for parts, _, _ in parsed for p in parts], device)
     launch.run()
-    exact = _sink_tokens([s for _, sinks in parsed for layer in sinks for s in layer], device)
-    for i, ((g, present, _), (parts, _)) in enumerate(zip(blocks, parsed)):
+    coefficients = iter(launch.coefficients)
+    exact = _sink_tokens([s for _, sinks, _ in parsed for layer in sinks for s in layer], device)
+    for (g, present, _), (parts, _, fine) in zip(blocks, parsed):
         spans, cover = codec.spans(present, wanted)
+        coded = [(next(coefficients), part) for part in parts]  # keys, values, then their fine parts
         feats = []
-        for side, part in enumerate(parts):
-            rows, mean, weight = BASES.get(codec, g, side, len(part.table), device)
-            feats.append(codec.features(launch.coefficients[2 * i + side], rows[:part.span], mean, weight, cover[side]))
+        for side in (0, 1):
+            rows, mean, weight = BASES.get(codec, g, side, len(parts[side].table), device)
+            feats.append(codec.side_features([(coeff, rows[:part.span]) for coeff, part in coded[side::2]], mean,
+                                             weight, cover[side], fine))
         layer_rows = {}
         for c in present:
             if c.layer in wanted:

@@ -10,7 +10,8 @@ makes the rate nearly continuous.
 The search prices candidates from the symbols themselves (:func:`quantize.symbol_bits`: the cheapest table's
 code lengths, what ANS then spends within 0.1%), starting from a prediction made from the calibration's component
 variances (the entropy of a Gaussian at that step, read off the codebook's own tables), and corrects the
-prediction by each measurement; typically two or three codes are priced.  The encoder then codes the frame once
+prediction by each measurement; typically two or three codes are priced.  A part's fine rows (its fine part,
+coded at its codes made finer) ride on it: priced with it, never moved alone.  The encoder then codes the frame once
 and, if the bytes miss the estimate by more than :data:`RETRY_FRACTION`, corrects the target by the miss and
 codes it again.
 """
@@ -29,6 +30,7 @@ from kvcodec.codecs.kvtc.quantize import quantize, symbol_bits
 from kvcodec.formats.cachegen import NUM_TABLES, PRECISION
 
 PART_HEAD = 10  # code, lead (u8 each), m, n_over (u32 each)
+FINE_PART_HEAD = 4  # n_over
 OVERRIDE_BYTES = 5
 LANE_FLUSH_BYTES = 4.0  # what an ANS lane's final state adds beyond its symbols' code lengths, on average
 RETRY_FRACTION = 0.005
@@ -65,9 +67,14 @@ class PartPricing:
     what coding them costs at each step code, priced once per code."""
 
     def __init__(self, project: Callable[[int, int], np.ndarray], tokens: int, std: np.ndarray,
-                 count: Callable[[int], int], offset: int, lane_components: int, lane_tokens: int) -> None:
+                 count: Callable[[int], int], offset: int, lane_components: int, lane_tokens: int,
+                 rider: PartPricing | None = None, rider_shift: int = 0, tables: bool = True) -> None:
         self.project, self.tokens, self.std, self.count, self.offset = project, tokens, std, count, offset
         self.lane_components, self.lane_tokens = lane_components, lane_tokens
+        # the part's fine rows (kvtc's fine part): coded at the part's codes less ``rider_shift``, priced with it
+        self.rider, self.rider_shift = rider, rider_shift
+        # a fine part has no head, table bytes or base of its own: only its count of overrides
+        self.head, self.table_bytes = (PART_HEAD, 1) if tables else (FINE_PART_HEAD, 0)
         self._coeff = np.zeros((0, tokens))
         self._trials: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -87,11 +94,15 @@ class PartPricing:
 
     def _bytes(self, bits: np.ndarray, over: np.ndarray, live: np.ndarray, k: np.ndarray) -> np.ndarray:
         lanes = np.ceil(live / self.lane_components) * math.ceil(self.tokens / self.lane_tokens)
-        return PART_HEAD + k + OVERRIDE_BYTES * over + lanes * (2 + LANE_FLUSH_BYTES) + bits / 8
+        return self.head + self.table_bytes * k + OVERRIDE_BYTES * over + lanes * (2 + LANE_FLUSH_BYTES) + bits / 8
+
+    def _rider_code(self, code: int) -> int:
+        return max(code - self.rider_shift, 0)
 
     def uniform_bytes(self, code: int) -> float:
         bits, over = self.trial(code)
-        return float(self._bytes(bits.sum(), over.sum(), np.count_nonzero(bits), np.array(len(bits))))
+        own = float(self._bytes(bits.sum(), over.sum(), np.count_nonzero(bits), np.array(len(bits))))
+        return own + (self.rider.uniform_bytes(self._rider_code(code)) if self.rider else 0.0)
 
     def prefix_bytes(self, code: int, lead: int) -> np.ndarray:
         """Estimated bytes of :class:`PartSteps` ``(code, lead, m)`` for every ``m`` in ``0..count(lead)``."""
@@ -101,14 +112,17 @@ class PartPricing:
         k = np.maximum(m, len(rb))
         cum = lambda a: np.concatenate([[0], np.cumsum(a)])  # noqa: E731
         tail = lambda a: cum(a)[-1] - cum(a)[np.minimum(m, len(a))]  # noqa: E731  (components m.. of the rest)
-        return self._bytes(cum(lb)[m] + tail(rb), cum(lo)[m] + tail(ro),
-                           cum(lb > 0)[m] + tail(rb > 0), k)
+        own = self._bytes(cum(lb)[m] + tail(rb), cum(lo)[m] + tail(ro), cum(lb > 0)[m] + tail(rb > 0), k)
+        if self.rider is None:
+            return own
+        return own + self.rider.prefix_bytes(self._rider_code(code), self._rider_code(lead))[:len(own)]
 
     def predicted_bytes(self, codes: np.ndarray) -> np.ndarray:
         """Bytes at each step code in ``codes`` predicted from the calibration's variances alone."""
         log_std = np.log2(np.maximum(self.std, 1e-30))
         bits = gaussian_bits(log_std[None, :] - np.log2(STEPS[codes].astype(np.float64))[:, None]).sum(1)
-        return PART_HEAD + bits * self.tokens / 8
+        own = self.head + bits * self.tokens / 8
+        return own + (self.rider.predicted_bytes(np.maximum(codes - self.rider_shift, 0)) if self.rider else 0.0)
 
 
 def choose_steps(parts: list[PartPricing], fixed: int, target: float) -> tuple[list[PartSteps], float, bool]:
