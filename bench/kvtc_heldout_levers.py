@@ -142,6 +142,8 @@ def render() -> None:
     rows = [json.loads(line) for line in LOG.read_text().splitlines() if line.strip()]
     # rows measured before the KL column existed have three numbers
     fmt = lambda v: f"{v[0]:.3f}, {v[1]:+.2f}%, {v[2]:.1f}%" + (f", {v[3]:.4f}" if len(v) > 3 else "")  # noqa: E731
+    # fine rows chosen by a rule kvtc tried before its own (recorded by hand on those rows; later rows ran kvtc's)
+    rule = lambda r: f" (fine rows by {r['fine_rule']}, not kvtc's rule)" if "fine_rule" in r else ""  # noqa: E731
     lines = ["# kvtc's default level out of domain: the levers measured (SmolLM2; a Gemma row says so)", "",
              f"Evaluation texts {', '.join(GROUPS['eval'])}; held-out kinds {', '.join(GROUPS['heldout'])} (an rST "
              "essay, a commented configuration file, a data table). Each text alone: 1536-token float16 prefix, "
@@ -159,7 +161,7 @@ def render() -> None:
         held = [r["per_text"][t][1] for t in GROUPS["heldout"]]
         model = "" if r.get("model", "smollm2") == "smollm2" else r["model"] + ": "
         lines.append(f"| {model}{r['mix']} ({r['tokens']:,}){' + loss weights' if r['loss_weights'] else ''} | "
-                     f"`{r['spec']}` {' '.join(r['steps'])} | {fmt(r['eval'])} | {fmt(r['heldout'])} | "
+                     f"`{r['spec']}` {' '.join(r['steps'])}{rule(r)} | {fmt(r['eval'])} | {fmt(r['heldout'])} | "
                      f"{' / '.join(f'{v:+.2f}%' for v in held)} | {r['calibration'][:12]} |")
     mixes = {r["mix"]: r["texts"] for r in rows}
     lines += ["", "Mixes: " + "; ".join(f"**{m}**: {', '.join(t)}" for m, t in mixes.items()) + ".", "",
@@ -172,7 +174,7 @@ def render() -> None:
         lines += ["", "Where the change comes from (decoded keys alone, decoded values alone, the rest the float16 "
                   "cache):", "", "| calibration | spec | text | all decoded | keys decoded | values decoded |",
                   "|---|---|---|---|---|---|"]
-        lines += [f"| {r['mix']} | `{r['spec']}` | {r['breakdown']} | "
+        lines += [f"| {r['mix']} | `{r['spec']}`{rule(r)} | {r['breakdown']} | "
                   + " | ".join(f"{r['res'][k][0]:+.2f}%, {r['res'][k][1]:.1f}%" for k in ("all", "keys", "values"))
                   + " |" for r in broken]
     (RESULTS / "kvtc_heldout-levers.md").write_text("\n".join(lines) + "\n")
