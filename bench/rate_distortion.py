@@ -122,7 +122,8 @@ def combine(parts: list[EvalRow]) -> EvalRow:
     n = sum(r.cases for r in parts)
     return EvalRow(parts[0].codec, sum(r.bytes for r in parts), 8 * sum(r.bytes for r in parts) / elements,
                    sum(r.ppl_change * r.cases for r in parts) / n, sum(r.agreement * r.cases for r in parts) / n,
-                   sum(r.encode_s for r in parts), sum(r.decode_s for r in parts), n, sum(r.raw_bytes for r in parts))
+                   sum(r.encode_s for r in parts), sum(r.decode_s for r in parts), n, sum(r.raw_bytes for r in parts),
+                   sum(r.kl * r.cases for r in parts) / n)
 
 
 def retime(model: LoadedModel, rows: list[EvalRow], tokens: int, texts: list[str]) -> list[EvalRow]:

@@ -357,8 +357,8 @@ class KVTC(Codec):
         live = np.flatnonzero(np.any(q != 0, axis=1))
         table = np.full(q.shape[0], DEAD, np.uint8)
         table[live] = choose_tables(q[live])
-        count = b"" if base is None else struct.pack("<B", int(base))
-        return head + table.tobytes() + count + self._coded_symbols(q, codes, nominal, table), table, codes
+        base_code = b"" if base is None else struct.pack("<B", int(base))
+        return head + table.tobytes() + base_code + self._coded_symbols(q, codes, nominal, table), table, codes
 
     def _coded_symbols(self, q: np.ndarray, codes: np.ndarray, nominal: Any, table: np.ndarray) -> bytes:
         """The overrides (the live components' codes that differ from ``nominal``), the lane lengths and the lanes."""
@@ -394,7 +394,8 @@ class KVTC(Codec):
         for x, dim in zip((keys, values), dims):
             norms = x.reshape(rows, -1, dim).norm(dim=2)
             score *= (norms / norms.median(0).values.clamp_min(torch.finfo(torch.float32).tiny)).amin(1)
-        fine = np.sort(np.argsort(score.numpy(), kind="stable")[:n])
+        # the file names a row in a u16: in a chunk of more rows, the sinks are looked for among the first 65,536
+        fine = np.sort(np.argsort(score[:1 << 16].numpy(), kind="stable")[:n])
         return fine, np.setdiff1d(np.arange(rows), fine)
 
     def _head_dims(self, g: int) -> tuple[int, int]:
