@@ -1,12 +1,13 @@
 """Per-core CPU encode and decode speed of every codec on a real SmolLM2 cache, side by side.
 
-    python bench/cpu_codecs.py [--dump PATH] [--repeat 3]
+    python bench/cpu_codecs.py [--dump PATH] [--repeat 3] [--codec SPEC ...] [--name FILE]
 
 Runs with one torch thread and reports millions of KV elements per second
 (median of the runs) and MB/s of the float16 cache, by the wall clock and per
 CPU-second of the process (the speed per core, which other jobs on a shared
 machine disturb far less than the wall clock); writes
-bench/results/cpu_codecs.md.  Compare the rows of one run with each other.
+bench/results/cpu_codecs.md (``--name``: another file, for another set of ``--codec`` specs).  Compare the
+rows of one run with each other.
 kvtc uses the calibration installed for SmolLM2, computed first if there is none.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--dump", default=DEFAULT_DUMP)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--codec", action="append", help=f"codec specs (default: {' '.join(DEFAULT_CODECS)})")
+    p.add_argument("--name", default="cpu_codecs", help="results file in bench/results, without .md (default: %(default)s)")
     args = p.parse_args()
     torch.set_num_threads(1)
     kv = load_dump(args.dump)
@@ -81,10 +84,10 @@ def main() -> None:
               for r in rows]
     lines += [f"| constriction alone: one table, one stream, same symbol count (cachegen's ceiling) | - | - | - | "
               f"{ceiling[0]:.2f} | {ceiling[1]:.2f} | - | - |"]
-    lines += ["", f"Made by `python bench/cpu_codecs.py` on a 2-core machine shared with other jobs (load average "
+    lines += ["", f"Made by `{shlex.join(['python', 'bench/cpu_codecs.py'] + sys.argv[1:])}` on a 2-core machine shared with other jobs (load average "
               f"{load:.1f} before, {os.getloadavg()[0]:.1f} after)."]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_codecs.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
