@@ -409,10 +409,14 @@ class KVTC(Codec):
                         np.minimum(table.astype(np.int64) + TABLES_PER_OCTAVE * self.fine_octaves, NUM_TABLES - 1)
                         ).astype(np.uint8)
 
+    def _fine_codes(self, codes: np.ndarray) -> np.ndarray:
+        """A fine part's nominal step codes: its part's (after overrides), ``fine_octaves`` finer."""
+        return np.maximum(codes - CODES_PER_OCTAVE * self.fine_octaves, 0)
+
     def _fine_part(self, x: torch.Tensor, gb: GroupBasis, table: np.ndarray, codes: np.ndarray) -> bytes:
         """The fine rows ``x`` on the normal part's live components, at its steps made ``fine_octaves`` finer; no
         tables (they follow from the normal part's), only overrides, lane lengths and lanes."""
-        nominal = np.maximum(codes - CODES_PER_OCTAVE * self.fine_octaves, 0)
+        nominal = self._fine_codes(codes)
         coeff = self._project((x - gb.mean) * gb.weight, gb, 0, len(table))
         coeff[table == DEAD] = 0  # the normal tokens' dead components are dead for these too
         fine_codes, q = quantize(coeff, nominal)
@@ -596,8 +600,7 @@ class KVTC(Codec):
     def _parse_fine(self, reader: SectionBytes, part: CodedPart, n: int) -> CodedPart:
         """A fine part of ``n`` rows after its normal ``part``: that part's live components, its tables as many
         octaves wider and its codes as many octaves finer as nominal, then overrides and lanes as a part's."""
-        table = self._fine_tables(part.table)
-        codes = np.maximum(part.codes - CODES_PER_OCTAVE * self.fine_octaves, 0)
+        table, codes = self._fine_tables(part.table), self._fine_codes(part.codes)
         (n_over,) = struct.unpack("<I", reader.take(4, "u1").tobytes())
         return self._read_symbols(reader, table, codes, part.live, n_over, n)
 

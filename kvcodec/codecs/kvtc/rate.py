@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -96,8 +96,9 @@ class PartPricing:
         lanes = np.ceil(live / self.lane_components) * math.ceil(self.tokens / self.lane_tokens)
         return self.head + self.table_bytes * k + OVERRIDE_BYTES * over + lanes * (2 + LANE_FLUSH_BYTES) + bits / 8
 
-    def _rider_code(self, code: int) -> int:
-        return max(code - self.rider_shift, 0)
+    def _rider_code(self, code: Any) -> Any:
+        """The fine part's code(s) at the part's ``code`` (an int or an array), as kvtc's ``_fine_codes``."""
+        return np.maximum(code - self.rider_shift, 0)
 
     def uniform_bytes(self, code: int) -> float:
         bits, over = self.trial(code)
@@ -122,7 +123,7 @@ class PartPricing:
         log_std = np.log2(np.maximum(self.std, 1e-30))
         bits = gaussian_bits(log_std[None, :] - np.log2(STEPS[codes].astype(np.float64))[:, None]).sum(1)
         own = self.head + bits * self.tokens / 8
-        return own + (self.rider.predicted_bytes(np.maximum(codes - self.rider_shift, 0)) if self.rider else 0.0)
+        return own + (self.rider.predicted_bytes(self._rider_code(codes)) if self.rider else 0.0)
 
 
 def choose_steps(parts: list[PartPricing], fixed: int, target: float) -> tuple[list[PartSteps], float, bool]:
