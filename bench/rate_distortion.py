@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -164,12 +165,15 @@ def write(args: argparse.Namespace, model: LoadedModel, rows: list[EvalRow], ref
              + ", ".join(f"{name} {ppl:.3f}" for name, ppl in reference_ppl.items()) + ".", "",
              "Encode and decode: seconds per cache (one whole-cache call on one thread, mean over the texts) and MB/s "
              "of float16, as `kvcodec eval` and `kvcodec bench` report them.", "",
-             "| codec | bits/element | x vs fp16 | perplexity change | agreement | encode s/cache | decode s/cache | "
+             "KL: the mean KL divergence of the next-token distributions from the float16 cache's (nats per token; "
+             "blank in a row measured before it was recorded).", "",
+             "| codec | bits/element | x vs fp16 | perplexity change | agreement | KL | encode s/cache | decode s/cache | "
              "encode MB/s | decode MB/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        kl = "" if math.isnan(r.kl) else f"{r.kl:.4f}"
         lines.append(f"| `{r.codec}` | {r.bits_per_element:.3f} | {16 / r.bits_per_element:.2f} | "
-                     f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {r.encode_s_per_cache:.2f} | "
+                     f"{100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% | {kl} | {r.encode_s_per_cache:.2f} | "
                      f"{r.decode_s_per_cache:.2f} | {r.encode_MBps:.1f} | {r.decode_MBps:.1f} |")
     if calibration is not None:
         lines += ["", f"kvtc calibration {calibration.digest[:16]}... (not counted in the containers): "
