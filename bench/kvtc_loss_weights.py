@@ -5,9 +5,8 @@
 Collects the calibration statistics once (or reads them from ``--statistics``, writing them there first when the
 file does not exist: they take minutes), then fits three calibrations from them: the channel weights read off
 the model's matrices alone (``none``), with each layer's value weights scaled so a unit error costs the same
-measured loss in every layer (``values``: ``kvcodec calibrate --loss-weights``; see
-kvcodec/tools/kvtc_sensitivity.py), and with the keys'
-scaled too (``keys+values``).  Each is evaluated at ``--levels`` with the protocol of bench/rate_distortion.py on
+measured loss in every layer (``values``; see kvcodec/tools/kvtc_sensitivity.py), and with the keys' scaled
+too (``keys+values``: ``kvcodec calibrate --loss-weights``).  Each is evaluated at ``--levels`` with the protocol of bench/rate_distortion.py on
 the first ``--texts`` evaluation texts.  Writes bench/results/kvtc_loss_weights-<model>.md.
 """
 

@@ -194,6 +194,28 @@ def test_equalizing_scales_make_every_layer_cost_the_same():
         equalizing_scales(torch.tensor([1e-3, 0.0], dtype=torch.float64))
 
 
+def test_loss_weights_equalize_keys_and_values(monkeypatch):
+    """``--loss-weights`` scales keys as well as values: after it, a unit weighted-domain error costs the same loss
+    in every layer of each kind (Fisher diagonals made up here, with the spreads Gemma's layers have)."""
+    from kvcodec.tools import kvtc_sensitivity
+    from kvcodec.tools.kvtc_sensitivity import equalized_weights, layer_traces
+
+    gen = torch.Generator().manual_seed(0)
+    layers, width = 5, 8
+    diagonals = [[torch.rand(width, generator=gen, dtype=torch.float64) * 10.0 ** float(torch.randint(-4, -1, (),
+                  generator=gen)) for _ in range(layers)] for _ in range(2)]
+    monkeypatch.setattr(kvtc_sensitivity, "fisher_diagonals", lambda loaded, texts: diagonals)
+    weights = [[torch.rand(width, generator=gen) + 0.5 for _ in range(layers)] for _ in range(2)]
+    scaled = equalized_weights(None, *weights)
+    for kind in (0, 1):
+        before = layer_traces(diagonals[kind], weights[kind])
+        after = layer_traces(diagonals[kind], scaled[kind])
+        assert float(before.max() / before.min()) > 10
+        assert torch.allclose(after, after[0].expand(layers), rtol=1e-5)
+    keys_kept, _ = equalized_weights(None, *weights, keys=False)
+    assert all(torch.equal(a, b) for a, b in zip(keys_kept, weights[0]))
+
+
 @needs_gemma
 def test_fisher_trace_predicts_the_loss_of_noise(gemma, ids):
     """The measured sensitivity is what noise really costs: values noise of one weighted-domain variance in the

@@ -90,14 +90,16 @@ def equalizing_scales(traces: torch.Tensor) -> torch.Tensor:
 
 
 def equalized_weights(loaded: Any, key_weights: Sequence[torch.Tensor], value_weights: Sequence[torch.Tensor],
-                      texts: Sequence[str] = SENSITIVITY_TEXTS, *, keys: bool = False,
+                      texts: Sequence[str] = SENSITIVITY_TEXTS, *, keys: bool = True,
                       values: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``key_weights`` and ``value_weights`` (per layer ``[H * D]``) with each layer's scaled by
     :func:`equalizing_scales` of its measured :func:`layer_traces` (keys and values each where asked).
 
-    Values only by default: on Gemma 3 270M (pydoc-topics, level 4) equalizing the values took kvtc from 1.235
-    bits/element at +2.51% perplexity and 90.0% agreement to 1.122 bits at +1.58% and 91.4%; equalizing the keys
-    as well gave 1.160 bits at +2.90% and 92.6% (bench/results/kvtc_breakdown-gemma3-270m.md)."""
+    Both by default.  Gemma 3 270M's key traces under the matrices' weights span 90x across its layers (0.00012 to
+    0.011 per unit step); on its three evaluation texts (the six default calibration texts, level 4, fine rows)
+    equalizing values alone gave 1.080 bits/element at +2.14% perplexity, KL 0.0173, and keys and values 1.124 bits
+    at +1.23%, KL 0.0112 (at ``bits=1.0``: KL 0.0196 and 0.0135; docs/codecs/kvtc.md).  An earlier one-text
+    measurement without fine rows had favoured values alone on perplexity (bench/results/kvtc_loss_weights-gemma3-270m.md)."""
     kd, vd = fisher_diagonals(loaded, texts)
     out = []
     for weights, diagonals, on in ((key_weights, kd, keys), (value_weights, vd, values)):
