@@ -16,7 +16,7 @@ STAMP="$VENV/.kvcodec-sglang"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$PINS $IMPORTED" ]; then
     exit 0
 fi
-echo "setup_sglang.sh: installing SGLang 0.5.23 (without its serving stack) and torch 2.14.1 into $VENV (about 5.5 GB)"
+echo "setup_sglang.sh: installing SGLang 0.5.23 (without its serving stack) and torch 2.14.1 into $VENV (about 6 GB)"
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 . "$VENV/bin/activate"
 # pip lists every SGLang dependency left out on purpose after each install; its other messages and its exit status stay.

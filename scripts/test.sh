@@ -6,7 +6,7 @@
 #
 # The three environments take about 13 GB together (.venv 2.7, .venv-engines 4.2, .venv-sglang 6.2).  On a disk
 # with less room than the next one needs, an environment that this run created itself (none that was here before
-# it started) is removed once its tests are done, so a fresh clone needs about 7 GB free at once, not 13.
+# it started) is removed once its tests are done, so a fresh clone needs about 7.5 GB free at once, not 13.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 free_mb() { df -Pm . | awk 'NR == 2 { print $4 }'; }
