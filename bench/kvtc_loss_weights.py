@@ -6,8 +6,8 @@ Collects the calibration statistics once (or reads them from ``--statistics``, w
 file does not exist: they take minutes), then fits three calibrations from them: the channel weights read off
 the model's matrices alone (``none``), with each layer's value weights scaled so a unit error costs the same
 measured loss in every layer (``values``; see kvcodec/tools/kvtc_sensitivity.py), and with the keys' scaled
-too (``keys+values``: ``kvcodec calibrate --loss-weights``).  Each is evaluated at ``--levels`` with the protocol of bench/rate_distortion.py on
-the first ``--texts`` evaluation texts.  Writes bench/results/kvtc_loss_weights-<model>.md.
+too (``keys+values``: ``kvcodec calibrate --loss-weights``).  Each is evaluated at ``--levels`` with the
+protocol of bench/rate_distortion.py on the first ``--texts`` evaluation texts.  Writes bench/results/kvtc_loss_weights-<model>.md.
 """
 
 from __future__ import annotations

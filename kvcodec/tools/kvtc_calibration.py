@@ -329,9 +329,9 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
     ``loss_weights`` scales each layer's key and value weights so that a unit of error costs the same loss in
     every layer of a kind, as measured with the model (:mod:`kvcodec.tools.kvtc_sensitivity`).  Off by default: it
     moves bits to where they buy the most (Gemma 3 270M, level 4, its three evaluation texts: 1.124 bits at +1.23%,
-    KL 0.0112, from 1.235 bits at +2.51% on one text without it), but values-only loss weights moved SmolLM2's
-    default level to 0.658 bits at +0.39%, over that level's 0.6-bit target (bench/results/kvtc_loss_weights-smollm2.md),
-    and the levels are measured without them.
+    KL 0.0112, against 1.080 bits at +2.14%, KL 0.0173 with the values' alone), but values-only loss weights moved
+    SmolLM2's default level to 0.658 bits at +0.39%, over that level's 0.6-bit target
+    (bench/results/kvtc_loss_weights-smollm2.md), and the levels are measured without them.
     ``undo_rope``, ``weight_keys``, ``weight_values`` and ``loss_weights`` switch off the design's parts, for
     measuring what each is worth.
     """
