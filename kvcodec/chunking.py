@@ -61,7 +61,7 @@ def layer_context(header: Header, layer: int, token_range: tuple[int, int], devi
     shift = header.max_tokens - s.tokens
     return LayerContext(layer, len(header.layers), shape, getattr(torch, header.dtype), device,
                         header.meta.get("model"), lo, backend, header.meta.get("rope"),
-                        tuple(header_positions(header)[lo + shift:hi + shift]), threads)
+                        tuple(header_positions(header)[lo + shift:hi + shift]), threads, s.tokens if shift else 0)
 
 
 def filled_layers(header: Header, token_start: int, token_count: int, layer_start: int) -> list[int]:

@@ -130,7 +130,7 @@ def test_continuing_from_a_windowed_cache_matches_one_pass(gemma, ids):
 @needs_gemma
 def test_kvtc_round_trip_selection_and_positions(gemma, ids, small_cal):
     """A real Gemma cache through kvtc: in the calibration's weighted transform domain every coefficient comes back
-    within half its step, each layer's first token as float16; the model continues from it nearly as from the
+    within half its step (a sliding window's graded by the token's age), each layer's first token as float16; the model continues from it nearly as from the
     original; deterministic bytes; ``layers=`` equal to the full decode's; and a decode at new positions as close
     to the model's own KV there as the plain decode is to the original."""
     from kvcodec.codecs.kvtc import KVTC
@@ -157,9 +157,13 @@ def test_kvtc_round_trip_selection_and_positions(gemma, ids, small_cal):
         return ((torch.cat(rows, 1) - basis.mean) * basis.weight) @ basis.rows32.T
 
     for g in range(len(small_cal.groups)):
+        held = kv.layers[small_cal.groups[g][0]].keys.shape[1]
+        # a sliding-window layer's token i is coded at steps 2 ** (window_octaves * (held - 1 - i) / held) times
+        gain = (torch.exp2(codec.window_octaves * (held - 1 - torch.arange(1, held, dtype=torch.float64)) / held)
+                if held < n else torch.ones(held - 1, dtype=torch.float64)).float()[:, None]
         for part in (0, 1):
             err = (coefficients(out, g, part) - coefficients(kv, g, part)).abs()
-            half = LEVELS[level][part] / 2
+            half = LEVELS[level][part] / 2 * gain
             assert float((err <= half * 1.001 + 1e-3).float().mean()) > 0.999, (g, part)
     for a, b in zip(out.layers, kv.layers):  # the sink is stored in float16
         assert torch.equal(a.keys[:, 0], b.keys[:, 0].half().float()) and torch.equal(a.values[:, 0], b.values[:, 0].half().float())
@@ -196,7 +200,8 @@ def test_equalizing_scales_make_every_layer_cost_the_same():
 
 def test_loss_weights_equalize_keys_and_values(monkeypatch):
     """``--loss-weights`` scales keys as well as values: after it, a unit weighted-domain error costs the same loss
-    in every layer of each kind (Fisher diagonals made up here, with the spreads Gemma's layers have)."""
+    in every layer of each kind, and within a layer each channel's cost has moved half-way to the layer's mean
+    (Fisher diagonals made up here, with the spreads Gemma's layers have)."""
     from kvcodec.tools import kvtc_sensitivity
     from kvcodec.tools.kvtc_sensitivity import equalized_weights, layer_traces
 
@@ -212,6 +217,19 @@ def test_loss_weights_equalize_keys_and_values(monkeypatch):
         after = layer_traces(diagonals[kind], scaled[kind])
         assert float(before.max() / before.min()) > 10
         assert torch.allclose(after, after[0].expand(layers), rtol=1e-5)
+        # within a layer, each channel's cost moved half-way (in log) to the layer's mean: its spread halved
+        spread = [(d / w.double().pow(2)).log().std() for d, w in ((diagonals[kind][0], weights[kind][0]),
+                                                                   (diagonals[kind][0], scaled[kind][0]))]
+        assert float(spread[1] / spread[0]) == pytest.approx(0.5, abs=0.01)
+    layers_only = equalized_weights(None, *weights, channels=0)
+    assert all(torch.allclose(a / a[0], b / b[0]) for kind in (0, 1) for a, b in zip(layers_only[kind], weights[kind]))
+    # keys: a rotary pair (channels i and i + 2 of a 4-channel head here) shares one factor
+    from kvcodec.codecs.kvtc.calibration import LayerInfo
+    from kvcodec.codecs.kvtc.rope import Rotary
+    from kvcodec.tools.kvtc_sensitivity import channel_factors
+
+    f = channel_factors(diagonals[0][0], weights[0][0], 0.5, LayerInfo(2, 4, 4, Rotary(np.ones(2))))
+    assert torch.equal(f.reshape(2, 2, 2)[:, 0], f.reshape(2, 2, 2)[:, 1]) and len(set(f.tolist())) > 2
     keys_kept, _ = equalized_weights(None, *weights, keys=False)
     assert all(torch.equal(a, b) for a, b in zip(keys_kept, weights[0]))
 

@@ -317,3 +317,41 @@ def test_fine_rows_are_checked(toy_cal):
                 {"fine_tokens": True}):
         with pytest.raises(InvalidInputError, match="fine_"):
             KVTC(calibration=toy_cal, **bad)
+
+
+def test_window_grading_coarsens_a_windows_oldest_tokens(real_kv):
+    """A sliding-window layer's rows get steps ``2 ** (window_octaves * age / W)`` times the level's: on real KV its
+    oldest rows come back with the larger error, the layers that hold every token are coded exactly as without
+    grading, and a config without the option (files written before it) means none."""
+    from kvcodec.tools.fuzz.seeds import fuzz_calibration, fuzz_kv
+
+    kv = fuzz_kv(real_kv, tokens=160, layers=3, window=128)
+    cal = fuzz_calibration(kv)
+    flat, graded = (KVTC(level=2, calibration=cal, fine_tokens=0, window_octaves=o) for o in (0, 2))
+    assert "window_octaves" not in flat.get_config() and graded.get_config()["window_octaves"] == 2.0
+    assert KVTC.from_file_config({k: v for k, v in graded.get_config().items() if k != "window_octaves"}
+                                 ).window_octaves == 0
+    header = _header(kvcodec.encode(kv, graded, chunk_tokens=64))
+    ctx = layer_context(header, 2, (64, 128), torch.device("cpu"))
+    assert ctx.window_tokens == 128
+    assert torch.equal(graded.row_gains(ctx), torch.exp2(2 * (127 - torch.arange(64, 128, dtype=torch.float64)) / 128
+                                                          ).float())
+    assert graded.row_gains(layer_context(header, 0, (0, 64), torch.device("cpu"))) is None
+    errors = {}
+    for codec in (flat, graded):
+        out = kvcodec.decode(kvcodec.encode(kv, codec, chunk_tokens=64))
+        errors[codec.window_octaves] = out
+        # keys: their error is the steps' (level 2 leaves most value components of this small cache at 0)
+        window = (out.layers[2].keys.float() - kv.layers[2].keys.float()).pow(2).mean((0, 2))
+        oldest, newest = float(window[1:33].mean()), float(window[-32:].mean())
+        if codec.window_octaves:
+            assert oldest > 4 * newest  # steps about 2.8x apart (measured: 6.9x the squared error)
+        else:
+            assert 0.5 < oldest / newest < 2
+    for a, b in zip(errors[0.0].layers[:2], errors[2.0].layers[:2]):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def _header(blob: bytes):
+    with kvcodec.open(blob) as r:
+        return r.header

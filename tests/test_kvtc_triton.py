@@ -221,3 +221,20 @@ def test_backend_choice(golden, monkeypatch):
         kvcodec.decode(blob, backend="triton")
     with pytest.raises(kvcodec.UnsupportedError, match="nvdec"):
         kvcodec.decode(blob, backend="nvdec")
+
+
+def test_window_grading_decodes_alike_on_the_device_path(real_kv):
+    """A sliding-window layer's graded rows (their coefficients scaled by their age's factor) come out of the
+    device path as out of the CPU's (a paged decode runs the same gpu.decode_frame)."""
+    from kvcodec.tools.fuzz.seeds import fuzz_kv
+
+    kv = fuzz_kv(real_kv, tokens=72, layers=3, window=40)
+    codec = KVTC(level=2, calibration=fuzz_calibration(kv), window_octaves=2, **SMALL_LANES)
+    blob = kvcodec.encode(kv, codec, chunk_tokens=24)
+    reference, got = kvcodec.decode(blob, backend="cpu"), kvcodec.decode(blob, backend="triton")
+    flat = kvcodec.decode(kvcodec.encode(kv, KVTC(level=2, calibration=codec.calibration, window_octaves=0,
+                                                  **SMALL_LANES), chunk_tokens=24))
+    assert not torch.equal(flat.layers[2].keys, reference.layers[2].keys)  # the window is graded
+    for a, b in zip(got.layers, reference.layers):
+        for x, y in zip(a, b):
+            assert torch.allclose(x.float(), y.float(), rtol=2 ** -7, atol=1e-3)

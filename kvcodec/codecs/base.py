@@ -28,6 +28,9 @@ class LayerContext:
     (from the ``positions`` metadata, else the token's index on the longest layer's axis).
     ``threads`` is the call's ``threads`` (:mod:`kvcodec.threads`): how many CPU threads the codec may use.  Torch
     already runs on that many during the call; a codec whose sections code outside the GIL codes that many at once.
+    ``window_tokens`` is the layer's whole token count where it holds fewer tokens than the cache's longest layer
+    (a sliding window, right-aligned: SPEC.md §6.3), else 0: token ``i`` of its axis is then ``window_tokens - 1 -
+    i`` tokens older than the newest, and leaves the window that much sooner.
     """
 
     layer: int
@@ -41,6 +44,7 @@ class LayerContext:
     rope: str | None = None
     positions: tuple[int, ...] = ()
     threads: int = DEFAULT_THREADS
+    window_tokens: int = 0
 
     def positions_tensor(self) -> torch.Tensor:
         return torch.tensor(self.positions, dtype=torch.int64)

@@ -342,7 +342,7 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
     key_weights = stats.key_weights if weight_keys else _flat(stats.key_weights, stats.groups)  # one per group
     value_weights = stats.value_weights if weight_values else _flat(stats.value_weights, stats.groups)
     if loss_weights:
-        key_weights, value_weights = equalized_weights(loaded, key_weights, value_weights)
+        key_weights, value_weights = equalized_weights(loaded, key_weights, value_weights, layers=stats.layers)
     settings = stats.settings | {"group_layers": group_layers, "weight_keys": weight_keys,
                                  "weight_values": weight_values, "loss_weights": loss_weights}
     return fit(stats, finest_steps, settings, key_weights, value_weights)

@@ -31,7 +31,7 @@ from kvcodec.codecs.kvtc import gpu
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
                                              register_calibration)
 from kvcodec.codecs.kvtc.levels import (DEFAULT_FINE_OCTAVES, DEFAULT_FINE_TOKENS, DEFAULT_LEVEL, DEFAULT_MIN_STD,
-                                        LEVELS)
+                                        DEFAULT_WINDOW_OCTAVES, LEVELS)
 from kvcodec.codecs.kvtc.quantize import quantize
 from kvcodec.codecs.kvtc.rate import RETRY_FRACTION, PartPricing, PartSteps, choose_steps
 from kvcodec.codecs.registry import register_codec
@@ -82,7 +82,7 @@ class KVTC(Codec):
     def __init__(self, level: int | None = None, calibration: Any = "auto", sink_tokens: int = 1,
                  lane_components: int = 64, lane_tokens: int = 256, min_std: float = DEFAULT_MIN_STD,
                  bits: float | None = None, fine_tokens: int = DEFAULT_FINE_TOKENS,
-                 fine_octaves: int = DEFAULT_FINE_OCTAVES) -> None:
+                 fine_octaves: int = DEFAULT_FINE_OCTAVES, window_octaves: float = DEFAULT_WINDOW_OCTAVES) -> None:
         if bits is not None:
             if level is not None:
                 raise InvalidInputError("kvtc takes a level or a rate (bits=), not both")
@@ -103,6 +103,9 @@ class KVTC(Codec):
         if isinstance(min_std, bool) or not isinstance(min_std, (int, float)) or not 0 <= min_std <= 10:
             raise InvalidInputError(f"kvtc min_std must be a number in 0..10 (a fraction of the step), not {min_std!r}")
         self.min_std = float(min_std)
+        if isinstance(window_octaves, bool) or not isinstance(window_octaves, (int, float)) or not 0 <= window_octaves <= 4:
+            raise InvalidInputError(f"kvtc window_octaves must be a number in 0..4, not {window_octaves!r}")
+        self.window_octaves = float(window_octaves)
         if lane_components * lane_tokens > MAX_LANE_SYMBOLS:
             raise InvalidInputError(f"kvtc lane_components * lane_tokens must be at most {MAX_LANE_SYMBOLS}")
         self.level, self.sink_tokens = level, sink_tokens
@@ -135,14 +138,15 @@ class KVTC(Codec):
         # 0 (every component coded; no fine tokens) is what files written before the options meant, and they name
         # neither
         return (config | ({"min_std": self.min_std} if self.min_std else {})
-                | ({"fine_tokens": self.fine_tokens, "fine_octaves": self.fine_octaves} if self.fine_tokens else {}))
+                | ({"fine_tokens": self.fine_tokens, "fine_octaves": self.fine_octaves} if self.fine_tokens else {})
+                | ({"window_octaves": self.window_octaves} if self.window_octaves else {}))
 
     @classmethod
     def from_file_config(cls, config: dict[str, Any]) -> Codec:
         if not (isinstance(config.get("calibration"), str) and DIGEST.fullmatch(config["calibration"])):
             raise InvalidInputError("a kvtc container must name its calibration by SHA-256")
-        # written before the options existed: every component coded, no fine tokens
-        return cls.from_config({"min_std": 0.0, "fine_tokens": 0} | config)
+        # written before the options existed: every component coded, no fine tokens, no window grading
+        return cls.from_config({"min_std": 0.0, "fine_tokens": 0, "window_octaves": 0.0} | config)
 
     def for_cache(self, kv: Any) -> KVTC:
         """This codec with its calibration resolved for ``kv`` (``"auto"``: the one installed for its model)."""
@@ -154,7 +158,7 @@ class KVTC(Codec):
                 f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
                 "kvcodec.tools.kvtc_calibration.calibrate) and pass calibration=FILE")
         return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std, self.bits,
-                    self.fine_tokens, self.fine_octaves)
+                    self.fine_tokens, self.fine_octaves, self.window_octaves)
 
     @classmethod
     def needs_model(cls, config: dict[str, Any]) -> bool:
@@ -222,16 +226,24 @@ class KVTC(Codec):
 
     def encode_frame(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> bytes:
         tensors = {c.layer: pair for pair, c in zip(layers, ctxs)}
-        groups = [(g, self._features(g, [(tensors[c.layer], c) for c in present])) for g, present in self._groups(ctxs)]
+        cal = self.calibration_data()
+        groups, fines = [], []
+        for g, present in self._groups(ctxs):
+            kx, vx, sinks = self._features(g, [(tensors[c.layer], c) for c in present])
+            # sinks are found on the features as they are; grading then scales every row's deviation
+            fines.append(self._fine_rows(kx, vx, self._head_dims(g)))
+            gains = self.row_gains(present[0])
+            if gains is not None:
+                kx, vx = ((x - gb.mean) / gains[:, None] + gb.mean for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g])))
+            groups.append((g, (kx, vx, sinks)))
         if self.bits is not None:
             elements = sum(c.shape.heads * c.shape.tokens * (c.shape.key_dim + c.shape.value_dim) for c in ctxs)
             # the frame's own head and its index entry count too, as every byte of a container does
-            blocks = self._rate_blocks(groups, self.bits * elements / 8 - frame_head_size(len(ctxs)) - INDEX_ENTRY.size)
+            blocks = self._rate_blocks(groups, fines,
+                                       self.bits * elements / 8 - frame_head_size(len(ctxs)) - INDEX_ENTRY.size)
         else:
-            cal = self.calibration_data()
             blocks = []
-            for g, (kx, vx, sinks) in groups:
-                fine, normal = self._fine_rows(kx, vx, self._head_dims(g))
+            for (g, (kx, vx, sinks)), (fine, normal) in zip(groups, fines):
                 parts = [self._level_part(x[normal], gb, step)
                          for x, gb, step in zip((kx, vx), (cal.keys[g], cal.values[g]), LEVELS[self.level])]
                 blocks.append(self._block(fine, (kx, vx), (cal.keys[g], cal.values[g]), parts, sinks))
@@ -288,6 +300,19 @@ class KVTC(Codec):
         return out
 
     # --- one group --------------------------------------------------------------------------
+
+    def row_gains(self, ctx: LayerContext) -> torch.Tensor | None:
+        """Per coded row of ``ctx``'s group (the ``T - S`` tokens after the sink tokens), the factor on its step:
+        in a sliding-window layer ``2 ** (window_octaves * age / W)``, ``W`` the layer's ``window_tokens`` and
+        ``age`` the token's distance from the newest (computed in binary64, rounded to float32; spec/kvtc.md,
+        "Window grading").  None for layers holding every token, or with grading off.  A window's oldest tokens
+        leave it first and draw less attention from the next queries, so their error costs less loss
+        (:data:`~kvcodec.codecs.kvtc.levels.DEFAULT_WINDOW_OCTAVES`)."""
+        if not (ctx.window_tokens and self.window_octaves):
+            return None
+        index = np.arange(ctx.token_start + self._sinks(ctx), ctx.token_start + ctx.shape.tokens, dtype=np.float64)
+        return torch.from_numpy(np.exp2(self.window_octaves * (ctx.window_tokens - 1 - index) / ctx.window_tokens)
+                                .astype(np.float32))
 
     def _sinks(self, ctx: LayerContext) -> int:
         return max(0, min(self.sink_tokens - ctx.token_start, ctx.shape.tokens))
@@ -433,12 +458,11 @@ class KVTC(Codec):
         return b"".join([head] + [p for p, _, _ in parts] + fine_parts + sinks)
 
     def _rate_blocks(self, groups: list[tuple[int, tuple[torch.Tensor, torch.Tensor, list[bytes]]]],
-                     target: float) -> list[bytes]:
+                     fines: list[tuple[np.ndarray, np.ndarray]], target: float) -> list[bytes]:
         """The groups' blocks coded at the rate asked for (:mod:`.rate`): the section's bytes (its group lengths,
         parts, fine parts and sink blocks) come within the search's resolution of ``target``, unless that is out
         of reach for this frame (then the nearest the step codes allow).  A part's fine part is priced with it."""
         cal = self.calibration_data()
-        fines = [self._fine_rows(kx, vx, self._head_dims(g)) for g, (kx, vx, _) in groups]
         items = [(x[normal], x[fine], gb) for (g, (kx, vx, _)), (fine, normal) in zip(groups, fines)
                  for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g]))]
         shift = CODES_PER_OCTAVE * self.fine_octaves
@@ -530,8 +554,9 @@ class KVTC(Codec):
         coded, sinks, fine = self.parse_group(g, present, data)
         bases = (cal.keys[g], cal.values[g])
         spans, cover = self.spans(present, wanted)
+        gains = self.row_gains(ctx0)
         feats = [self.side_features([(self.coefficients(p), bases[side].rows32[:p.span]) for p in coded[side::2]],
-                                    bases[side].mean, bases[side].weight, cover[side], fine) for side in (0, 1)]
+                                    bases[side].mean, bases[side].weight, cover[side], fine, gains) for side in (0, 1)]
         out = {}
         for c, sink in zip(present, sinks):
             h, dk, dv = c.shape.heads, c.shape.key_dim, c.shape.value_dim
@@ -548,17 +573,21 @@ class KVTC(Codec):
         return out
 
     def side_features(self, parts: list[tuple[torch.Tensor, torch.Tensor]], mean: torch.Tensor, weight: torch.Tensor,
-                      cols: slice, fine: np.ndarray) -> tuple[torch.Tensor, int]:
+                      cols: slice, fine: np.ndarray, gains: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """Features ``cols`` of one side (keys or values) of a group, ``[T - S, cols]``, from its parts'
         (coefficients, basis rows): the normal part's, then with ``fine`` rows the fine part's, put back in
-        token order; and where they start."""
-        (normal, start), *rest = [self.features(coeff, rows, mean, weight, cols) for coeff, rows in parts]
+        token order; and where they start.  ``gains`` (:meth:`row_gains`) scale each row's coefficients."""
+        device = parts[0][0].device
+        keep = torch.ones(parts[0][0].shape[0] + len(fine), dtype=torch.bool, device=device)
+        at = torch.from_numpy(fine).to(device)
+        keep[at] = False
+        if gains is not None:
+            gains = gains.to(device)[:, None]
+            parts = [(coeff * gains[rows_of], basis) for (coeff, basis), rows_of in zip(parts, (keep, at))]
+        (normal, start), *rest = [self.features(coeff, basis, mean, weight, cols) for coeff, basis in parts]
         if not rest:
             return normal, start
-        out = normal.new_empty(normal.shape[0] + len(fine), normal.shape[1])
-        at = torch.from_numpy(fine).to(out.device)
-        keep = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
-        keep[at] = False
+        out = normal.new_empty(len(keep), normal.shape[1])
         out[keep] = normal
         out[at] = rest[0][0]
         return out, start

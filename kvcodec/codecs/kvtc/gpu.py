@@ -179,10 +179,11 @@ def decode_frame(codec: KVTC, blocks: list[tuple[int, list[LayerContext], memory
         spans, cover = codec.spans(present, wanted)
         coded = [(next(coefficients), part) for part in parts]  # keys, values, then their fine parts
         feats = []
+        gains = codec.row_gains(present[0])
         for side in (0, 1):
             rows, mean, weight = BASES.get(codec, g, side, len(parts[side].table), device)
             feats.append(codec.side_features([(coeff, rows[:part.span]) for coeff, part in coded[side::2]], mean,
-                                             weight, cover[side], fine))
+                                             weight, cover[side], fine, gains))
         layer_rows = {}
         for c in present:
             if c.layer in wanted:
