@@ -226,24 +226,16 @@ class KVTC(Codec):
 
     def encode_frame(self, layers: list[tuple[torch.Tensor, torch.Tensor]], ctxs: list[LayerContext]) -> bytes:
         tensors = {c.layer: pair for pair, c in zip(layers, ctxs)}
-        cal = self.calibration_data()
-        groups, fines = [], []
-        for g, present in self._groups(ctxs):
-            kx, vx, sinks = self._features(g, [(tensors[c.layer], c) for c in present])
-            # sinks are found on the features as they are; grading then scales every row's deviation
-            fines.append(self._fine_rows(kx, vx, self._head_dims(g)))
-            gains = self.row_gains(present[0])
-            if gains is not None:
-                kx, vx = ((x - gb.mean) / gains[:, None] + gb.mean for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g])))
-            groups.append((g, (kx, vx, sinks)))
+        groups = [(g, self._features(g, [(tensors[c.layer], c) for c in present])) for g, present in self._groups(ctxs)]
         if self.bits is not None:
             elements = sum(c.shape.heads * c.shape.tokens * (c.shape.key_dim + c.shape.value_dim) for c in ctxs)
             # the frame's own head and its index entry count too, as every byte of a container does
-            blocks = self._rate_blocks(groups, fines,
-                                       self.bits * elements / 8 - frame_head_size(len(ctxs)) - INDEX_ENTRY.size)
+            blocks = self._rate_blocks(groups, self.bits * elements / 8 - frame_head_size(len(ctxs)) - INDEX_ENTRY.size)
         else:
+            cal = self.calibration_data()
             blocks = []
-            for (g, (kx, vx, sinks)), (fine, normal) in zip(groups, fines):
+            for g, (kx, vx, sinks) in groups:
+                fine, normal = self._fine_rows(kx, vx, self._head_dims(g))
                 parts = [self._level_part(x[normal], gb, step)
                          for x, gb, step in zip((kx, vx), (cal.keys[g], cal.values[g]), LEVELS[self.level])]
                 blocks.append(self._block(fine, (kx, vx), (cal.keys[g], cal.values[g]), parts, sinks))
@@ -323,8 +315,10 @@ class KVTC(Codec):
 
     def _features(self, g: int, items: list[tuple[tuple[torch.Tensor, torch.Tensor], LayerContext]]
                   ) -> tuple[torch.Tensor, torch.Tensor, list[bytes]]:
-        """A group's key and value feature rows ``[T - S, F]`` (keys rotated back to position 0) and its layers'
-        sink blocks."""
+        """A group's key and value feature rows ``[T - S, F]`` (keys rotated back to position 0), each row's
+        deviation from the basis mean divided by its :meth:`row_gains`, and its layers' sink blocks.  Fine rows are
+        then chosen among the graded rows: choosing them before grading left Gemma 3 270M's KL at 0.0131 against
+        0.0103 (``bits=1.0``, three evaluation texts)."""
         cal = self.calibration_data()
         ctx0 = items[0][1]
         s = self._sinks(ctx0)
@@ -339,7 +333,11 @@ class KVTC(Codec):
             # widths spelled out: a chunk of sink tokens only has no other tokens, and -1 cannot size an empty row
             kfeat.append(k32[:, s:].permute(1, 0, 2).reshape(k32.shape[1] - s, k32.shape[0] * k32.shape[2]))
             vfeat.append(v32[:, s:].permute(1, 0, 2).reshape(v32.shape[1] - s, v32.shape[0] * v32.shape[2]))
-        return torch.cat(kfeat, 1), torch.cat(vfeat, 1), sinks
+        kx, vx = torch.cat(kfeat, 1), torch.cat(vfeat, 1)
+        gains = self.row_gains(ctx0)
+        if gains is not None:
+            kx, vx = ((x - gb.mean) / gains[:, None] + gb.mean for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g])))
+        return kx, vx, sinks
 
     def _coded(self, gb: GroupBasis, step: float) -> int:
         """How many leading components of ``gb`` are coded: those whose calibration std is at least ``min_std``
@@ -458,11 +456,12 @@ class KVTC(Codec):
         return b"".join([head] + [p for p, _, _ in parts] + fine_parts + sinks)
 
     def _rate_blocks(self, groups: list[tuple[int, tuple[torch.Tensor, torch.Tensor, list[bytes]]]],
-                     fines: list[tuple[np.ndarray, np.ndarray]], target: float) -> list[bytes]:
+                     target: float) -> list[bytes]:
         """The groups' blocks coded at the rate asked for (:mod:`.rate`): the section's bytes (its group lengths,
         parts, fine parts and sink blocks) come within the search's resolution of ``target``, unless that is out
         of reach for this frame (then the nearest the step codes allow).  A part's fine part is priced with it."""
         cal = self.calibration_data()
+        fines = [self._fine_rows(kx, vx, self._head_dims(g)) for g, (kx, vx, _) in groups]
         items = [(x[normal], x[fine], gb) for (g, (kx, vx, _)), (fine, normal) in zip(groups, fines)
                  for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g]))]
         shift = CODES_PER_OCTAVE * self.fine_octaves
