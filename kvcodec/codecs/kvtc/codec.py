@@ -6,7 +6,8 @@ the calibration's PCA basis gives coefficients that are quantized with one unifo
 so that the step means the same attention-logit (keys) or normalized-output (values) error everywhere.  The
 symbols are entropy coded exactly as ``cachegen``'s: one table per component per chunk from the frozen
 codebook, in lanes that are independent ANS streams (constriction's format, which cachegen's Triton decode
-kernel also reads).  The first ``sink_tokens`` tokens are stored exactly.  Decoding is a matrix product with
+kernel also reads).  In a sliding-window layer a token's step grows with its age in the window (``window_octaves``:
+the oldest leave it first).  The first ``sink_tokens`` tokens are stored exactly.  Decoding is a matrix product with
 the basis, then the rotary embedding at the tokens' positions.
 
 A frame's layers are coded together (``joint_sections``): the frame's data is one section (SPEC.md §6.7).
