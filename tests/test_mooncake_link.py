@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvcodec.store import DenseSink, KVStore, PrefixLoad
-from kvcodec.store.mooncake import MooncakeTier
+from kvcodec.store.tiers.mooncake import MooncakeTier
 
 from redis_process import free_port
 from shaped_link import ShapedLink, unavailable
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() 
 
 HOLDER = """
 import sys
-from kvcodec.store.mooncake import MooncakeTier
+from kvcodec.store.tiers.mooncake import MooncakeTier
 tier = MooncakeTier(sys.argv[1], local_hostname=sys.argv[2], segment_bytes=256 << 20, buffer_bytes=1 << 20,
                     timeout_s=5, name="holder")
 assert tier.available, "the segment holder could not set up with the master"

@@ -31,7 +31,7 @@ except ImportError as e:
         pytest.fail(why, pytrace=False)
     pytest.skip(why, allow_module_level=True)
 
-from kvcodec.store.mooncake import HEADER, MooncakeTier  # noqa: E402
+from kvcodec.store.tiers.mooncake import HEADER, MooncakeTier  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "demo-model"

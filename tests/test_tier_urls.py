@@ -1,4 +1,4 @@
-"""The tier URL grammar (kvcodec.store.urls) in both engine hooks: old forms, bounded defaults, Redis AUTH and TLS
+"""The tier URL grammar (kvcodec.store.tiers.urls) in both engine hooks: old forms, bounded defaults, Redis AUTH and TLS
 against a real redis-server, passwords kept out of logs, reprs and errors, and kvcodec's own Redis key names."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import kvcodec.engines.lmcache_plugin as lp
 from kvcodec.engines.vllm_setup import build_store, make_tier
 from kvcodec.errors import InvalidInputError
 from kvcodec.store import DiskTier, GPUTier, MemoryTier, RedisTier
-from kvcodec.store.urls import parse_size, redact, tier_from_url
+from kvcodec.store.tiers import parse_size, redact, tier_from_url
 
 from redis_process import free_port
 

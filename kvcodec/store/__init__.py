@@ -12,18 +12,17 @@ memory.
 """
 
 from kvcodec.store.auth import UnauthenticatedError
-from kvcodec.store.keys import HASHES, CacheIdentity, chunk_bounds, chunk_hashes, format_key, model_digest, namespace
+from kvcodec.store.identity import CacheIdentity, model_digest, model_identity, request_salt
+from kvcodec.store.keys import HASHES, chunk_bounds, chunk_hashes, format_key, namespace
 from kvcodec.store.store import (DEFAULT_STORE_CHUNK_TOKENS, ChunkShape, FetchedChunk, KVStore, Lookup, PlacementPolicy,
                                  concat)
 from kvcodec.store.load import ChunkOutcome, DenseSink, LoadResult, PagedSink, PrefixLoad
-from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, RedisTier, StorageTier
-from kvcodec.store.mooncake import MooncakeTier  # imports mooncake only when a tier is built
-from kvcodec.store.urls import tier_from_url
+from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, MooncakeTier, RedisTier, StorageTier, tier_from_url
 
 __all__ = [
     "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "ChunkShape", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
     "PrefixLoad", "DenseSink", "PagedSink", "LoadResult", "ChunkOutcome",
-    "CacheIdentity", "model_digest", "UnauthenticatedError",
+    "CacheIdentity", "model_digest", "model_identity", "request_salt", "UnauthenticatedError",
     "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier", "MooncakeTier", "tier_from_url",
     "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",
 ]

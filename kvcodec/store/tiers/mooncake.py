@@ -18,7 +18,7 @@ from typing import Any, Callable
 import xxhash
 
 from kvcodec.errors import InvalidInputError
-from kvcodec.store.tiers import DEFAULT_MAX_VALUE_BYTES, StorageTier
+from kvcodec.store.tiers.base import DEFAULT_MAX_VALUE_BYTES, StorageTier
 
 log = logging.getLogger(__name__)
 

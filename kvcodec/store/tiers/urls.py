@@ -10,7 +10,7 @@
   ``timeout=SECONDS`` (default 0.5), ``prefix=TEXT`` (default ``kvcodec:``), ``max_value=SIZE``; with ``rediss``
   also ``ssl_ca_certs=PATH``, ``ssl_cert_reqs=none|optional|required``, ``ssl_certfile=PATH``,
   ``ssl_keyfile=PATH``, ``ssl_check_hostname=true|false``;
-- ``mooncake://MASTER_HOST[:PORT][?OPTIONS]``: Mooncake Store (:mod:`kvcodec.store.mooncake`; master port
+- ``mooncake://MASTER_HOST[:PORT][?OPTIONS]``: Mooncake Store (:mod:`kvcodec.store.tiers.mooncake`; master port
   default 50051): ``metadata=P2PHANDSHAKE`` (default) or the metadata server's URL, ``segment=SIZE`` (memory
   lent to the store, default 512 MiB), ``buffer=SIZE`` (transfer buffer, the largest value, default 128 MiB),
   ``replicas=N`` (default 1), ``timeout=SECONDS`` (default 2), ``protocol=tcp|rdma`` (default tcp),
@@ -30,7 +30,10 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvcodec.errors import InvalidInputError
-from kvcodec.store.tiers import DEFAULT_MAX_VALUE_BYTES, DiskTier, GPUTier, MemoryTier, RedisTier, StorageTier
+from kvcodec.store.tiers.base import DEFAULT_MAX_VALUE_BYTES, StorageTier
+from kvcodec.store.tiers.disk import DiskTier
+from kvcodec.store.tiers.memory import GPUTier, MemoryTier
+from kvcodec.store.tiers.redis import RedisTier
 
 DEFAULT_MEMORY_CAPACITY = 1 << 30
 DEFAULT_DISK_CAPACITY = 10 << 30
@@ -181,7 +184,7 @@ def _redis(spec: str, scheme: str, timeout_s: float) -> RedisTier:
 
 
 def _mooncake(spec: str) -> StorageTier:
-    from kvcodec.store.mooncake import DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT_S, MooncakeTier
+    from kvcodec.store.tiers.mooncake import DEFAULT_MASTER_PORT, DEFAULT_TIMEOUT_S, MooncakeTier
 
     u = urlsplit(spec)
     try:
