@@ -38,7 +38,7 @@ TRUNCATE_FRACTION = 0.2
 # 6, 6, 5, 5, 5, 5 layers and a calibration of at most 722 MB, 4.5% of its fp16 weights, with every component
 # kept.  SmolLM2 (5,760 features) and Gemma 3 270M keep one basis per kind: measured on SmolLM2, splitting it in
 # two groups of 15 layers (a 4096 limit) cost 11% more bits and missed the default level's targets
-# (bench/results/kvtc_grouping.md).
+# (bench/studies/results/kvtc_grouping.md).
 MAX_GROUP_FEATURES = 6144
 WEIGHT_FLOOR = 1e-3
 
@@ -331,7 +331,7 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
     moves bits to where they buy the most (Gemma 3 270M, level 4, its three evaluation texts: 1.124 bits at +1.23%,
     KL 0.0112, against 1.080 bits at +2.14%, KL 0.0173 with the values' alone), but values-only loss weights moved
     SmolLM2's default level to 0.658 bits at +0.39%, over that level's 0.6-bit target
-    (bench/results/kvtc_loss_weights-smollm2.md), and the levels are measured without them.
+    (bench/studies/results/kvtc_loss_weights-smollm2.md), and the levels are measured without them.
     ``undo_rope``, ``weight_keys``, ``weight_values`` and ``loss_weights`` switch off the design's parts, for
     measuring what each is worth.
     """

@@ -125,7 +125,7 @@ def equalized_weights(loaded: Any, key_weights: Sequence[torch.Tensor], value_we
     equalizing values alone gave 1.080 bits/element at +2.14% perplexity, KL 0.0173, and keys and values 1.124 bits
     at +1.23%, KL 0.0112 (at ``bits=1.0``: KL 0.0196 and 0.0135; docs/codecs/kvtc.md).  An earlier one-text
     measurement without fine rows had favoured values alone on perplexity
-    (bench/results/kvtc_loss_weights-gemma3-270m.md)."""
+    (bench/studies/results/kvtc_loss_weights-gemma3-270m.md)."""
     kd, vd = fisher_diagonals(loaded, texts)
     out = []
     for weights, diagonals, on, infos in ((key_weights, kd, keys, layers), (value_weights, vd, values, None)):

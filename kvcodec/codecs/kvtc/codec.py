@@ -409,7 +409,7 @@ class KVTC(Codec):
         that layer and head, and the same of values (the rotation undone leaves key norms as they are).  Per
         256-token chunk the two rows this takes drew 32% of the continuation's attention on SmolLM2 and 45% on
         Gemma 3, besides the first token's, where an oracle knowing the attention takes 38% and 46%
-        (bench/results/kvtc_fine_tokens-*.md)."""
+        (bench/studies/results/kvtc_fine_tokens-*.md)."""
         rows = keys.shape[0]
         n = min(self.fine_tokens, rows)
         if not n:

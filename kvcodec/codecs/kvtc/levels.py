@@ -15,14 +15,14 @@ LEVELS: dict[int, tuple[float, float]] = {
 DEFAULT_LEVEL = 2
 # Components whose calibration std is below this many steps are not coded (see KVTC.coded_components); 0 codes them all.
 # Measured at level 2 on the three texts of bench/rate_distortion.py with the four-license calibration that was the
-# default then (bench/results/kvtc_truncation.md): 0 gives 0.596 bits/element at +0.67% perplexity and decodes
+# default then (bench/studies/results/kvtc_truncation.md): 0 gives 0.596 bits/element at +0.67% perplexity and decodes
 # 7.1 M elements per CPU-second; 0.2 gives 0.544 bits at +0.77% and 12.0 M; 0.3 crosses +1% (+1.32%).  With fine
 # tokens (below) the default is 0.23: they take back more of the KL than the components between 0.2 and 0.23 steps
-# gave, for fewer bytes (bench/results/kvtc_heldout-levers.md).
+# gave, for fewer bytes (bench/studies/results/kvtc_heldout-levers.md).
 DEFAULT_MIN_STD = 0.23
 # Fine tokens (see KVTC._fine_rows): per chunk, the tokens with the smallest keys and values against the chunk's
 # (attention sinks) are coded at steps 2**-octaves of the level's.  Measured at level 2 with the default calibration
-# on the evaluation texts and the held-out kinds (bench/results/kvtc_heldout-levers.md, bits and KL):
+# on the evaluation texts and the held-out kinds (bench/studies/results/kvtc_heldout-levers.md, bits and KL):
 # none and min_std 0.2: 0.563 / 0.0118 and 0.609 / 0.0140; 3 rows a chunk at a quarter of the step and min_std
 # 0.23: 0.552 / 0.0088 and 0.591 / 0.0116; 2 rows (min_std 0.22) and 4 (0.24) leave more KL for their bytes.
 DEFAULT_FINE_TOKENS = 3
@@ -31,7 +31,7 @@ DEFAULT_FINE_OCTAVES = 2
 # window's newest token to its oldest.  The oldest tokens leave the window first and are read by fewer and less
 # attentive queries: on Gemma 3 270M (bits=1.0, ungraded, three evaluation texts) the windowed layers' newest half
 # put back exact took the KL from 0.0136 to 0.0062, their oldest half only to 0.0124.  At the same rate 1 octave gave
-# KL 0.0103, 2 0.0101, 3 0.0136 (bench/results/kvtc_window_grading.md); 1, the gentler, since a shorter continuation
+# KL 0.0103, 2 0.0101, 3 0.0136 (bench/studies/results/kvtc_window_grading.md); 1, the gentler, since a shorter continuation
 # than the window reads the older tokens relatively more.  Layers that hold every token (all of SmolLM2's) are not
 # graded.
 DEFAULT_WINDOW_OCTAVES = 1.0

@@ -1,12 +1,12 @@
 """Where kvtc's perplexity change comes from: keys or values, and which layer group.
 
-    python bench/kvtc_breakdown.py [--model gemma3-270m] [--level 4] [--texts 1]
+    python bench/studies/kvtc_breakdown.py [--model gemma3-270m] [--level 4] [--texts 1]
 
 Encodes each cache with kvtc at ``--level`` (the calibration installed for the model), decodes it, then lets the
 model continue from hybrids that take only some of the decoded tensors (the rest from the float16 cache itself):
 keys only, values only, and each layer group alone.  Perplexity change of the next tokens against the float16
 cache, as in bench/rate_distortion.py, mean over the first ``--texts`` evaluation texts.  Writes
-bench/results/kvtc_breakdown-<model>.md.
+bench/studies/results/kvtc_breakdown-<model>.md.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
              f"{args.continuation} tokens. Calibration {cal.digest[:16]}: groups {cal.groups}.", "",
              "| decoded tensors used (the rest exact) | perplexity change |", "|---|---|"]
     lines += [f"| {name} | {100 * c:+.2f}% |" for name, c in change.items()]
-    lines += ["", f"Made by `python bench/kvtc_breakdown.py --model {args.model} --level {args.level} --texts "
+    lines += ["", f"Made by `python bench/studies/kvtc_breakdown.py --model {args.model} --level {args.level} --texts "
               f"{args.texts}` (load average {os.getloadavg()[0]:.1f})."]
     (RESULTS / f"kvtc_breakdown-{args.model}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

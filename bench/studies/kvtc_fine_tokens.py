@@ -1,13 +1,13 @@
 """Which tokens kvtc codes at finer steps, and how much of the attention they draw (issue 21).
 
-    python bench/kvtc_fine_tokens.py [--model M] [--texts SPEC,...] [--fine-tokens N]
+    python bench/studies/kvtc_fine_tokens.py [--model M] [--texts SPEC,...] [--fine-tokens N]
 
 For each text (default: the three evaluation texts and the three held-out kinds), the model reads 1536 tokens of
 prefix and 512 of continuation with its attention weights out; a token's share is the attention the continuation's
 queries give it, summed over layers and heads, as a fraction of what all prefix tokens but the first (a sink
 kvtc always stores exactly) receive.  Per 256-token chunk (kvtc's default grid), each rule picks ``--fine-tokens``
 rows: kvtc's own (``KVTC._fine_rows``: smallest key and value against the chunk's median ones, in some layer and
-head), the smallest mean key norm, and an oracle that knows the shares.  Writes bench/results/kvtc_fine_tokens-<model>.md.
+head), the smallest mean key norm, and an oracle that knows the shares.  Writes bench/studies/results/kvtc_fine_tokens-<model>.md.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> None:
         rows.append([text] + [float(share[pick(r, codec, share, layers)].sum() / total) for r in rules])
         print(" | ".join([rows[-1][0]] + [f"{x:.1%}" for x in rows[-1][1:]]), flush=True)
     lines = [f"# kvtc's fine rows on {a.model}: the continuation's attention they draw",
-             "", f"`python bench/kvtc_fine_tokens.py --model {a.model} --fine-tokens {a.fine_tokens}`: "
+             "", f"`python bench/studies/kvtc_fine_tokens.py --model {a.model} --fine-tokens {a.fine_tokens}`: "
              f"{a.fine_tokens} rows per {CHUNK}-token chunk of a {PREFIX}-token prefix, the attention the next "
              f"{CONTINUATION} tokens' queries give them (all layers and heads) as a share of what every prefix "
              "token but the first receives.", "",

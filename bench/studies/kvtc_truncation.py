@@ -1,11 +1,11 @@
 """How many kvtc components to code: rate, quality and speed per core as ``min_std`` drops the small ones.
 
-    python bench/kvtc_truncation.py [--level 2] [--min-std 0 0.2 0.3]
+    python bench/studies/kvtc_truncation.py [--level 2] [--min-std 0 0.2 0.3]
 
 On the three texts and lengths of bench/rate_distortion.py (SmolLM2, the calibration installed for it), for
 each ``min_std`` (components whose calibration std is below that many steps are not coded): bits per element
 (every container byte), perplexity change and greedy agreement, the components coded, and encode/decode speed
-per CPU-second of one thread on the first text's cache.  Writes bench/results/kvtc_truncation.md.
+per CPU-second of one thread on the first text's cache.  Writes bench/studies/results/kvtc_truncation.md.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
                          f"{100 * row.ppl_change:+.3f}% | {100 * row.agreement:.2f}% | "
                          f"{speed['encode_Melem_per_cpu_s']:.2f} | {speed['decode_Melem_per_cpu_s']:.2f} |")
             print(lines[-1], flush=True)
-    lines += ["", f"Made by `python bench/kvtc_truncation.py` on a shared 2-core machine (load average {load:.1f} "
+    lines += ["", f"Made by `python bench/studies/kvtc_truncation.py` on a shared 2-core machine (load average {load:.1f} "
               f"before, {os.getloadavg()[0]:.1f} after)."]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kvtc_truncation.md").write_text("\n".join(lines) + "\n")

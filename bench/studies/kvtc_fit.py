@@ -1,7 +1,7 @@
 """kvtc calibration cost against KV width: streamed moments and the fit, measured per layer group on synthetic
 features of each model's shape, beside the model sizes they are for.
 
-    python bench/kvtc_fit.py [--kept 0.6 0.1] [--tokens 14468] [--device cpu]
+    python bench/studies/kvtc_fit.py [--kept 0.6 0.1] [--tokens 14468] [--device cpu]
 
 The default grouping rule (``default_groups``: the fewest groups of consecutive layers of one kind with at most
 ``MAX_GROUP_FEATURES`` features) splits each shape into groups; every group of one width costs the same, so each
@@ -11,9 +11,9 @@ a power-law spectrum whose floor (the truncation) keeps the fraction ``--kept`` 
 real calibration keeps 0.5-0.65 of each group; 0.1 shows the randomized solver).  The moments are
 measured on 4096 rows and scaled to ``--tokens`` (SmolLM2's default calibration text is 14,468 tokens).  The
 70B-class row (80 layers of 8 × 128) is extrapolated from the 8B-class groups, which have the same widths.
-Each measurement is also appended to bench/results/kvtc_fit.jsonl; ``--reuse`` takes those already there (same
+Each measurement is also appended to bench/studies/results/kvtc_fit.jsonl; ``--reuse`` takes those already there (same
 width, kept fraction and device) instead of measuring them again, so a run cut short on a busy machine can be
-resumed.  Writes bench/results/kvtc_fit.md.
+resumed.  Writes bench/studies/results/kvtc_fit.md.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main() -> None:
                          f"{'/'.join(sorted({r['method'] for r in rows}))} | {moments_s:.0f} ({moments_cpu:.0f}) | "
                          f"{fit_s:.0f} ({fit_cpu:.0f}) | {max(r['peak_mb'] for r in rows):.0f} | {moments_mb:.0f} | "
                          f"{cal_mb:.0f} | {100 * cal_mb / (model_gb * 1e3):.1f}% |")
-    lines += ["", f"Made by `python bench/kvtc_fit.py` on a shared 2-core machine (load average {load:.1f} before, "
+    lines += ["", f"Made by `python bench/studies/kvtc_fit.py` on a shared 2-core machine (load average {load:.1f} before, "
               f"{os.getloadavg()[0]:.1f} after); torch {torch.__version__}, {torch.get_num_threads()} threads."]
     RESULTS.mkdir(exist_ok=True)
     name = "kvtc_fit.md" if args.device == "cpu" else f"kvtc_fit-{args.device.split(':')[0]}.md"

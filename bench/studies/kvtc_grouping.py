@@ -1,13 +1,13 @@
 """kvtc's layer grouping: rate, quality, calibration size and speed per core for groups of several sizes.
 
-    python bench/kvtc_grouping.py [--groups 0 30] [--level 2]
+    python bench/studies/kvtc_grouping.py [--groups 0 30] [--level 2]
 
 Collects SmolLM2's calibration statistics once (the default calibration texts, all 30 layers pooled), fits a
 calibration per grouping (0: the default rule, kvtc_calibration.default_groups; 30: all layers in one basis),
 and measures each at ``--level`` with the codec's defaults on the three
 texts and lengths of bench/rate_distortion.py: bits per element (every container byte), perplexity change,
 greedy agreement, the calibration file's size (apart from the containers), and encode/decode
-speed per CPU-second of one thread on the first text's cache.  Writes bench/results/kvtc_grouping.md.
+speed per CPU-second of one thread on the first text's cache.  Writes bench/studies/results/kvtc_grouping.md.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
                      f"{row.bits_per_element:.3f} | {100 * row.ppl_change:+.3f}% | {100 * row.agreement:.2f}% | "
                      f"{speed['encode_Melem_per_cpu_s']:.2f} | {speed['decode_Melem_per_cpu_s']:.2f} |")
         print(lines[-1], flush=True)
-    lines += ["", f"Made by `python bench/kvtc_grouping.py` on a shared 2-core machine (load average {load:.1f} "
+    lines += ["", f"Made by `python bench/studies/kvtc_grouping.py` on a shared 2-core machine (load average {load:.1f} "
               f"before, {os.getloadavg()[0]:.1f} after)."]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kvtc_grouping.md").write_text("\n".join(lines) + "\n")

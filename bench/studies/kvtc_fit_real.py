@@ -1,6 +1,6 @@
 """The randomized eigensolver against the exact one on real SmolLM2 covariances.
 
-    python bench/kvtc_fit_real.py [--tokens 4096]
+    python bench/studies/kvtc_fit_real.py [--tokens 4096]
 
 Collects SmolLM2's calibration statistics (all 30 layers in one group, 5,760 features; the default texts, at most
 ``--tokens`` tokens), then for keys and values asks ``leading_eigenpairs`` for the leading 500 and 1000 components

@@ -1,13 +1,13 @@
 """kvtc with and without loss-measured layer weights, side by side on the same caches.
 
-    python bench/kvtc_loss_weights.py [--model smollm2] [--levels 2] [--texts 3] [--statistics FILE]
+    python bench/studies/kvtc_loss_weights.py [--model smollm2] [--levels 2] [--texts 3] [--statistics FILE]
 
 Collects the calibration statistics once (or reads them from ``--statistics``, writing them there first when the
 file does not exist: they take minutes), then fits three calibrations from them: the channel weights read off
 the model's matrices alone (``none``), with each layer's value weights scaled so a unit error costs the same
 measured loss in every layer (``values``; see kvcodec/tools/kvtc_sensitivity.py), and with the keys' scaled
 too (``keys+values``: ``kvcodec calibrate --loss-weights``).  Each is evaluated at ``--levels`` with the
-protocol of bench/rate_distortion.py on the first ``--texts`` evaluation texts.  Writes bench/results/kvtc_loss_weights-<model>.md.
+protocol of bench/rate_distortion.py on the first ``--texts`` evaluation texts.  Writes bench/studies/results/kvtc_loss_weights-<model>.md.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main() -> None:
               for r in rows]
     lines += ["", "Cost of the loss measurement (both kinds measured in one pass; wall and process CPU seconds): "
               + "; ".join(f"{n} {w:.0f} s wall, {c:.0f} CPU-s" for n, (w, c) in costs.items()) + ".", "",
-              f"Made by `python bench/kvtc_loss_weights.py --model {args.model} --levels {args.levels} --texts "
+              f"Made by `python bench/studies/kvtc_loss_weights.py --model {args.model} --levels {args.levels} --texts "
               f"{args.texts}` (load average {os.getloadavg()[0]:.1f} on the shared 2-core machine)."]
     (RESULTS / f"kvtc_loss_weights-{args.model}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,16 +1,16 @@
 """kvtc's rate control: asked against achieved bits per element, beside the level presets, in one run.
 
-    python bench/kvtc_rate.py [--bits 0.3 0.5 0.75 1.0 1.5] [--tokens 1536] [--continuation 512] [--encode-only]
+    python bench/studies/kvtc_rate.py [--bits 0.3 0.5 0.75 1.0 1.5] [--tokens 1536] [--continuation 512] [--encode-only]
 
 On SmolLM2's three evaluation texts (never calibration text), as bench/rate_distortion.py measures them: every
 ``kvtc:bits=B`` and every ``kvtc:level=L`` encodes each text's 1536-token float16 cache in 256-token chunks, and
 the model continues from the decode.  Per rate: the file's bits per element (every container byte counted) over
 the three texts and on the worst text, each chunk's (its frame and index entry) error range, perplexity change
-and agreement, and the encode time beside the level of nearest rate.  Writes bench/results/kvtc_rate.md.
+and agreement, and the encode time beside the level of nearest rate.  Writes bench/studies/results/kvtc_rate.md.
 
 ``--encode-only`` measures instead what an encode costs in CPU time (one thread, ``time.process_time``: on a
 shared machine wall times say more about the neighbours than about the codec) and each rate, without the model's
-scoring; it writes bench/results/kvtc_rate-encode.md.
+scoring; it writes bench/studies/results/kvtc_rate-encode.md.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def encode_only(args: argparse.Namespace) -> None:
         near = min(levels, key=lambda r: abs(r[1] - bits))
         lines.append(f"| `{label}` | {bits:.4f} | {min(flat):.4f}..{max(flat):.4f} | {cpu:.2f} | "
                      + ("" if "level" in label else f"{cpu / near[3]:.2f}x level {near[0].split('=')[1]}") + " |")
-    lines += ["", f"kvtc calibration {cal.digest[:16]}.... Made by `python bench/kvtc_rate.py --encode-only` in "
+    lines += ["", f"kvtc calibration {cal.digest[:16]}.... Made by `python bench/studies/kvtc_rate.py --encode-only` in "
               f"{time.time() - t0:.0f} s (load average {os.getloadavg()[0]:.1f} at the end, 2 shared cores)."]
     ENCODE_RESULT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -124,7 +124,7 @@ def main() -> None:
     lines += ["", f"kvtc calibration {cal.digest[:16]}... ({len(cal.groups)} layer groups, "
               f"{sum(b.components for b in cal.keys)} key and {sum(b.components for b in cal.values)} value components, "
               f"from {', '.join(cal.settings.get('texts', []))}).", "",
-              f"Made by `python bench/kvtc_rate.py` in {time.time() - t0:.0f} s on a 2-core CPU shared with other work "
+              f"Made by `python bench/studies/kvtc_rate.py` in {time.time() - t0:.0f} s on a 2-core CPU shared with other work "
               f"(load average {os.getloadavg()[0]:.1f} at the end): its encode times are wall times under that load; "
               "encode CPU time per codec: [kvtc_rate-encode.md](kvtc_rate-encode.md) (`--encode-only`)."]
     RESULT.parent.mkdir(exist_ok=True)

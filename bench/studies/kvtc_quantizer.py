@@ -1,6 +1,6 @@
 """kvtc's quantizer against two textbook refinements, measured by what the model does with the decoded cache.
 
-    python bench/kvtc_quantizer.py --calibration FILE [--spec kvtc:level=2 ...] [--variant NAME ...]
+    python bench/studies/kvtc_quantizer.py --calibration FILE [--spec kvtc:level=2 ...] [--variant NAME ...]
 
 Variants (``--variant``, repeatable; default: all):
 
@@ -17,7 +17,7 @@ Both refinements lower the weighted squared error per bit, which is what the cal
 uniform steps minimize; the question is whether the model's next-token distributions follow.  Each variant is
 measured on the three evaluation texts and the three held-out kinds (1536-token float16 prefix, the next 512
 tokens scored): bits/element, perplexity change, greedy agreement and the KL divergence from the float16 cache's
-distributions (:func:`kvcodec.tools.evaluate.kl`).  Writes bench/results/kvtc_quantizer.{md,jsonl}.
+distributions (:func:`kvcodec.tools.evaluate.kl`).  Writes bench/studies/results/kvtc_quantizer.{md,jsonl}.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def render(log: Path) -> None:
     cell = lambda v: f"{v[0]:.3f}, {100 * v[1]:+.2f}%, {100 * v[2]:.1f}%, {v[3]:.4f}"  # noqa: E731
     lines = ["# kvtc's quantizer: rounding to the nearest step against an RD-optimized encoder and centroid "
              "decoding (SmolLM2)", "",
-             "`python bench/kvtc_quantizer.py --calibration FILE --spec SPEC`. Each text alone: 1536-token float16 "
+             "`python bench/studies/kvtc_quantizer.py --calibration FILE --spec SPEC`. Each text alone: 1536-token float16 "
              "prefix, the next 512 tokens scored; means over the three texts of a set. Cells: bits/element, "
              "perplexity change, greedy agreement, KL divergence from the float16 cache's next-token distributions "
              "(nats per token).", "",

@@ -1,8 +1,8 @@
 """kvtc's default level on kinds of text no calibration saw: what each lever does (issue 21).
 
-    python bench/kvtc_heldout_levers.py [--model M] --mix NAME --texts SPEC,SPEC,... [--text-tokens N] [--loss-weights]
+    python bench/studies/kvtc_heldout_levers.py [--model M] --mix NAME --texts SPEC,SPEC,... [--text-tokens N] [--loss-weights]
         [--spec kvtc:level=2,...] [--steps LEVEL=K,V] [--breakdown]
-    python bench/kvtc_heldout_levers.py --render
+    python bench/studies/kvtc_heldout_levers.py --render
 
 One run loads a model (``--model``, default SmolLM2), fits (or reuses) the calibration of a text mix, and measures
 kvtc specs on the three evaluation texts (kvcodec.tools.texts.DEFAULT_EVAL_TEXTS) and the three held-out kinds
@@ -11,7 +11,7 @@ The calibration is the one named (its hash is printed and recorded), never one f
 a mix must not silently read another calibration.  ``--steps 3=0.35,1.5`` measures other steps for a level in this
 process only (the format's levels are fixed, so this asks what a new level would give).  ``--breakdown`` lets the
 model continue from hybrids of the first spec's decode and the float16 cache: keys decoded alone, values alone.
-Each run appends its rows to bench/results/kvtc_heldout-levers.jsonl; ``--render`` writes the markdown table.
+Each run appends its rows to bench/studies/results/kvtc_heldout-levers.jsonl; ``--render`` writes the markdown table.
 Statistics and calibrations are kept under ``--work`` (default ``$XDG_CACHE_HOME/kvcodec/heldout-levers``).
 """
 
@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--steps", action="append", default=[], help="LEVEL=K,V: measure these steps for LEVEL")
     p.add_argument("--breakdown", action="store_true", help="keys alone and values alone, per text (first spec)")
     p.add_argument("--work", default=os.path.join(os.path.dirname(cache_dir()), "heldout-levers"))
-    p.add_argument("--render", action="store_true", help="write bench/results/kvtc_heldout-levers.md and stop")
+    p.add_argument("--render", action="store_true", help="write bench/studies/results/kvtc_heldout-levers.md and stop")
     a = p.parse_args()
     if a.render:
         render()
@@ -124,7 +124,7 @@ def calibration(model, a) -> tuple[Calibration, str]:
 
 def command(r: dict) -> str:
     """The command line that measured row ``r`` (a run measures all its --spec at once: the same line each)."""
-    parts = ["python bench/kvtc_heldout_levers.py"]
+    parts = ["python bench/studies/kvtc_heldout_levers.py"]
     parts += [f"--model {r['model']}"] if r.get("model", "smollm2") != "smollm2" else []
     parts += [f"--mix {r['mix']}", "--texts " + ",".join(r["texts"])]
     parts += [f"--text-tokens {r['text_tokens']}"] if r.get("text_tokens") else []
@@ -165,7 +165,7 @@ def render() -> None:
                      f"{' / '.join(f'{v:+.2f}%' for v in held)} | {r['calibration'][:12]} |")
     mixes = {r["mix"]: r["texts"] for r in rows}
     lines += ["", "Mixes: " + "; ".join(f"**{m}**: {', '.join(t)}" for m, t in mixes.items()) + ".", "",
-              "Each row: `python bench/kvtc_heldout_levers.py " + "--mix MIX --texts TEXTS [--text-tokens N] "
+              "Each row: `python bench/studies/kvtc_heldout_levers.py " + "--mix MIX --texts TEXTS [--text-tokens N] "
               "[--loss-weights] --spec SPEC [--steps LEVEL=K,V]` (a breakdown row: `--breakdown`), the options as in "
               "its row:", ""]
     lines += [f"- `{c}`" for c in dict.fromkeys(command(r) for r in rows)]

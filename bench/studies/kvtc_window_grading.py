@@ -1,12 +1,12 @@
 """Why kvtc grades a sliding window's steps by age, and by how much: measured on a model with windowed layers.
 
-    python bench/kvtc_window_grading.py [--model gemma3-270m] [--spec kvtc:bits=1.0] [--octaves 0,1,2,3]
+    python bench/studies/kvtc_window_grading.py [--model gemma3-270m] [--spec kvtc:bits=1.0] [--octaves 0,1,2,3]
 
 First, where the loss of an ungraded encode comes from: the decoded cache with some tokens put back exact (the
 windowed layers' oldest or newest half, their newest 64; the full layers' oldest 1024 or newest 512 but the sink).
 Then the same rate with each ``window_octaves``.  KL divergence of the next-token distributions, greedy
 agreement and perplexity change against the float16 cache, as ``kvcodec eval`` reports them, mean over the
-evaluation texts.  Writes bench/results/kvtc_window_grading.md.
+evaluation texts.  Writes bench/studies/results/kvtc_window_grading.md.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> None:
               "| window_octaves | bits/element | KL | agreement | perplexity change |", "|---|---|---|---|---|"]
     lines += [f"| {o:g} | {bits[o]:.3f} | {k:.4f} | {100 * a:.2f}% | {100 * c:+.2f}% |"
               for o, (k, a, c) in graded.items()]
-    lines += ["", f"Made by `python bench/kvtc_window_grading.py --model {args.model} --spec {args.spec} --octaves "
+    lines += ["", f"Made by `python bench/studies/kvtc_window_grading.py --model {args.model} --spec {args.spec} --octaves "
               f"{args.octaves}` in {time.time() - t0:.0f} s on a 2-core CPU."]
     RESULTS.mkdir(exist_ok=True)
     out_path = RESULTS / "kvtc_window_grading.md"

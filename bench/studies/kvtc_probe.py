@@ -1,6 +1,6 @@
 """kvtc design measurements on real SmolLM2 KV: layer grouping, weighting, basis size, steps.
 
-    python bench/kvtc_probe.py [--text license:GPL-3] [--tokens 1024] [--continuation 256] [--max-tokens 8192]
+    python bench/studies/kvtc_probe.py [--text license:GPL-3] [--tokens 1024] [--continuation 256] [--max-tokens 8192]
 
 Collects calibration statistics once (all layers pooled) (kvcodec.tools.kvtc_calibration.DEFAULT_CALIBRATION_TEXTS, none of them an
 evaluation text), fits each grouping from them, and evaluates each at a few (key step, value step) pairs on the
@@ -8,7 +8,7 @@ evaluation text: bits per element (every container byte counted; the calibration
 container, its basis size is its own column), perplexity change when the model continues from the decoded
 cache, greedy agreement, and the wall times of the encode and decode (whole cache, torch's default threads,
 on a shared machine: compare within a run only).  Calibrations are saved in .cache/kvtc/.  Writes
-bench/results/kvtc_probe.md.
+bench/studies/results/kvtc_probe.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate,
 from kvcodec.tools.evaluate import evaluate, prepare
 from kvcodec.tools.models import load_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL = 30  # SmolLM2's layers
 CONFIGS = [("all layers, weighted", dict(group_layers=ALL)), ("groups of 10, weighted", dict(group_layers=10)),
@@ -67,7 +67,7 @@ def main() -> None:
                          f"{100 * r.agreement:.1f}% | {comps} | {cal.basis_bytes / 1e6:.0f} | {fit_s:.0f} | "
                          f"{r.encode_s:.1f} | {r.decode_s:.1f} |")
             print(lines[-1], flush=True)
-    lines += ["", f"Made by `python bench/kvtc_probe.py` in {time.time() - t0:.0f} s on a shared 2-core CPU."]
+    lines += ["", f"Made by `python bench/studies/kvtc_probe.py` in {time.time() - t0:.0f} s on a shared 2-core CPU."]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kvtc_probe.md").write_text("\n".join(lines) + "\n")
 
