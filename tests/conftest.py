@@ -62,8 +62,8 @@ def real_kv(real_dump):
 
 @pytest.fixture()
 def redis_server(tmp_path):
-    """A real redis-server on a loopback port (:class:`redis_process.RedisServer`), stopped after the test."""
-    from redis_process import started_redis
+    """A real redis-server on a loopback port (:class:`~kvcodec.tools.redis_server.RedisServer`), stopped after it."""
+    from kvcodec.tools.redis_server import started_redis
 
     server = started_redis(tmp_path)
     yield server

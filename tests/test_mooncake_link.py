@@ -1,6 +1,6 @@
 """The Mooncake Store tier over a real shaped link: a ``mooncake_master`` and a segment holder (the process whose
 memory keeps the values) in a network namespace of the test's own, the store's client here, reaching them over a
-veth pair shaped with tbf (tests/shaped_link.py).  Values cross at the rate set, and a load from a store keeping
+veth pair shaped with tbf (kvcodec/tools/netlab.py).  Values cross at the rate set, and a load from a store keeping
 ``cachegen`` and ``raw`` variants follows the link as it does over Redis.  Skipped where a link cannot be made
 (not root); under CI a missing Mooncake fails (the set-up installs it)."""
 
@@ -18,8 +18,8 @@ import torch
 from kvcodec.store import DenseSink, KVStore, PrefixLoad
 from kvcodec.store.tiers.mooncake import MooncakeTier
 
-from redis_process import free_port
-from shaped_link import ShapedLink, unavailable
+from kvcodec.tools.redis_server import free_port
+from kvcodec.tools.netlab import ShapedLink, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 

@@ -20,7 +20,7 @@ import torch
 import kvcodec
 from kvcodec.store import KVStore, MemoryTier, tier_from_url
 
-from redis_process import free_port
+from kvcodec.tools.redis_server import free_port
 
 try:
     from mooncake.store import MooncakeDistributedStore  # noqa: F401  (also loads libibverbs.so.1)

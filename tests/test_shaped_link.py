@@ -1,4 +1,4 @@
-"""The store's Redis tier over a real, shaped network link (tests/shaped_link.py): transfers run at the rate set,
+"""The store's Redis tier over a real, shaped network link (kvcodec/tools/netlab.py): transfers run at the rate set,
 a rate change reaches a transfer in flight, and a compressed chunk crosses the link as much sooner as it is
 smaller.  Skipped with the reason where a link cannot be made (not root); CI runs as root."""
 
@@ -13,8 +13,8 @@ import torch
 import kvcodec
 from kvcodec.store import KVStore, RedisTier
 
-from redis_process import started_redis
-from shaped_link import ShapedLink, unavailable
+from kvcodec.tools.redis_server import started_redis
+from kvcodec.tools.netlab import ShapedLink, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 

@@ -17,7 +17,7 @@ import torch
 import kvcodec
 from kvcodec.store import DiskTier, GPUTier, KVStore, MemoryTier, PlacementPolicy, RedisTier, chunk_hashes, namespace
 
-from redis_process import free_port as _free_port
+from kvcodec.tools.redis_server import free_port as _free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"

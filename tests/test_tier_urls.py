@@ -21,7 +21,7 @@ from kvcodec.errors import InvalidInputError
 from kvcodec.store import DiskTier, GPUTier, MemoryTier, RedisTier
 from kvcodec.store.tiers import parse_size, redact, tier_from_url
 
-from redis_process import free_port
+from kvcodec.tools.redis_server import free_port
 
 PASSWORD = "s3cret-Pw/@x"  # needs escaping in a URL: %2F, %40
 IN_URL = "s3cret-Pw%2F%40x"

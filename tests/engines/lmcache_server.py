@@ -18,7 +18,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from redis_process import free_port  # noqa: E402
+from kvcodec.tools.redis_server import free_port  # noqa: E402
 
 LMCACHE = str(Path(sys.executable).parent / "lmcache")
 BLOCK = 16  # tokens per paged block; LMCache's chunk is 256 tokens (16 blocks)

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from lmcache_engine import CPUEngine, kvcodec_plugin_config
-from redis_process import started_redis
+from kvcodec.tools.redis_server import started_redis
 
 import kvcodec
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from mooncake_process import SegmentHolder, master_class
-from redis_process import free_port, started_redis
+from kvcodec.tools.redis_server import free_port, started_redis
 from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store
 
 PROMPT = 599  # tokens: two whole 256-token chunks (512 tokens, four 128-token vLLM blocks) and a partial chunk

@@ -1,4 +1,4 @@
-"""kvcodec's connector inside the real vLLM, its store Redis behind a real shaped link (tests/shaped_link.py, root
+"""kvcodec's connector inside the real vLLM, its store Redis behind a real shaped link (kvcodec/tools/netlab.py, root
 only), keeping each chunk as ``cachegen`` and ``raw``: the variant loaded follows the link, and follows it when
 the link drops in the middle of a request.
 
@@ -17,8 +17,8 @@ import re
 import threading
 
 import pytest
-from redis_process import started_redis
-from shaped_link import ShapedLink, unavailable
+from kvcodec.tools.redis_server import started_redis
+from kvcodec.tools.netlab import ShapedLink, unavailable
 from vllm_engine import Engine, connector_config
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))

@@ -1,7 +1,5 @@
-"""A real redis-server for the tests: on a free loopback port (or behind a shaped link, in its namespace), in its
-own folder, without persistence; it can be killed, frozen and restarted.  Shared by the store tests, the engine
-tests (tests/engines/) and the benches that run the same servers (through bench/engine_harness.py), so only
-:func:`started_redis` speaks pytest."""
+"""A real redis-server for tests and benches: on a free loopback port (or behind a shaped link, in its namespace),
+in its own folder, without persistence; it can be killed, frozen and restarted."""
 
 from __future__ import annotations
 
@@ -13,9 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcodec.errors import UnsupportedError
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now (another process may take it before the caller binds it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -23,7 +23,7 @@ def free_port() -> int:
 
 class RedisServer:
     """A redis-server in its own folder, without persistence, that can be killed and restarted: on a loopback port,
-    or inside a :class:`~shaped_link.ShapedLink`'s namespace, reached through its shaper."""
+    or inside a :class:`~kvcodec.tools.netlab.ShapedLink`'s namespace, reached through its shaper."""
 
     def __init__(self, exe: str, folder: Path, link: Any = None) -> None:
         self.exe, self.folder, self.link = exe, folder, link
@@ -73,18 +73,20 @@ class RedisServer:
 
 
 def started_redis(folder: Path, link: Any = None) -> RedisServer:
-    """A started :class:`RedisServer` in ``folder`` (behind ``link`` when given); fails the test with what to
-    install when Redis is missing."""
-    import pytest
+    """A started :class:`RedisServer` in ``folder`` (behind ``link`` when given).
 
+    Raises :class:`~kvcodec.errors.UnsupportedError` naming what to install when redis-server or the redis
+    package is missing."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not on PATH: the store and engine tests need a real Redis. Install it "
-                    "(Debian: apt-get install -y redis-server; scripts/setup.sh does it when run as root)")
+        raise UnsupportedError("redis-server is not on PATH: the store and engine tests and the benches need a real "
+                               "Redis. Install it (Debian: apt-get install -y redis-server; scripts/setup.sh does it "
+                               "when run as root)")
     try:
         import redis  # noqa: F401
     except ImportError:
-        pytest.fail("the redis Python package is missing: pip install -e '.[redis]' (scripts/setup.sh does it)")
+        raise UnsupportedError("the redis Python package is missing: pip install -e '.[redis]' "
+                               "(scripts/setup.sh does it)") from None
     server = RedisServer(exe, folder, link)
     server.start()
     return server

@@ -1,6 +1,6 @@
-"""A real network link of a rate the test sets, for the store's remote tiers.
+"""A real network link of a rate the caller sets, for the store's remote tiers (tests and benches).
 
-A network namespace of the test's own is joined to this one by a veth pair; the kernel's token-bucket shaper
+A network namespace of the caller's own is joined to this one by a veth pair; the kernel's token-bucket shaper
 (``tc ... tbf``) on each end limits what leaves that end, so both directions run at ``rate``.  A server started
 with :meth:`ShapedLink.command` listens inside the namespace at :attr:`ShapedLink.peer`, and clients here reach
 it over real TCP through the shaper; :meth:`ShapedLink.set_rate` changes the rate mid-run, as a bandwidth trace
