@@ -15,17 +15,16 @@ fast, non-cryptographic alternative for a store whose writers and readers all tr
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import json
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import xxhash
 
 from kvcodec.errors import InvalidInputError
+from kvcodec.store.identity import CacheIdentity
 
 HASHES: dict[str, Callable[[bytes], bytes]] = {
     "sha256": lambda b: hashlib.sha256(b).digest(),
@@ -33,45 +32,6 @@ HASHES: dict[str, Callable[[bytes], bytes]] = {
 }
 
 KEY_VERSION = "kvcodec-store/2"
-
-
-@dataclass(frozen=True)
-class CacheIdentity:
-    """What, besides the model's name and the tokens, decides a prompt's KV; caches differing in any field never
-    share a key.
-
-    ``model_digest``: a hash of the model's configuration and weights revision (``model_digest(...)``), so that two
-    checkpoints served under one name do not share caches; ``kv_dtype``: the dtype the engine keeps KV in;
-    ``tp_rank``/``tp_size`` and ``pp_rank``/``pp_size``: a tensor-parallel rank holds only its own heads, a
-    pipeline stage only its own layers; ``namespace``: a deployment or tenant whose caches are kept apart (it also
-    leads every key, so a tier can be listed or flushed per namespace).
-    """
-
-    model_digest: str = ""
-    kv_dtype: str = ""
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    namespace: str = ""
-
-    def __post_init__(self) -> None:
-        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
-            r, n = getattr(self, rank), getattr(self, size)
-            if not (isinstance(r, int) and isinstance(n, int) and n >= 1 and 0 <= r < n):
-                raise InvalidInputError(f"{rank} must be in 0..{size}-1 and {size} >= 1, not {rank}={r!r}, {size}={n!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def model_digest(config: Any = None, revision: str | None = None) -> str:
-    """A short hash of a model's configuration (a dict, or an object with ``to_dict()``, such as a HuggingFace
-    config) and its weights revision: what :attr:`CacheIdentity.model_digest` holds."""
-    if config is not None and not isinstance(config, dict):
-        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
-    text = json.dumps([config, revision], sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def hasher(hash_name: str = "sha256", secret: bytes | None = None) -> Callable[[bytes], bytes]:
