@@ -18,7 +18,7 @@
    constant ``--recompute-s`` per chunk.  (SmolLM2 prefill on this shared CPU
    is neither a serving GPU nor stable enough to time.)
 4. Three bandwidth traces around ``--mean-gbps`` (steady, a drop, jittery from
-   ``--seed``) are simulated with :func:`kvcodec.adapt.simulate` for the
+   ``--seed``) are simulated with :func:`kvcodec.tools.adaptation.simulate` for the
    adaptive policy, every fixed level and full recompute, and the table is
    printed and written to ``bench/results/adaptation.md``.
 """
@@ -29,16 +29,16 @@ import argparse
 import dataclasses
 import math
 import statistics
-import os
 import sys
 import time
 from pathlib import Path
 
 import kvcodec
-from kvcodec.adapt import AdaptationPolicy, BandwidthEstimator, BandwidthTrace, ChunkTable, compare
+from kvcodec.store.telemetry import RateEstimator
+from kvcodec.tools.adaptation import AdaptationPolicy, BandwidthTrace, ChunkTable, compare
+from real_kv import gpl3_dump  # bench/ is on sys.path when this runs as a script
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DUMP = "/tmp/kv.safetensors"
 DEFAULT_OUT = REPO / "bench" / "results" / "adaptation.md"
 
 # Llama-3-8B: 32 layers, 8 KV heads of 128 dims (GQA), hidden 4096, float16 KV
@@ -53,17 +53,6 @@ def prefill_flops(token_start: int, token_count: int) -> float:
     # QK^T and AV: 2 x 2 FLOPs per (query, key, dim) pair per layer, causal: mean context start + (n+1)/2
     attention = 4 * m["layers"] * m["hidden"] * token_count * (token_start + (token_count + 1) / 2)
     return dense + attention
-
-
-def ensure_dump(path: str) -> None:
-    if os.path.exists(path):
-        return
-    from kvcodec.cli import main
-
-    print(f"{path} is missing; dumping a real SmolLM2 cache (a minute or two)", file=sys.stderr)
-    code = main(["dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "1536", "-o", path, "--quiet"])
-    if code != 0:
-        raise SystemExit(f"kvcodec dump failed with exit code {code}")
 
 
 def default_levels() -> tuple[list[str], str]:
@@ -114,7 +103,7 @@ def summary(policy: AdaptationPolicy, others: list[AdaptationPolicy], mean_bps: 
     runs: dict[str, list] = {}
     for seed in range(args.seeds):
         trace = BandwidthTrace.jittery(mean_bps, 6 * args.budget_s, args.budget_s / 20, sigma=0.6, seed=seed)
-        for res in compare(policy, trace, lambda: BandwidthEstimator(prior, args.window), others=others):
+        for res in compare(policy, trace, lambda: RateEstimator(prior, args.window), others=others):
             runs.setdefault(res.policy, []).append(res)
     lines = [
         f"## summary over {args.seeds} jittery traces (seeds 0..{args.seeds - 1}, same parameters)",
@@ -139,7 +128,7 @@ def gbps(bps: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dump", default=DEFAULT_DUMP, help=f"SmolLM2 KV dump (default {DEFAULT_DUMP}; made if missing)")
+    ap.add_argument("--dump", help="a SmolLM2 KV dump (default: 1536 tokens of real_kv.gpl3_dump, made if missing)")
     ap.add_argument("--codec", action="append", help="a level, ID[:k=v,...]; repeat, smallest to best")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--context-tokens", type=int, default=8192, help="tokens of the simulated context (default 8192)")
@@ -157,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="markdown table (default bench/results/adaptation.md)")
     args = ap.parse_args(argv)
 
-    ensure_dump(args.dump)
+    args.dump = args.dump or str(gpl3_dump(1536))
     kv = kvcodec.KVCache.load_safetensors(args.dump)
     specs, level_source = (args.codec, "--codec") if args.codec else default_levels()
     real, specs, encode_s = build_table(kv, specs, args.chunk_tokens)
@@ -220,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             "| bits/element sent | MB sent |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for res in compare(policy, trace, lambda: BandwidthEstimator(prior, args.window), others=others):
+        for res in compare(policy, trace, lambda: RateEstimator(prior, args.window), others=others):
             hist = ", ".join(f"{name}: {c}" for name, c in res.histogram.items())
             bpe = "-" if math.isnan(res.bits_per_element) else f"{res.bits_per_element:.3f}"
             lines.append(f"| {res.policy} | {res.ttft_s:.3f} | {res.ttft_s / args.budget_s:.2f} | "

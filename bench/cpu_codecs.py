@@ -17,7 +17,6 @@ import argparse
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,36 +26,30 @@ import torch
 import kvcodec
 from kvcodec.cli import parse_codec
 from kvcodec.tools.evaluate import measure_throughput
+from real_kv import gpl3_kv  # bench/ is on sys.path when this runs as a script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CODECS = ["raw", "fp8", "zstd", "kivi:bits=2", "kivi:bits=4", "lmcache-cachegen",
                   "cachegen:level=0", "cachegen:level=2", "cachegen:level=4", "kvtc:level=2", "kvtc:level=4"]
 
 
-DEFAULT_DUMP = os.path.join(os.path.dirname(__file__), "..", ".cache", "bench-gpl3-1536.safetensors")
-
-
-def load_dump(path: str) -> kvcodec.KVCache:
-    """The benches' real cache (1536 tokens of SmolLM2 over the GPL-3), dumped on first use."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        subprocess.run(["kvcodec", "dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "1536",
-                        "-o", path, "--quiet"], check=True)
-    return kvcodec.KVCache.load_safetensors(path)
+def load_dump(path: str | None) -> kvcodec.KVCache:
+    """The cache in ``path``, or the benches' real one (1536 tokens of SmolLM2 over the GPL-3)."""
+    return kvcodec.KVCache.load_safetensors(path) if path else gpl3_kv(1536)
 
 
 def calibrate_for(specs: list[str]) -> None:
     """Install SmolLM2's kvtc calibration (computed once, minutes) when a spec needs it."""
     if any(spec.startswith("kvtc") for spec in specs):
-        from kvcodec.tools.kvtc_calibration import ensure_calibration
-        from kvcodec.tools.models import load_model
+        from kvcodec.codecs.kvtc.fit import ensure_calibration
+        from kvcodec.models import load_model
 
         ensure_calibration(load_model("smollm2", progress=False), log=lambda line: print(line, file=sys.stderr))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dump", default=DEFAULT_DUMP)
+    p.add_argument("--dump", help="a safetensors KV dump (default: 1536 tokens of real_kv.gpl3_kv)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--codec", action="append", help=f"codec specs (default: {' '.join(DEFAULT_CODECS)})")
     p.add_argument("--name", default="cpu_codecs", help="results file in bench/results, without .md (default: %(default)s)")

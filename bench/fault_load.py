@@ -49,8 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import engine_harness  # noqa: F401  (puts tests/ on sys.path for the Redis helper the tests use)
-from redis_process import RedisServer
+from kvcodec.tools.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "fault_load"
@@ -877,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens, help="the store's chunk size")
     ap.add_argument("--faults", default=",".join(d.faults), help="comma-separated faults to inject")
     ap.add_argument("--texts", default=",".join(DEFAULT_TEXTS),
-                    help="texts (kvcodec.tools.texts names) whose real KV is dumped once into .cache/fault-load")
+                    help="texts (kvcodec.texts names) whose real KV is dumped once into .cache/fault-load")
     ap.add_argument("--kv", action="append", type=Path, help="use these KV dumps instead of --texts (repeatable)")
     ap.add_argument("--tmpfs-mb", type=int, default=d.tmpfs_mb, help="size of the tmpfs holding the disk tier")
     ap.add_argument("--seed", type=int, default=d.seed)

@@ -16,8 +16,6 @@ Failing inputs are saved to out/fuzz-failures/.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,17 +26,10 @@ import kvcodec
 from kvcodec.tools.fuzz.runner import FIXED_BYTES, HEADER_FACTOR, INPUT_FACTOR, OUTPUT_FACTOR, Worker, fuzz
 from kvcodec.tools.fuzz.seeds import CHUNK_LAYERS, SEED_CODECS, fuzz_kv, hevc_donors, make_seeds, seed_codecs
 from kvcodec.tools.fuzz.worker import PATHS
+from real_kv import gpl3_dump  # bench/ is on sys.path when this runs as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-TEST_DUMP = "license-GPL-3-512-float16-kvcodec{v}-tf{tf}.safetensors"  # what tests/conftest.py's real_kv makes
-
-
-def default_dump() -> Path:
-    import transformers
-
-    cache = Path(os.environ.get("KVCODEC_TEST_CACHE", ROOT / ".cache" / "test-kv"))
-    return cache / TEST_DUMP.format(v=kvcodec.__version__, tf=transformers.__version__)
 
 
 def real_cache_ratios(kv: kvcodec.KVCache, seeds_data: list[bytes]) -> list[tuple[str, str, int, int, float]]:
@@ -80,17 +71,12 @@ def section_ratios(kv: kvcodec.KVCache, seeds_data: list[bytes], tokens: int = 4
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0)
-    p.add_argument("--dump", type=Path, default=None, help="a safetensors KV dump (default: the tests' real_kv)")
+    p.add_argument("--dump", type=Path, default=None, help="a safetensors KV dump (default: 512 tokens of real_kv.gpl3_kv)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-bytes", type=int, default=64 << 20)
     p.add_argument("--out", type=Path, default=RESULTS / "fuzz_containers.md")
     args = p.parse_args()
-    dump = args.dump or default_dump()
-    if not dump.exists():
-        dump.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["kvcodec", "dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "512",
-                        "-o", str(dump), "--quiet"], check=True)
-    kv = kvcodec.KVCache.load_safetensors(dump)
+    kv = kvcodec.KVCache.load_safetensors(args.dump or gpl3_dump(512))
     seeds = make_seeds(fuzz_kv(kv))
     donors = hevc_donors()
     print(f"{len(seeds)} seeds ({', '.join(s.name for s in seeds)}), {len(donors)} HEVC donor streams", flush=True)

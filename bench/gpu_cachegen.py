@@ -56,21 +56,7 @@ from kvcodec.codecs.cachegen.device import DecodeLaunch, Target  # noqa: E402
 from kvcodec.container import ContainerFile  # noqa: E402
 from kvcodec.layouts.paged import slot_mapping  # noqa: E402
 from gpu_timing import Report, Timer, device_or_none  # noqa: E402
-
-
-def real_kv() -> kvcodec.KVCache:
-    """The test suite's real SmolLM2 dump (GPL-3 text), made with ``kvcodec dump`` if missing."""
-    cache = ROOT / ".cache" / "test-kv"
-    dumps = sorted(cache.glob("license-GPL-3-512-float16-*.safetensors")) if cache.exists() else []
-    if not dumps:
-        from kvcodec.cli import main as cli
-
-        cache.mkdir(parents=True, exist_ok=True)
-        path = cache / "license-GPL-3-512-float16-bench.safetensors"
-        if cli(["dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", "512", "-o", str(path), "--quiet"]):
-            raise SystemExit("could not dump real KV")
-        dumps = [path]
-    return kvcodec.KVCache.load_safetensors(dumps[-1])
+from real_kv import gpl3_kv  # noqa: E402
 
 
 def llama_chunk(kv: kvcodec.KVCache, tokens: int, layers: int, heads: int, dim: int,
@@ -195,7 +181,7 @@ def main() -> int:
     if device is None:
         return 2
     say = Report(device, "gpu_cachegen", "cachegen on the GPU (Triton kernels)")
-    kv = real_kv()
+    kv = gpl3_kv(512)
     say("## Correctness on real SmolLM2 KV (the device against the CPU path)")
     say("")
     failures = check_correctness(kv, device, say)

@@ -61,10 +61,11 @@ from kvcodec.chunking import layer_context, make_header  # noqa: E402
 from kvcodec.codecs.kvtc import KVTC, Calibration, gpu, register_calibration  # noqa: E402
 from kvcodec.codecs.kvtc.calibration import GroupBasis, LayerInfo  # noqa: E402
 from kvcodec.codecs.kvtc.rope import Rotary  # noqa: E402
+from kvcodec.container import ContainerFile  # noqa: E402
 from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping  # noqa: E402
 from gpu_timing import Report, Timer, device_or_none  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests"))
+import engine_harness  # noqa: E402,F401  (puts tests/ on sys.path for the tolerance the tests check)
 from test_golden import assert_within_kvtc_tolerance  # noqa: E402  (spec/kvtc.md's tolerance, as the tests check it)
 
 GOLDEN = ROOT / "formats" / "golden"
@@ -72,9 +73,9 @@ GOLDEN = ROOT / "formats" / "golden"
 
 def frame_of(blob: bytes, device: torch.device, backend: str):
     """Per frame of a kvtc container: its codec, joint section and its layers' contexts on ``device``."""
-    with kvcodec.open(blob) as r:
+    with kvcodec.open(blob) as r, ContainerFile(blob) as f:
         for i in range(r.num_chunks):
-            frame = r._container.read_frame(i)
+            frame = f.read_frame(i)
             e = frame.entry
             ctxs = [layer_context(r.header, l, r.header.local_range(l, e.token_start, e.token_count), device, backend)
                     for l in sorted(frame.sections)]

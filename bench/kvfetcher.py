@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 import kvcodec
-from kvcodec.adapt import BandwidthTrace
 from kvcodec.chunking import layer_context, make_header
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs import get_codec
@@ -30,6 +29,8 @@ from kvcodec.codecs.kvfetcher import video
 from kvcodec.codecs.kvfetcher.codec import KVFetcher
 from kvcodec.codecs.kvfetcher.restore import restore_paged
 from kvcodec.codecs.kvfetcher.section import SectionHead
+from kvcodec.tools.adaptation import BandwidthTrace
+from real_kv import gpl3_kv  # bench/ is on sys.path when this runs as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -38,24 +39,10 @@ CACHE = Path("/tmp/kvfetcher-bench.json")
 THREADS = 2
 
 
-def real_kv(tokens: int = 512) -> kvcodec.KVCache:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import CACHE_DIR, _dump_version  # the test suite's cached dumps
-
-    from kvcodec.cli import main
-
-    path = CACHE_DIR / f"license-GPL-3-{tokens}-float16-{_dump_version()}.safetensors"
-    if not path.exists():
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        assert main(["dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", str(tokens),
-                     "--dtype", "float16", "-o", str(path), "--quiet"]) == 0
-    return kvcodec.KVCache.load_safetensors(path)
-
-
 def quality() -> list[dict]:
     from kvcodec.tools.evaluate import evaluate, prepare
-    from kvcodec.tools.models import load_model
-    from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
+    from kvcodec.models import load_model
+    from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
     model = load_model("smollm2")
     cases = [prepare(model, t, 1536, 512) for t in DEFAULT_EVAL_TEXTS]
@@ -392,7 +379,7 @@ def main() -> None:
         return
     torch.set_num_threads(THREADS)
     res = json.loads(CACHE.read_text()) if CACHE.exists() else {}
-    kv = real_kv()
+    kv = gpl3_kv(512)
     if not args.skip_quality:
         res["quality"] = quality()
         res.pop("quality_note", None)
@@ -400,9 +387,9 @@ def main() -> None:
     res["entropy"] = entropy(kv)
     res["speed"] = speed(kv)
     res["buffer"] = buffer_peak(kv)
-    costs = frame_costs(real_kv(1024))  # 1024-row frames need 1024 real tokens
+    costs = frame_costs(gpl3_kv(1024))  # 1024-row frames need 1024 real tokens
     res["simulation"] = simulation(costs)
-    res["real_fetch"] = real_fetch(real_kv(1024))
+    res["real_fetch"] = real_fetch(gpl3_kv(1024))
     CACHE.write_text(json.dumps(res))
     RESULTS.mkdir(parents=True, exist_ok=True)
     text = write(json.loads(json.dumps(res)))

@@ -27,21 +27,16 @@ from engine_harness import REPO  # puts tests/engines and tests on sys.path (ben
 import redis as redis_py  # noqa: E402
 import torch  # noqa: E402
 from lmcache_engine import CPUEngine, kvcodec_plugin_config, local_disk_config  # noqa: E402
-from redis_process import started_redis  # noqa: E402
+from real_kv import gpl3_kv  # noqa: E402
 
-import kvcodec  # noqa: E402
-from kvcodec.cli import main as kvcodec_main  # noqa: E402
+from kvcodec.tools.redis_server import started_redis  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "lmcache_io"
 
 
 def real_kv(tokens: int) -> tuple[list[int], torch.Tensor]:
-    path = REPO / ".cache" / "test-kv" / f"bench-lmcache-GPL-3-{tokens}-float16.safetensors"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        assert kvcodec_main(["dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", str(tokens),
-                             "--dtype", "float16", "-o", str(path), "--quiet"]) == 0
-    kv = kvcodec.KVCache.load_safetensors(path)
+    """The token ids and LMCache-layout KV (``[2, L, T, H*D]``) of the benches' real cache."""
+    kv = gpl3_kv(tokens)
     return list(kv.token_ids), kv.to_lmcache()
 
 

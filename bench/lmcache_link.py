@@ -6,7 +6,7 @@ Runs as root in ``.venv-engines`` (``bash scripts/setup_engines.sh``)::
 
 The KV is real (SmolLM2's float16 cache over ``license:GPL-3``, as in ``bench/lmcache_io.py``), in a real
 ``LMCacheEngine`` on the CPU.  Redis runs in a network namespace reached over a veth pair shaped with tbf
-(``tests/shaped_link.py``) at each rate, and at 100 Gbit/s for the "unshaped" row.  Per codec the KV is stored once
+(``kvcodec/tools/netlab.py``) at each rate, and at 100 Gbit/s for the "unshaped" row.  Per codec the KV is stored once
 at full speed, then retrieved at each rate in a new engine (nothing in memory); MB/s are of float16 KV, median of
 ``--reps``.  Writes ``bench/results/lmcache_link.md``.
 """
@@ -23,8 +23,9 @@ from engine_harness import REPO  # puts tests/engines and tests on sys.path (ben
 
 from lmcache_engine import CPUEngine, kvcodec_plugin_config  # noqa: E402
 from lmcache_io import real_kv  # noqa: E402
-from redis_process import started_redis  # noqa: E402
-from shaped_link import ShapedLink, unavailable  # noqa: E402
+
+from kvcodec.tools.netlab import ShapedLink, unavailable  # noqa: E402
+from kvcodec.tools.redis_server import started_redis  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "lmcache_link.md"
 UNSHAPED = 100_000

@@ -19,20 +19,17 @@ move by tens of percent).  Writes ``bench/results/lmcache_server.md``.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "engines"), str(REPO / "bench")]
+# tests/engines/lmcache_server.py, LMCache's server harness, goes ahead of this script of the same name
+from engine_harness import REPO  # puts tests/engines on sys.path (bench/ is, when this runs as a script)
 
 import torch  # noqa: E402
 from lmcache_server import KVClient, LMCacheServer  # noqa: E402
 from mooncake_tier import ensure_kvtc_calibration  # noqa: E402
-
-import kvcodec  # noqa: E402
-from kvcodec.cli import main as kvcodec_main  # noqa: E402
+from real_kv import gpl3_kv  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "lmcache_server.md"
 L, H, D = 30, 3, 64
@@ -42,12 +39,7 @@ TOKENS = 512
 def real_kv(requests: int) -> list[torch.Tensor]:
     """``requests`` consecutive 512-token windows of SmolLM2's KV over GPL-3, each ``[2, L, 512, H*D]``."""
     tokens = TOKENS * requests
-    path = REPO / ".cache" / "test-kv" / f"bench-lmcache-server-GPL-3-{tokens}-float16.safetensors"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        assert kvcodec_main(["dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", str(tokens),
-                             "--dtype", "float16", "-o", str(path), "--quiet"]) == 0
-    kv = kvcodec.KVCache.load_safetensors(path).to_lmcache()
+    kv = gpl3_kv(tokens).to_lmcache()
     return [kv[:, :, i * TOKENS:(i + 1) * TOKENS].contiguous() for i in range(requests)]
 
 

@@ -27,15 +27,14 @@ import threading
 import time
 from pathlib import Path
 
-import engine_harness  # noqa: F401  (puts tests/ on sys.path for the Redis helper)
 import torch
-from redis_process import started_redis
 
 from kvcodec.layouts.paged import empty_shape
 from kvcodec.store import KVStore, PagedSink, PrefixLoad, RedisTier
 from kvcodec.store.load import decode_chunk_into
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import load_text
+from kvcodec.models import load_model
+from kvcodec.tools.redis_server import started_redis
+from kvcodec.texts import load_text
 
 OUT = Path(__file__).parent / "results" / "load_overlap.md"
 BLOCK = 128
@@ -94,7 +93,7 @@ def main() -> None:
                 options = {}
                 if codec == "kvtc":
                     from kvcodec.codecs.kvtc import register_calibration
-                    from kvcodec.tools.kvtc_calibration import calibrate
+                    from kvcodec.codecs.kvtc.fit import calibrate
 
                     cal = register_calibration(calibrate(lm, max_tokens=1024, segment_tokens=512, group_layers=1))
                     options = {"calibration": cal.digest}

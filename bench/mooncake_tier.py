@@ -7,8 +7,8 @@ The chunks are real: SmolLM2's float16 cache over 512 tokens of ``license:GPL-3`
 ``KVStore`` into 256-token single-chunk containers with ``raw``, ``cachegen`` and ``kvtc`` (SmolLM2's calibration
 from 4096 tokens, computed once into ``.cache/bench-kvtc``).  A writer Mooncake tier (lending a 256 MiB segment) puts each
 container ``--reps`` times under fresh keys and a reader tier in a second client (lending none) gets them back;
-"Mooncake" is ``put``/``get`` of the same bytes on the same two clients, without kvcodec's header, checksum, size
-check and worker thread; "Redis" is kvcodec's Redis tier (one client) on the same bytes.  All clients live in this
+"Mooncake" is ``put``/``get`` of the same bytes on two bare Mooncake clients (lending none), without kvcodec's header,
+checksum, size check and worker thread; "Redis" is kvcodec's Redis tier (one client) on the same bytes.  All clients live in this
 process and talk over loopback TCP.  Medians of the reps.  MB/s of KV are the container's MB/s times its
 compression ratio (the float16 KV it stands for); "with the codec" adds the codec's own encode (store) or decode
 (load) time on this CPU, median of 3, to the tier's put or get.  Writes ``bench/results/mooncake_tier.md``.
@@ -25,26 +25,16 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+from engine_harness import REPO  # puts tests/ on sys.path (bench/ is, when this runs as a script)
 
 import kvcodec  # noqa: E402
-from kvcodec.cli import main as kvcodec_main  # noqa: E402
 from kvcodec.store import KVStore, MemoryTier, MooncakeTier, tier_from_url  # noqa: E402
-from redis_process import RedisServer  # noqa: E402
+from kvcodec.tools.redis_server import RedisServer  # noqa: E402
+from real_kv import gpl3_kv  # noqa: E402
 from test_mooncake_tier import Master  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "mooncake_tier.md"
 CODECS = ("raw", "cachegen", "kvtc")
-
-
-def real_kv(tokens: int) -> kvcodec.KVCache:
-    path = REPO / ".cache" / "test-kv" / f"bench-mooncake-GPL-3-{tokens}-float16.safetensors"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        assert kvcodec_main(["dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", str(tokens),
-                             "--dtype", "float16", "-o", str(path), "--quiet"]) == 0
-    return kvcodec.KVCache.load_safetensors(path)
 
 
 # kvtc's calibration of SmolLM2 for the benches: from 4096 calibration tokens (the default, every calibration text,
@@ -58,8 +48,8 @@ def ensure_kvtc_calibration() -> str:
     """SmolLM2's model name, its bench calibration installed (computed first when missing) and
     ``XDG_CACHE_HOME`` pointing at it, for this process and the ones it starts."""
     os.environ["XDG_CACHE_HOME"] = str(BENCH_CALIBRATIONS)
-    from kvcodec.tools.kvtc_calibration import ensure_calibration
-    from kvcodec.tools.models import load_model
+    from kvcodec.codecs.kvtc.fit import ensure_calibration
+    from kvcodec.models import load_model
 
     loaded = load_model("smollm2", progress=False)
     ensure_calibration(loaded, log=lambda line: print(line, file=sys.stderr), max_tokens=CALIBRATION_TOKENS)
@@ -83,7 +73,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     ensure_kvtc_calibration()
-    kv = real_kv(512)
+    kv = gpl3_kv(512)
     ids = list(kv.token_ids)
     kv_bytes = sum(l.keys.numel() * l.keys.element_size() * 2 for l in kv.layers) // len(ids) * 256
     rows = []
@@ -94,6 +84,7 @@ def main() -> None:
         redis.start()
         writer = MooncakeTier(master.address, segment_bytes=256 << 20, buffer_bytes=64 << 20, name="writer")
         reader = MooncakeTier(master.address, segment_bytes=0, buffer_bytes=64 << 20, name="reader")
+        mc_writer, mc_reader = bare_client(master.address), bare_client(master.address)
         rtier = tier_from_url(f"{redis.url}?timeout=5")
         try:
             for codec in CODECS:
@@ -115,17 +106,21 @@ def main() -> None:
                     tk, mk = f"bench-{codec}-{r}", f"bench-raw-{codec}-{r}"
                     times["mc-tier put"].append(timed(lambda: writer.put(tk, value)))
                     times["mc-tier get"].append(timed(lambda: reader.get(tk) == value))
-                    times["mc put"].append(timed(lambda: writer._client.put(mk, value) == 0))
-                    times["mc get"].append(timed(lambda: len(reader._client.get(mk)) == n))
+                    times["mc put"].append(timed(lambda: mc_writer.put(mk, value) == 0))
+                    times["mc get"].append(timed(lambda: len(mc_reader.get(mk)) == n))
                     times["redis put"].append(timed(lambda: rtier.put(tk, value)))
                     times["redis get"].append(timed(lambda: rtier.get(tk) == value))
-                    writer._client.remove(writer.prefix + tk, force=True)  # keeps the segment from filling up
-                    writer._client.remove(mk, force=True)
+                    # forced, not the tier's delete (which leaves a value read within its lease): keeps the
+                    # segment from filling up
+                    mc_writer.remove(writer.prefix + tk, force=True)
+                    mc_writer.remove(mk, force=True)
                     rtier.delete(tk)
                 med = {k: statistics.median(v) for k, v in times.items()}
                 rows.append((codec, n, kv_bytes / n, med, encode_s, decode_s))
                 print(codec, n, {k: round(n / v / 1e6) for k, v in med.items()}, flush=True)
         finally:
+            for client in (mc_writer, mc_reader):
+                client.close()
             writer.close()
             reader.close()
             rtier.close()
@@ -133,6 +128,18 @@ def main() -> None:
             master.kill()
     OUT.write_text(report(rows, kv_bytes, args.reps))
     print(OUT.read_text())
+
+
+def bare_client(master: str):
+    """A Mooncake Store client of its own, lending no segment (values land in the writer tier's), for Mooncake's
+    own put/get of the same bytes."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    rc = client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master)
+    if rc != 0:
+        raise SystemExit(f"a bare Mooncake client could not set up with the master at {master}: {rc}")
+    return client
 
 
 def report(rows, kv_bytes: int, reps: int) -> str:

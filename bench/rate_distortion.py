@@ -9,7 +9,7 @@ decoded cache, and greedy next-token agreement, averaged over three texts.
 Another model (``--model``, any spec ``kvcodec dump`` takes) writes
 bench/results/rate_distortion-<model>.{md,json,png}, without the cachegen
 design ablations (they were SmolLM2's measurements).  ``--texts`` measures on
-other texts (``heldout``: kvcodec.tools.texts.HELDOUT_TEXTS, kinds of text no
+other texts (``heldout``: kvcodec.texts.HELDOUT_TEXTS, kinds of text no
 calibration default is of), without the ablations, into ``--name``'s files;
 ``--per-text`` adds each text's own numbers.
 """
@@ -32,9 +32,9 @@ from kvcodec.api import decode, encode
 from kvcodec.cli import parse_codec
 from kvcodec.codecs import codec_class, list_codecs
 from kvcodec.tools.evaluate import EvalRow, evaluate, prepare, preset_label
-from kvcodec.tools.models import SMOLLM2, LoadedModel, load_model
+from kvcodec.models import SMOLLM2, LoadedModel, load_model
 from kvcodec.tools.plot import rate_distortion_plot
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS, load_text
+from kvcodec.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS, load_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # What cachegen's design choices do, at the default level: CacheGen's anchor/delta coding (groups of 2 and of
@@ -51,7 +51,7 @@ def main() -> None:
     p.add_argument("--model", default=SMOLLM2, help=f"the model (default: {SMOLLM2}; others write their own files)")
     p.add_argument("--codec", action="append", help="only these codec ids (default: all registered)")
     p.add_argument("--texts", default=",".join(DEFAULT_EVAL_TEXTS),
-                   help="comma-separated text specs, or 'heldout' for kvcodec.tools.texts.HELDOUT_TEXTS (default: "
+                   help="comma-separated text specs, or 'heldout' for kvcodec.texts.HELDOUT_TEXTS (default: "
                         "the evaluation texts)")
     p.add_argument("--name", help="results file name in bench/results without suffix (default: rate_distortion, "
                                   "or rate_distortion-<model> for another model); needed with other --texts")
@@ -83,7 +83,7 @@ def main() -> None:
     model = load_model(args.model)
     calibration = None
     if not args.codec or "kvtc" in args.codec:  # kvtc's levels need the model's calibration (made once, cached)
-        from kvcodec.tools.kvtc_calibration import ensure_calibration
+        from kvcodec.codecs.kvtc.fit import ensure_calibration
 
         calibration = ensure_calibration(model, log=lambda line: print(line, file=sys.stderr))
     t0 = time.time()

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "sglang_hicache"))
+from engine_harness import REPO  # puts tests/sglang_hicache on sys.path (bench/ is, when this runs as a script)
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
@@ -31,20 +29,11 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 from sglang_pools import PAGE, make_host_pool, read_tokens, write_tokens  # noqa: E402
 
 import kvcodec  # noqa: E402
-from kvcodec.cli import main as kvcodec_main  # noqa: E402
 from kvcodec.store import concat  # noqa: E402
+from real_kv import gpl3_kv  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "sglang_hicache.md"
 MODEL = "SmolLM2-135M-Instruct"  # the name of the cachegen profile kvcodec ships
-
-
-def real_kv(tokens: int) -> kvcodec.KVCache:
-    path = REPO / ".cache" / "test-kv" / f"bench-sglang-GPL-3-{tokens}-float16.safetensors"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        assert kvcodec_main(["dump", "--model", "smollm2", "--text", "license:GPL-3", "--tokens", str(tokens),
-                             "--dtype", "float16", "-o", str(path), "--quiet"]) == 0
-    return kvcodec.KVCache.load_safetensors(path)
 
 
 def backend(pool, folder: str, codec: str | None):
@@ -98,7 +87,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    full = real_kv(args.tokens)
+    full = gpl3_kv(args.tokens)
     n = args.tokens // PAGE * PAGE
     kv = kvcodec.KVCache([(l.keys[:, :n].contiguous(), l.values[:, :n].contiguous()) for l in full.layers])
     raw_bytes = kv.nbytes

@@ -1,7 +1,7 @@
 """Time to first token from Redis behind a real shaped link, against recomputing the prefix (SmolLM2, CPU).
 
 A ``--prefix``-token prefix of ``license:GPL-3`` plus 16 new tokens.  Redis runs in a network namespace reached
-over a veth pair shaped with tbf (``tests/shaped_link.py``; root only) at each ``--rates`` Mbit/s, and on loopback
+over a veth pair shaped with tbf (``kvcodec/tools/netlab.py``; root only) at each ``--rates`` Mbit/s, and on loopback
 for the unshaped row.  For raw and cachegen the prefix's KV is stored once, then
 :class:`~kvcodec.engines.transformers_hook.TransformersKVHook` answers the request: fetch every chunk, decode layer
 by layer while the model reads the 16 new tokens, first token.  The model runs on torch's threads, the codecs on
@@ -19,14 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import engine_harness  # noqa: F401  (puts tests/ on sys.path for the link and Redis helpers)
-from redis_process import started_redis
-from shaped_link import ShapedLink, unavailable
-
 from kvcodec.engines.transformers_hook import TransformersKVHook
 from kvcodec.store import KVStore, MemoryTier, RedisTier
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import load_text
+from kvcodec.models import load_model
+from kvcodec.tools.netlab import ShapedLink, unavailable
+from kvcodec.tools.redis_server import started_redis
+from kvcodec.texts import load_text
 
 OUT = Path(__file__).parent / "results" / "store_link.md"
 CODECS = ("raw", "cachegen")

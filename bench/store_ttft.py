@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from kvcodec.engines.transformers_hook import TransformersKVHook
-from kvcodec.tools.models import load_model
+from kvcodec.models import load_model
 from kvcodec.store import KVStore
 from kvcodec.store.tiers import DiskTier, MemoryTier, RedisTier
-from kvcodec.tools.texts import load_text
+from kvcodec.texts import load_text
 
 OUT = Path(__file__).parent / "results" / "store_ttft.md"
 

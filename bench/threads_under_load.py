@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import kvcodec
-from cpu_codecs import DEFAULT_DUMP, calibrate_for, load_dump  # bench/ is on sys.path when this runs as a script
+from cpu_codecs import calibrate_for, load_dump  # bench/ is on sys.path when this runs as a script
 from kvcodec.cli import parse_codec
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,7 +65,7 @@ class Competitors:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dump", default=DEFAULT_DUMP)
+    p.add_argument("--dump", help="a safetensors KV dump (default: 1536 tokens of real_kv.gpl3_kv)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--competitors", type=int, default=1, help="busy processes in the competing job (default: 1)")
     p.add_argument("--codec", action="append", help=f"codec specs (default: {' '.join(DEFAULT_CODECS)})")

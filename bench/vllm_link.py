@@ -4,7 +4,7 @@ Runs as root in ``.venv-engines`` (``bash scripts/setup_engines.sh``)::
 
     .venv-engines/bin/python bench/vllm_link.py [--tokens 2048] [--rates 10,100,1000,10000]
 
-Redis runs in a network namespace reached over a veth pair shaped with tbf (``tests/shaped_link.py``) at each rate,
+Redis runs in a network namespace reached over a veth pair shaped with tbf (``kvcodec/tools/netlab.py``) at each rate,
 and at 100 Gbit/s for the "unshaped" row (tbf then never holds a packet back: the veth and Redis set the pace).
 One vLLM engine per strategy: without the connector (recompute), with each fixed codec, and adaptive (the store
 keeps every variant; :mod:`kvcodec.store.plan` picks each chunk's, or stops and lets vLLM recompute).  Per
@@ -28,8 +28,8 @@ from pathlib import Path
 
 from engine_harness import REPO, vllm_prompt  # puts tests/engines and tests on sys.path
 
-from redis_process import started_redis  # noqa: E402
-from shaped_link import ShapedLink, unavailable  # noqa: E402
+from kvcodec.tools.netlab import ShapedLink, unavailable  # noqa: E402
+from kvcodec.tools.redis_server import started_redis  # noqa: E402
 from vllm_engine import Engine, connector_config  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from engine_harness import REPO, vllm_prompt  # puts tests/engines and tests on sys.path
 
-from redis_process import started_redis  # noqa: E402
+from kvcodec.tools.redis_server import started_redis  # noqa: E402
 from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store  # noqa: E402
 
 

@@ -12,17 +12,16 @@ bench/studies/results/kvtc_breakdown-<model>.md.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
 
 from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.codecs.kvtc import KVTC
-from kvcodec.tools.kvtc_calibration import ensure_calibration
-from kvcodec.tools.evaluate import _score, prepare
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
+from kvcodec.codecs.kvtc.fit import ensure_calibration
+from kvcodec.tools.evaluate import prepare, quality
+from kvcodec.models import load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,9 +51,9 @@ def main() -> None:
                       d.values if values and (layers is None or i in layers) else o.values)
                      for i, (o, d) in enumerate(zip(case.kv.layers, decoded.layers))]
             kv = KVCache(mixed, model=case.kv.model, token_ids=case.kv.token_ids, rope=case.kv.rope)
-            nll, _, _ = _score(model, kv, case.continuation)
-            change[name] += (math.exp(float(nll.mean())) / case.ref_ppl - 1) / len(texts)
-            print(f"{text} {name}: {100 * (math.exp(float(nll.mean())) / case.ref_ppl - 1):+.2f}%", flush=True)
+            q = quality(model, case, kv)
+            change[name] += q.ppl_change / len(texts)
+            print(f"{text} {name}: {100 * q.ppl_change:+.2f}%", flush=True)
     lines = [f"# kvtc level {args.level} on {model.model_id}: where the perplexity change comes from", "",
              f"Texts {', '.join(texts)}; {args.tokens}-token float16 prefix, perplexity of the next "
              f"{args.continuation} tokens. Calibration {cal.digest[:16]}: groups {cal.groups}.", "",

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.kvtc import KVTC
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS, load_text
+from kvcodec.models import load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS, load_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PREFIX, CONTINUATION, CHUNK = 1536, 512, 256
@@ -30,7 +30,7 @@ PREFIX, CONTINUATION, CHUNK = 1536, 512, 256
 def shares_and_kv(model, text: str) -> tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Attention received per prefix token ``[PREFIX]`` and each full layer's keys and values ``[H, PREFIX, D]``."""
     ids = model.tokenize(load_text(text))[:PREFIX + CONTINUATION]
-    model.model.config._attn_implementation = "eager"  # the only implementation that returns the weights
+    model.model.set_attn_implementation("eager")  # the only implementation that returns the weights
     out = model.model(torch.tensor([ids]), output_attentions=True, use_cache=True)
     share = sum(a[0, :, PREFIX:, :PREFIX].float().sum((0, 1)) for a in out.attentions).numpy()
     # the layers that keep every token (a sliding-window layer's cache holds only the last ones, and kvtc groups

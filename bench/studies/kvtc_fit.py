@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from kvcodec.codecs.kvtc.calibration import LayerInfo
-from kvcodec.tools.kvtc_calibration import MAX_GROUP_FEATURES, default_groups
-from kvcodec.tools.kvtc_eigen import leading_eigenpairs
-from kvcodec.tools.kvtc_moments import Moments
+from kvcodec.codecs.kvtc.fit import MAX_GROUP_FEATURES, default_groups
+from kvcodec.codecs.kvtc.eigen import leading_eigenpairs
+from kvcodec.codecs.kvtc.moments import Moments
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MEASURED_ROWS = 4096

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from kvcodec.tools import kvtc_calibration as kc
-from kvcodec.tools.kvtc_eigen import leading_eigenpairs
-from kvcodec.tools.models import load_model
+from kvcodec.codecs.kvtc import fit as kc
+from kvcodec.codecs.kvtc.eigen import leading_eigenpairs
+from kvcodec.models import load_model
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from kvcodec.codecs.kvtc import KVTC
-from kvcodec.tools.kvtc_calibration import calibrate, collect_statistics
+from kvcodec.codecs.kvtc.fit import calibrate, collect_statistics
 from kvcodec.tools.evaluate import evaluate, measure_throughput, prepare
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
+from kvcodec.models import load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -5,7 +5,7 @@
     python bench/studies/kvtc_heldout_levers.py --render
 
 One run loads a model (``--model``, default SmolLM2), fits (or reuses) the calibration of a text mix, and measures
-kvtc specs on the three evaluation texts (kvcodec.tools.texts.DEFAULT_EVAL_TEXTS) and the three held-out kinds
+kvtc specs on the three evaluation texts (kvcodec.texts.DEFAULT_EVAL_TEXTS) and the three held-out kinds
 (HELDOUT_TEXTS), each text alone, with the protocol of bench/rate_distortion.py (1536-token float16 prefix, perplexity of the next 512).
 The calibration is the one named (its hash is printed and recorded), never one found installed: a measurement of
 a mix must not silently read another calibration.  ``--steps 3=0.35,1.5`` measures other steps for a level in this
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -32,10 +31,10 @@ from kvcodec.cache import KVCache
 from kvcodec.cli import parse_codec
 from kvcodec.codecs.kvtc import levels
 from kvcodec.codecs.kvtc.calibration import Calibration, cache_dir, register_calibration
-from kvcodec.tools import kvtc_calibration
-from kvcodec.tools.evaluate import _score, evaluate, prepare
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS
+from kvcodec.codecs.kvtc import fit as kvtc_calibration
+from kvcodec.tools.evaluate import evaluate, prepare, quality
+from kvcodec.models import load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOG = RESULTS / "kvtc_heldout-levers.jsonl"
@@ -83,9 +82,8 @@ def main() -> None:
                 kv = KVCache([(dl.keys if keys else o.keys, dl.values if values else o.values)
                               for o, dl in zip(case.kv.layers, d.layers)],
                              model=case.kv.model, token_ids=case.kv.token_ids, rope=case.kv.rope)
-                nll, pred, _ = _score(model, kv, case.continuation)
-                res[name] = (100 * (math.exp(float(nll.mean())) / case.ref_ppl - 1),
-                             100 * float((pred == case.ref_pred).float().mean()))
+                q = quality(model, case, kv)
+                res[name] = (100 * q.ppl_change, 100 * q.agreement)
             print(f"breakdown {specs[0]} {t}: " + ", ".join(f"{k} {v[0]:+.2f}% {v[1]:.1f}%" for k, v in res.items()))
             append(base | {"spec": specs[0], "breakdown": t, "res": res})
         return

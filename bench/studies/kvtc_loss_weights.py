@@ -21,10 +21,10 @@ import torch
 
 from kvcodec.codecs.kvtc import KVTC, register_calibration
 from kvcodec.tools.evaluate import evaluate, prepare
-from kvcodec.tools.kvtc_calibration import collect_statistics, fit
-from kvcodec.tools.kvtc_sensitivity import SENSITIVITY_TEXTS, equalized_weights
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
+from kvcodec.codecs.kvtc.fit import collect_statistics, fit
+from kvcodec.codecs.kvtc.sensitivity import SENSITIVITY_TEXTS, equalized_weights
+from kvcodec.models import load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {"none": None, "values": (False, True), "keys+values": (True, True)}

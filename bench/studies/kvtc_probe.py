@@ -2,7 +2,7 @@
 
     python bench/studies/kvtc_probe.py [--text license:GPL-3] [--tokens 1024] [--continuation 256] [--max-tokens 8192]
 
-Collects calibration statistics once (all layers pooled) (kvcodec.tools.kvtc_calibration.DEFAULT_CALIBRATION_TEXTS, none of them an
+Collects calibration statistics once (all layers pooled) (kvcodec.codecs.kvtc.fit.DEFAULT_CALIBRATION_TEXTS, none of them an
 evaluation text), fits each grouping from them, and evaluates each at a few (key step, value step) pairs on the
 evaluation text: bits per element (every container byte counted; the calibration file is not in the
 container, its basis size is its own column), perplexity change when the model continues from the decoded
@@ -20,9 +20,9 @@ from pathlib import Path
 
 from kvcodec.codecs.kvtc import KVTC
 from kvcodec.codecs.kvtc import codec as kvtc_codec
-from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
+from kvcodec.codecs.kvtc.fit import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
 from kvcodec.tools.evaluate import evaluate, prepare
-from kvcodec.tools.models import load_model
+from kvcodec.models import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"

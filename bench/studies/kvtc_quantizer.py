@@ -40,8 +40,8 @@ from kvcodec.codecs.kvtc.calibration import Calibration, register_calibration
 from kvcodec.codecs.kvtc.quantize import CODE_LENGTH_UNIT
 from kvcodec.formats.cachegen import NUM_TABLES
 from kvcodec.tools.evaluate import evaluate, prepare
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS
+from kvcodec.models import load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GROUPS = {"evaluation texts": list(DEFAULT_EVAL_TEXTS), "held-out kinds": list(HELDOUT_TEXTS)}

@@ -28,9 +28,9 @@ from kvcodec.codecs.kvtc import KVTC
 from kvcodec.codecs.kvtc.levels import LEVELS
 from kvcodec.formats.v1 import INDEX_ENTRY
 from kvcodec.tools.evaluate import evaluate, prepare
-from kvcodec.tools.kvtc_calibration import ensure_calibration
-from kvcodec.tools.models import SMOLLM2, load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, load_text
+from kvcodec.codecs.kvtc.fit import ensure_calibration
+from kvcodec.models import SMOLLM2, load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS, load_text
 
 RESULT = Path(__file__).resolve().parent / "results" / "kvtc_rate.md"
 ENCODE_RESULT = RESULT.with_name("kvtc_rate-encode.md")

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from kvcodec.codecs.kvtc import KVTC
-from kvcodec.tools.kvtc_calibration import ensure_calibration
+from kvcodec.codecs.kvtc.fit import ensure_calibration
 from kvcodec.tools.evaluate import evaluate, measure_throughput, prepare
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
+from kvcodec.models import load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -12,7 +12,6 @@ evaluation texts.  Writes bench/studies/results/kvtc_window_grading.md.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
@@ -21,10 +20,10 @@ import torch
 from kvcodec.api import decode, encode
 from kvcodec.cache import KVCache
 from kvcodec.cli import parse_codec
-from kvcodec.tools.evaluate import _score, kl, prepare
-from kvcodec.tools.kvtc_calibration import ensure_calibration
-from kvcodec.tools.models import load_model
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
+from kvcodec.tools.evaluate import prepare, quality
+from kvcodec.codecs.kvtc.fit import ensure_calibration
+from kvcodec.models import load_model
+from kvcodec.texts import DEFAULT_EVAL_TEXTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -42,12 +41,6 @@ def exact_sets(kv: KVCache) -> dict[str, dict[int, range]]:
             "windowed layers, all": {i: range(w) for i in windowed},
             "full layers' oldest 1024 (but the sink)": {i: range(1, 1024) for i in full},
             "full layers' newest 512": {i: range(n - 512, n) for i in full}}
-
-
-def score(model, case, kv: KVCache) -> tuple[float, float, float]:
-    nll, pred, logp = _score(model, kv, case.continuation)
-    return (kl(case.ref_top, logp), float((pred == case.ref_pred).float().mean()),
-            math.exp(float(nll.mean())) / math.exp(float(case.ref_nll.mean())) - 1)
 
 
 def main() -> None:
@@ -71,7 +64,7 @@ def main() -> None:
             blob = encode(case.kv, codec)
             out = decode(blob)
             bits[o] = bits.get(o, 0) + 8 * len(blob) / case.kv.num_elements / len(texts)
-            graded[o] = [a + b / len(texts) for a, b in zip(graded.get(o, [0, 0, 0]), score(model, case, out))]
+            graded[o] = [a + b / len(texts) for a, b in zip(graded.get(o, [0, 0, 0]), quality(model, case, out))]
             if o == 0:
                 for name, exact in exact_sets(case.kv).items():
                     layers = []
@@ -83,7 +76,7 @@ def main() -> None:
                         layers.append((k, v))
                     mixed = KVCache(layers, model=case.kv.model, token_ids=case.kv.token_ids, rope=case.kv.rope)
                     hybrids[name] = [a + b / len(texts) for a, b in zip(hybrids.get(name, [0, 0, 0]),
-                                                                         score(model, case, mixed))]
+                                                                         quality(model, case, mixed))]
         print(f"{text} done", flush=True)
     lines = [f"# kvtc window grading on {model.model_id}", "",
              f"`{args.spec}`, calibration {cal.digest[:16]}; texts {', '.join(texts)}; 1536-token float16 prefix, the "
@@ -91,11 +84,12 @@ def main() -> None:
              "float16 cache, mean over the texts.", "",
              "## Where an ungraded encode's loss is: its decoded cache with some tokens put back exact", "",
              "| put back exact | KL | agreement | perplexity change |", "|---|---|---|---|"]
-    lines += [f"| {name} | {k:.4f} | {100 * a:.2f}% | {100 * c:+.2f}% |" for name, (k, a, c) in hybrids.items()]
+    # the sums run in Quality's order: perplexity change, agreement, KL
+    lines += [f"| {name} | {k:.4f} | {100 * a:.2f}% | {100 * c:+.2f}% |" for name, (c, a, k) in hybrids.items()]
     lines += ["", "## The same rate with the window graded", "",
               "| window_octaves | bits/element | KL | agreement | perplexity change |", "|---|---|---|---|---|"]
     lines += [f"| {o:g} | {bits[o]:.3f} | {k:.4f} | {100 * a:.2f}% | {100 * c:+.2f}% |"
-              for o, (k, a, c) in graded.items()]
+              for o, (c, a, k) in graded.items()]
     lines += ["", f"Made by `python bench/studies/kvtc_window_grading.py --model {args.model} --spec {args.spec} --octaves "
               f"{args.octaves}` in {time.time() - t0:.0f} s on a 2-core CPU."]
     RESULTS.mkdir(exist_ok=True)

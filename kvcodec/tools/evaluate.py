@@ -17,8 +17,8 @@ from kvcodec.cache import KVCache
 from kvcodec.chunking import DEFAULT_CHUNK_TOKENS
 from kvcodec.codecs import Codec
 from kvcodec.errors import InvalidInputError
-from kvcodec.tools.models import LoadedModel
-from kvcodec.tools.texts import load_text
+from kvcodec.models import LoadedModel
+from kvcodec.texts import load_text
 from kvcodec.threads import DEFAULT_THREADS
 
 
@@ -87,6 +87,15 @@ class EvalRow:
         return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
 
 
+class Quality(NamedTuple):
+    """How a model continues from a cache against a case's reference: the perplexity change (a fraction), the
+    share of greedy next tokens that agree, and the mean KL divergence (nats per token; NaN without ``ref_top``)."""
+
+    ppl_change: float
+    agreement: float
+    kl: float
+
+
 class EvalJob(NamedTuple):
     """One codec (the ``row``-th) on one case, as :func:`evaluate` hands them to its progress bar."""
 
@@ -123,6 +132,14 @@ def kl(ref_top: tuple[torch.Tensor, torch.Tensor], logp: torch.Tensor) -> float:
     return float(terms.mean())
 
 
+def quality(model: LoadedModel, case: EvalCase, kv: KVCache) -> Quality:
+    """The model continues ``case``'s continuation from ``kv`` (any cache of ``case.kv``'s shape: a decode, or a
+    hybrid of decoded and exact tensors), scored against the case's reference."""
+    nll, pred, logp = _score(model, kv, case.continuation)
+    return Quality(math.exp(float(nll.mean())) / case.ref_ppl - 1, float((pred == case.ref_pred).float().mean()),
+                   kl(case.ref_top, logp) if case.ref_top is not None else float("nan"))
+
+
 def prepare(model: LoadedModel, text: str, prefix_tokens: int, continuation_tokens: int,
             dtype: torch.dtype = torch.float16) -> EvalCase:
     """Prefill ``prefix_tokens`` of ``text`` (a spec for :func:`load_text`) and score the reference continuation."""
@@ -152,14 +169,14 @@ def evaluate(model: LoadedModel, cases: Sequence[EvalCase], codecs: Sequence[Cod
         t1 = time.perf_counter()
         decoded = decode(blob, threads=threads)
         t2 = time.perf_counter()
-        nll, pred, logp = _score(model, decoded, case.continuation)
+        q = quality(model, case, decoded)
         a = acc.setdefault(row, dict(bytes=0, elements=0, raw=0, change=0.0, agree=0.0, enc=0.0, dec=0.0, kl=0.0))
         a["bytes"] += len(blob)
         a["elements"] += case.kv.num_elements
         a["raw"] += case.kv.nbytes
-        a["change"] += math.exp(float(nll.mean())) / case.ref_ppl - 1
-        a["agree"] += float((pred == case.ref_pred).float().mean())
-        a["kl"] += kl(case.ref_top, logp) if case.ref_top is not None else float("nan")
+        a["change"] += q.ppl_change
+        a["agree"] += q.agreement
+        a["kl"] += q.kl
         a["enc"] += t1 - t0
         a["dec"] += t2 - t1
     n = len(cases)
