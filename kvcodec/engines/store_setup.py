@@ -7,12 +7,12 @@ seeds the store's keys, so ``kvcodec calibrate --model M --install`` and every h
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvcodec.engines.auto_calibration import (calibrate_in_background, ensure_model_calibration,
                                               needs_first_calibration, ready_variants, wants_calibration)
 from kvcodec.errors import InvalidInputError
-from kvcodec.store import ChunkShape, KVStore
+from kvcodec.store import ChunkShape, KVStore, StorageTier
 from kvcodec.store.config import StoreConfig
 from kvcodec.store.identity import CacheIdentity
 
@@ -25,11 +25,13 @@ def calibration_name(config: StoreConfig, model: str, identity: CacheIdentity) -
 
 def open_store(config: StoreConfig, *, model: str, identity: CacheIdentity, log: Callable[[str], None],
                load_model: Callable[[], Any] | None = None, shape: ChunkShape | None = None,
-               engine_chunk_tokens: int | None = None, disk_folder: str | None = None) -> KVStore:
+               engine_chunk_tokens: int | None = None, disk_folder: str | None = None,
+               tiers: Sequence[StorageTier] | None = None) -> KVStore:
     """The hook's store, as :meth:`StoreConfig.store` makes it.  When its codec is made from the model (kvtc) and
     no calibration of the model is installed, ``load_model()`` (the served model, loaded with transformers on the
     CPU; called only then) is calibrated now (``calibrate="now"``), or in the background while the store serves
-    with ``fallback_codec`` (``"background"``, the default); ``log`` says which."""
+    with ``fallback_codec`` (``"background"``, the default); ``log`` says which.  ``tiers``: tiers the hook has
+    already made (None: the configuration's)."""
     codec, options = config.codec, config.codec_options
     name = calibration_name(config, model, identity)
     wanted = wants_calibration(codec, options)
@@ -41,7 +43,7 @@ def open_store(config: StoreConfig, *, model: str, identity: CacheIdentity, log:
     if wanted and not later:
         ensure_model_calibration(name, load_model, log, config.calibration_options)  # type: ignore[arg-type]
     common = dict(model=model, identity=identity, shape=shape, engine_chunk_tokens=engine_chunk_tokens,
-                  disk_folder=disk_folder)
+                  disk_folder=disk_folder, tiers=tiers)
     if not later:
         return config.store(**common)
     serving = ready_variants(codec) or config.fallback_codec
