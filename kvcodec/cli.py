@@ -148,7 +148,7 @@ def _timing(nbytes: int, seconds: float, threads: int) -> str:
 
 def _text(spec: str) -> str:
     """The text ``--text spec`` names; a bad name is a usage error, found before any model loads."""
-    from kvcodec.tools.texts import load_text
+    from kvcodec.texts import load_text
 
     try:
         return load_text(spec)
@@ -159,7 +159,7 @@ def _text(spec: str) -> str:
 def cmd_dump(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcodec.tools.models import load_model
+    from kvcodec.models import load_model
 
     text = _text(args.text)
     t0 = time.perf_counter()
@@ -354,9 +354,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from kvcodec.codecs import codec_class, list_codecs
+    from kvcodec.models import load_model
+    from kvcodec.texts import DEFAULT_EVAL_TEXTS
     from kvcodec.tools.evaluate import evaluate, prepare, preset_label
-    from kvcodec.tools.models import load_model
-    from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS
 
     if args.codec:
         codecs, labels = [parse_codec(c) for c in args.codec], list(args.codec)
@@ -369,9 +369,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _text(text)
     model = load_model(args.model, progress=not args.quiet)
     if any(c.needs_model(c.get_config()) for c in codecs):
-        from kvcodec.tools.kvtc_calibration import ensure_calibration
+        from kvcodec.codecs.kvtc.fit import ensure_calibration
 
-        ensure_calibration(model, log=None if args.quiet else lambda line: print(line, file=sys.stderr))
+        ensure_calibration(model, log=None if args.quiet else lambda line: print(line, file=sys.stderr),
+                           model_digest=_model_identity(args.model))
     cases = []
     for text in texts:
         if not args.quiet and not args.json:
@@ -428,7 +429,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from kvcodec.tools.models import load_model
+    from kvcodec.models import load_model
     from kvcodec.tools.profiling import compute_profile
 
     text = _text(args.text)
@@ -442,12 +443,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _model_identity(spec: str) -> str:
+    """The identity of model ``spec`` (an alias stands for its file): what names its calibrations, as engine hooks
+    serving that folder or file name them."""
+    from kvcodec.models import model_path
+    from kvcodec.store.identity import model_identity
+
+    return model_identity(model_path(spec))
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvcodec.codecs.kvtc import install
-    from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
-    from kvcodec.tools.models import load_model
+    from kvcodec.codecs.kvtc.fit import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
+    from kvcodec.models import load_model
 
     model = load_model(args.model, progress=not args.quiet, cached=False)
+    identity = _model_identity(args.model)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
     stats = collect_statistics(model, texts, group_layers=args.group_layers, max_tokens=args.tokens,
                                text_tokens=args.text_tokens,
@@ -457,16 +468,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.quiet:  # the fit has no steps to count
         print(f"calibrate: fitting the PCA bases of {len(stats.groups)} layer group(s) from "
               f"{stats.settings['tokens']} tokens", file=sys.stderr)
-    cal = calibrate(model, texts, group_layers=args.group_layers, loss_weights=args.loss_weights, statistics=stats)
+    cal = calibrate(model, texts, group_layers=args.group_layers, loss_weights=args.loss_weights,
+                    statistics=stats).of_model(identity)
     digest = cal.save(args.output)
     installed = install(cal) if args.install else None
-    obj = {"output": args.output, "sha256": digest, "model": cal.model, "groups": len(cal.groups),
-           "key_components": sum(b.components for b in cal.keys), "value_components": sum(b.components for b in cal.values),
-           "bytes": len(cal.to_bytes()), "tokens": cal.settings["tokens"], "installed": installed}
-    _emit(args, obj, [f"wrote {args.output} ({_mb(obj['bytes'])}): kvtc calibration {digest} of {cal.model}, "
+    obj = {"output": args.output, "sha256": digest, "model": cal.model, "model_identity": identity,
+           "groups": len(cal.groups), "key_components": sum(b.components for b in cal.keys),
+           "value_components": sum(b.components for b in cal.values), "bytes": len(cal.to_bytes()),
+           "tokens": cal.settings["tokens"], "installed": installed}
+    _emit(args, obj, [f"wrote {args.output} ({_mb(obj['bytes'])}): kvtc calibration {digest} of {cal.model} "
+                      f"(model identity {identity}), "
                       f"{obj['groups']} layer group(s), {obj['key_components']} key and {obj['value_components']} value "
                       f"components, from {obj['tokens']} tokens of {', '.join(texts)}"
-                      + (f"; installed as {installed}" if installed else "")
+                      + (f"; installed as {installed}, found by the model identity" if installed else "")
                       + f"; use it with --codec kvtc:calibration={args.output}"])
     return EXIT_OK
 
@@ -499,7 +513,7 @@ def cmd_codecs(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvcodec.tools.texts import DEFAULT_TEXT_TOKENS
+    from kvcodec.texts import DEFAULT_TEXT_TOKENS
 
     formatter = argparse.RawDescriptionHelpFormatter
     p = Parser(
@@ -638,8 +652,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("calibrate", cmd_calibrate, "compute a model's kvtc calibration (PCA bases)",
                  "Run a model over calibration texts and compute what the kvtc codec needs: per group of layers,\n"
                  "PCA bases of the keys (rotary embedding undone, weighted by the queries that read them) and of\n"
-                 "the values (weighted by the output error they cause), and each layer's rotary setting. The file\n"
-                 "is named in containers by its SHA-256; decoders find it in the cache folder or $KVCODEC_CALIBRATIONS.")
+                 "the values (weighted by the output error they cause), and each layer's rotary setting.\n"
+                 "The file records the model's identity (a digest of its config.json and weight files, the one\n"
+                 "engine hooks key their stores by) and is named in containers by its own SHA-256; decoders find\n"
+                 "it by that in the cache folder or $KVCODEC_CALIBRATIONS. With --install, encoders and engine hooks\n"
+                 "serving the same model folder or file (vLLM, SGLang, LMCache, kvcodec eval) find it by the model\n"
+                 "identity, which is printed; encoding a dump without it needs --codec kvtc:calibration=FILE.")
     sp.add_argument("--model", default="smollm2", help=model_help + " (default: smollm2)")
     sp.add_argument("--text", action="append",
                     help=texts_help + " (repeatable; default: two licenses, two Python modules' source and two "
@@ -654,7 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--loss-weights", action="store_true",
                     help="scale each layer's key and value weights by the loss a unit error costs there, measured with "
                          "the model (about 90 CPU-seconds more; recommended for Gemma 3; docs/codecs/kvtc.md)")
-    sp.add_argument("--install", action="store_true", help="also install it in the cache folder as its model's calibration")
+    sp.add_argument("--install", action="store_true",
+                    help="also install it in the cache folder as the calibration of the model's identity")
     sp.add_argument("-o", "--output", required=True, help="output calibration file")
 
     sp = command("export-hf", cmd_export_hf, "write a model as a HuggingFace folder that vLLM can serve",

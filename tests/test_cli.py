@@ -35,10 +35,10 @@ def test_help_explains_itself(capsys, sub):
 
 @pytest.mark.parametrize("sub", ["dump", "eval", "calibrate"])
 def test_text_help_names_every_form_load_text_takes(capsys, sub):
-    """--text's help lists each kind of spec kvcodec.tools.texts.load_text reads, not only files and licenses."""
+    """--text's help lists each kind of spec kvcodec.texts.load_text reads, not only files and licenses."""
     with pytest.raises(SystemExit):
         build_parser().parse_args([sub, "--help"])
-    from kvcodec.tools.texts import SPECS
+    from kvcodec.texts import SPECS
 
     out = " ".join(capsys.readouterr().out.split())
     for form in [spec for spec in SPECS if " " not in spec]:  # the forms with a syntax (not "a file path")
@@ -139,7 +139,7 @@ def test_eval_measures_kivi_with_the_real_model(capsys, tmp_path):
 
 
 def test_quiet_silences_the_model_loading_bars(capsys, tmp_path):
-    from kvcodec.tools.models import _load_model
+    from kvcodec.models import _load_model
 
     _load_model.cache_clear()  # a model loaded earlier in this process would show no bar anyway
     code, out, err = run(capsys, "dump", "--text", "license:GPL-3", "--tokens", "16", "-o", str(tmp_path / "d.st"), "-q")
@@ -155,15 +155,27 @@ def test_backend_choices_are_the_codecs_backends():
         assert tuple(action.choices) == BACKENDS
 
 
-def test_calibrate_then_kvtc_on_real_kv(capsys, real_dump, tmp_path, monkeypatch):
-    """`kvcodec calibrate` on the real model (a small budget: one 2048-token segment, groups of 10 layers), quiet
-    when asked, and the calibration it writes codes a real cache of another text to within kvtc's error."""
+def test_calibrate_install_is_found_under_the_model_identity_hooks_use(capsys, real_dump, tmp_path, monkeypatch):
+    """`kvcodec calibrate --install` on the real model (a small budget: one 2048-token segment, groups of 10 layers),
+    quiet when asked: the calibration it writes codes a real cache of another text to within kvtc's error, and a
+    hook serving the model's file finds it by the model identity its store carries, without loading the model (it
+    was installed under the model's name, which no hook looks up)."""
+    from kvcodec.codecs.kvtc import calibration_for_model
+    from kvcodec.engines.auto_calibration import ensure_model_calibration, needs_first_calibration
+    from kvcodec.models import model_path
+    from kvcodec.store.identity import model_identity
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cal, kvc, back = (str(tmp_path / n) for n in ("smollm2.kvtc", "kv.kvc", "back.safetensors"))
     code, out, err = run(capsys, "calibrate", "--model", "smollm2", "--tokens", "2048", "--group-layers", "10",
-                         "-o", cal, "-q", "--json")
+                         "-o", cal, "-q", "--json", "--install")
     info = json.loads(out)
     assert code == EXIT_OK and err == "" and info["groups"] == 3 and info["tokens"] == 2047
+    served = model_identity(model_path("smollm2"))  # as a hook serving the GGUF file computes it
+    assert info["model_identity"] == served and info["installed"].endswith(info["sha256"] + ".kvtc")
+    assert not needs_first_calibration("kvtc", None, served)
+    assert ensure_model_calibration(served, lambda: pytest.fail("loaded the model"), print) == info["sha256"]
+    assert calibration_for_model(served).model == "SmolLM2-135M-Instruct"  # the name, for humans
     dump = str(real_dump("pydoc-topics", 300))
     assert run(capsys, "encode", dump, "-o", kvc, "--codec", f"kvtc:level=4,calibration={cal}", "-q")[0] == EXIT_OK
     code, out, _ = run(capsys, "decode", kvc, "-o", back, "--against", dump, "--json", "-q")

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from kvcodec.codecs.kvtc import Calibration
 from kvcodec.codecs.kvtc.calibration import LayerInfo
 from kvcodec.errors import CorruptDataError, InvalidInputError
-from kvcodec.tools import kvtc_eigen
-from kvcodec.tools.kvtc_calibration import Statistics, default_groups, fit_calibration
-from kvcodec.tools.kvtc_eigen import components_above, leading_eigenpairs
-from kvcodec.tools.kvtc_moments import Moments
+from kvcodec.codecs.kvtc import eigen as kvtc_eigen
+from kvcodec.codecs.kvtc.fit import Statistics, default_groups, fit_calibration
+from kvcodec.codecs.kvtc.eigen import components_above, leading_eigenpairs
+from kvcodec.codecs.kvtc.moments import Moments
 
 
 @settings(max_examples=25, deadline=None)
@@ -182,7 +182,7 @@ def test_format_2_stores_only_components_above_the_finest_floor_and_format_1_sti
 _FIT_IN_A_PROCESS = """
 import torch
 from kvcodec.codecs.kvtc.calibration import LayerInfo
-from kvcodec.tools.kvtc_calibration import fit_calibration
+from kvcodec.codecs.kvtc.fit import fit_calibration
 g = torch.Generator().manual_seed(5)
 x = torch.randn(300, 16, generator=g) @ torch.randn(16, 16, generator=g)
 ones = [torch.ones(8)] * 2
@@ -230,8 +230,8 @@ def test_a_container_written_with_a_format_1_calibration_still_decodes():
 def test_text_tokens_takes_the_same_share_of_each_calibration_text(smollm2):
     """``text_tokens`` keeps a mix balanced: each text gives at most that many tokens (here one 256-token segment
     each; the 44 left over are under a quarter segment and dropped), the sink token of each segment left out."""
-    from kvcodec.tools.kvtc_calibration import collect_statistics
-    from kvcodec.tools.texts import load_text
+    from kvcodec.codecs.kvtc.fit import collect_statistics
+    from kvcodec.texts import load_text
 
     texts = ["license:Artistic", "license:Apache-2.0"]
     assert all(len(smollm2.tokenize(load_text(t))) > 1000 for t in texts)  # uncapped: several segments each

@@ -1,9 +1,11 @@
 """How a kvtc decoder finds a calibration: never in the working directory unless named, every file checked
-against its hash and refused above a size limit before it is read, and a registry that stays bounded."""
+against its hash and refused above a size limit before it is read, and a registry that stays bounded; how an
+encoder finds its model's: by the model's identity, never by a name another model shares."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,8 +15,9 @@ import kvcodec
 from kvcodec.codecs.kvtc import KVTC, Calibration, MissingCalibrationError
 from kvcodec.codecs.kvtc import calibration as calmod
 from kvcodec.codecs.kvtc.calibration import LayerInfo
-from kvcodec.tools.kvtc_calibration import fit_calibration
-from kvcodec.errors import LimitExceededError
+from kvcodec.codecs.kvtc.fit import fit_calibration
+from kvcodec.engines import auto_calibration
+from kvcodec.errors import CorruptDataError, InvalidInputError, LimitExceededError
 
 L, H, D = 2, 1, 4
 
@@ -117,3 +120,98 @@ def test_the_registry_keeps_a_few_found_calibrations_and_every_registered_one(fr
             for i in range(calmod.MAX_FOUND + 2)]
     assert all(c.digest in calmod._registered for c in many + [pinned])
     assert np.array_equal(calmod.find_calibration(many[0].digest).keys[0].basis, base.keys[0].basis)
+
+
+# Two models served under one name (a fine-tune in a folder named like its base's), told apart by their identities.
+BASE, TUNED = "a" * 32, "b" * 32
+
+
+def test_a_name_shared_by_two_models_does_not_pick_the_others_calibration(fresh_process):
+    base, tuned = _calibration(5).of_model(BASE), _calibration(6).of_model(TUNED)
+    assert base.model == tuned.model == "toy-lookup"
+    for cal in (base, tuned):
+        calmod.install(cal)
+    calmod._registered.clear()  # a later process: only what is installed
+    assert calmod.calibration_for_model("toy-lookup") is None  # a name is ambiguous: never installed under it
+    assert calmod.calibration_for_model(BASE).digest == base.digest
+    assert calmod.calibration_for_model(TUNED).digest == tuned.digest
+    # an encoder given a cache of the tuned model uses the tuned model's calibration...
+    cache = SimpleNamespace(model="toy-lookup", model_digest=TUNED)
+    assert KVTC().for_cache(cache).calibration == tuned.digest
+    # ...and with only the base model's known (registered in this process, found by name), none: not the base's
+    calmod._registered.clear()
+    calmod.register_calibration(base)
+    calmod.os.remove(calmod.os.path.join(calmod.cache_dir(), calmod._model_file(TUNED)))
+    with pytest.raises(InvalidInputError, match=f"identity {TUNED}"):
+        KVTC().for_cache(cache)
+
+
+def test_a_calibration_made_before_identities_is_still_found_by_name(fresh_process):
+    legacy = _calibration(7)
+    assert legacy.model_digest == "" and legacy.model_key == "toy-lookup"
+    calmod.install(legacy)
+    calmod._registered.clear()
+    assert calmod.calibration_for_model("toy-lookup").digest == legacy.digest
+    # a cache with an identity falls back to it: it was made for that name before identities were recorded
+    assert KVTC().for_cache(SimpleNamespace(model="toy-lookup", model_digest=BASE)).calibration == legacy.digest
+    # the file's bytes are those it had before identities were recorded (containers name it by their hash)
+    assert b"model_digest" not in legacy.to_bytes() and b"model_digest" in legacy.of_model(BASE).to_bytes()
+    assert Calibration.from_bytes(legacy.of_model(BASE).to_bytes()).model_digest == BASE
+
+
+def test_first_use_calibration_is_named_by_the_model_identity(fresh_process, monkeypatch):
+    """An engine hook's first use installs the calibration under the identity its store carries (what `kvcodec
+    calibrate --install` installs under), recording the model's name for humans; not under the engine's model
+    path, which `kvcodec calibrate` never sees."""
+    from kvcodec.codecs.kvtc import fit
+
+    made = _calibration(8)
+    monkeypatch.setattr(fit, "calibrate", lambda loaded, **options: made)  # the fit itself: test_kvtc_fit.py
+    served = SimpleNamespace(model_id="toy-lookup")
+    lines: list[str] = []
+    assert auto_calibration.needs_first_calibration("kvtc", None, BASE)
+    digest = auto_calibration.ensure_model_calibration(BASE, lambda: served, lines.append)
+    calmod._registered.clear()
+    found = calmod.calibration_for_model(BASE)
+    assert found.digest == digest and found.model_digest == BASE and found.model == "toy-lookup"
+    assert not auto_calibration.needs_first_calibration("kvtc", None, BASE)
+    assert auto_calibration.needs_first_calibration("kvtc", None, TUNED)
+    # a later start finds it without loading the model
+    assert auto_calibration.ensure_model_calibration(BASE, lambda: pytest.fail("loaded the model"), lines.append) == digest
+
+
+def test_calibrate_in_background_names_the_calibration_by_the_store_identity(fresh_process, monkeypatch):
+    from kvcodec.codecs.kvtc import fit
+
+    monkeypatch.setattr(fit, "calibrate", lambda loaded, **options: _calibration(9))
+    switched = []
+    store = SimpleNamespace(model="/srv/models/tuned", identity=SimpleNamespace(model_digest=TUNED),
+                            codec=SimpleNamespace(codec_id="raw"), use_codec=switched.append)
+    lines: list[str] = []
+    auto_calibration.calibrate_in_background(store, lambda: SimpleNamespace(model_id="tuned"), lines.append).join(60)
+    assert len(switched) == 1 and switched[0].calibration == calmod.calibration_for_model(TUNED).digest, lines
+    assert calmod.calibration_for_model("/srv/models/tuned") is None
+
+
+def test_damaged_side_data_is_corrupt_data(fresh_process):
+    """A calibration fetched from a tier as side data raises CorruptDataError when it is damaged (so the store can
+    evict it), also when its bytes hash to the name but hold a malformed calibration."""
+    cal = _calibration(10)
+    codec = KVTC(calibration=cal)
+    data = bytearray(codec.side_data())
+    data[len(data) // 2] ^= 1
+    with pytest.raises(CorruptDataError, match="does not match its hash"):
+        codec.install_side_data(bytes(data))
+    # a file made to match the name a container records: layer indices that compare equal to ints but are not
+    raw = cal.to_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = calmod.json.loads(raw[8:8 + n])
+    layout = calmod.json.loads(header["__metadata__"]["layout"])
+    layout["groups"] = [[float(i) for i in g] for g in layout["groups"]]
+    header["__metadata__"]["layout"] = calmod.json.dumps(layout)
+    text = calmod.json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    forged = len(text).to_bytes(8, "little") + text + raw[8 + n:]
+    named = KVTC(calibration=calmod.hashlib.sha256(forged).hexdigest())
+    with pytest.raises(CorruptDataError):
+        named.install_side_data(forged)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvcodec.errors import InvalidInputError
-from kvcodec.tools.kvtc_calibration import DEFAULT_CALIBRATION_TEXTS
-from kvcodec.tools.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS, load_text
+from kvcodec.codecs.kvtc.fit import DEFAULT_CALIBRATION_TEXTS
+from kvcodec.texts import DEFAULT_EVAL_TEXTS, HELDOUT_TEXTS, load_text
 
 
 @pytest.mark.parametrize("spec", DEFAULT_CALIBRATION_TEXTS + DEFAULT_EVAL_TEXTS + HELDOUT_TEXTS)

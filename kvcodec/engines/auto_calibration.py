@@ -1,19 +1,20 @@
 """Engine hooks' first use of ``kvtc``: calibrate the served model when no calibration of it is installed.
 
 An engine hook has the model, so ``codec="kvtc"`` with ``calibration="auto"`` (the default) needs no separate
-``kvcodec calibrate`` step: the first start finds none installed for the model name its store uses, runs
-:func:`kvcodec.tools.kvtc_calibration.ensure_calibration` on the model (installing the result in the cache folder), and
-says so in the log; later starts find the installed one.  Engines that run several processes at once (vLLM's
-scheduler and workers) take a lock per model, so one of them calibrates and the others wait and find it.
+``kvcodec calibrate`` step: the first start finds none installed under the model's identity (the digest of its
+configuration and weights that its store's keys carry, :func:`kvcodec.store.identity.model_identity`), fits one
+on the model (:func:`kvcodec.codecs.kvtc.fit.ensure_calibration`, installing it in the cache folder under that
+identity) and says so in the log; later starts, and ``kvcodec calibrate --model M --install`` beforehand, find
+it there.  Engines that run several processes at once (vLLM's scheduler and workers) take a lock per model, so one
+of them calibrates and the others wait and find it.
 
-Loading and calibrating a model is tooling (:mod:`kvcodec.tools`): it is imported only at the moment a first start
-calibrates, so a serving process that finds its calibration installed never loads it.
+The model is loaded (:mod:`kvcodec.models`) and the fit imported only when a first start calibrates, so a serving
+process that finds its calibration installed never pays for either.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import os
@@ -47,7 +48,7 @@ def ready_variants(codec: Any) -> list[str]:
 def load_served_model(model: str, log: Callable[[str], None]) -> Any:
     """The model an engine serves (its folder, a GGUF file or ``smollm2``), loaded with transformers on the CPU
     in float32 to calibrate it: the engine's own copy of the weights is in a layout of its own."""
-    from kvcodec.tools.models import load_model
+    from kvcodec.models import load_model
 
     log(f"kvtc: loading {model} with transformers on the CPU (float32) to calibrate it")
     return load_model(model, progress=False)
@@ -68,30 +69,33 @@ def _model_lock(model: str) -> Iterator[None]:
 
 def ensure_model_calibration(model: str, load: Callable[[], Any], log: Callable[[str], None],
                              options: dict[str, Any] | None = None) -> str:
-    """The digest of the kvtc calibration of ``model`` (the name the store's keys and caches carry): the one
-    installed, else one computed now from ``load()`` (a :class:`kvcodec.tools.models.LoadedModel`, loaded only then)
-    with ``options`` for :func:`kvcodec.tools.kvtc_calibration.calibrate`, installed and registered."""
+    """The digest of the kvtc calibration of ``model`` (the model's identity, as the store's keys carry it; a
+    model's name finds only calibrations made before identities were recorded): the one installed, else one fitted
+    now to ``load()`` (a :class:`kvcodec.models.LoadedModel`, loaded only then, whose name the file records for
+    humans) with ``options`` for :func:`kvcodec.codecs.kvtc.fit.calibrate`, installed under ``model`` and
+    registered."""
     with _model_lock(model):
         cal = calibration_for_model(model)
         if cal is not None:
-            log(f"kvtc: using the installed calibration {cal.digest} of {model}")
+            log(f"kvtc: using the installed calibration {cal.digest} of {cal.model} ({model})")
             return register_calibration(cal).digest
-        from kvcodec.tools.kvtc_calibration import ensure_calibration
+        from kvcodec.codecs.kvtc.fit import ensure_calibration
 
-        loaded = dataclasses.replace(load(), model_id=model)  # the calibration is named as the store names the model
-        return ensure_calibration(loaded, log=log, **(options or {})).digest
+        return ensure_calibration(load(), log=log, model_digest=model, **(options or {})).digest
 
 
 def calibrate_in_background(store: Any, load: Callable[[], Any], log: Callable[[str], None],
                             codec_options: dict[str, Any] | None = None,
                             calibration_options: dict[str, Any] | None = None, codec: Any = "kvtc") -> threading.Thread:
-    """Calibrate the model of ``store`` (named ``store.model``) in a thread, then switch the store to ``codec`` (an
-    id with ``codec_options``, or a list of variant specs) over that calibration: until then it saves and loads
-    with the codec it has.  A first request then waits for nothing; a failed calibration is logged and the store
-    keeps its codec."""
+    """Calibrate the model of ``store`` (known by its identity, ``store.identity.model_digest``, else by
+    ``store.model``) in a thread, then switch the store to ``codec`` (an id with ``codec_options``, or a list of
+    variant specs) over that calibration: until then it saves and loads with the codec it has.  A first request then
+    waits for nothing; a failed calibration is logged and the store keeps its codec."""
+    name = store.identity.model_digest or store.model
+
     def run() -> None:
         try:
-            digest = ensure_model_calibration(store.model, load, log, calibration_options)
+            digest = ensure_model_calibration(name, load, log, calibration_options)
             variants = [get_codec(i, **{**o, "calibration": digest}) if codec_class(i).needs_model(o) else
                         get_codec(i, **o) for i, o in _specs(codec, codec_options)]
             store.use_codec(variants[0] if isinstance(codec, str) else variants)
@@ -105,5 +109,6 @@ def calibrate_in_background(store: Any, load: Callable[[], Any], log: Callable[[
 
 
 def needs_first_calibration(codec: Any, codec_options: dict[str, Any] | None, model: str) -> bool:
-    """Whether a store of ``codec`` for ``model`` would have to make a calibration before its first save."""
+    """Whether a store of ``codec`` for ``model`` (its identity, as :func:`ensure_model_calibration` takes it) would
+    have to make a calibration before its first save."""
     return wants_calibration(codec, codec_options) and calibration_for_model(model) is None

@@ -34,8 +34,8 @@ def golden_calibration(source: kvcodec.KVCache) -> Calibration:
     import numpy as np
 
     from kvcodec.codecs.kvtc.calibration import LayerInfo
-    from kvcodec.tools.kvtc_calibration import fit_calibration
-    from kvcodec.codecs.kvtc.rope import Rotary
+    from kvcodec.codecs.kvtc.fit import fit_calibration
+    from kvcodec.positions import Rotary
 
     h, _, d = source.layers[0].keys.shape
     rot = Rotary(SMOLLM2_ROPE_THETA ** (-np.arange(0, d, 2, dtype=np.float64) / d))

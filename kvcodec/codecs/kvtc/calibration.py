@@ -7,9 +7,13 @@ config, and a decoder looks it up, in order, among the calibrations registered i
 cache folder (:func:`cache_dir`); never in the working directory unless a caller names it.  A file found by
 its hash is checked against it before use.  A ``KVStore`` keeps the calibrations its chunks need beside them.
 
+An encoder finds the calibration of a model by the model's identity (:func:`kvcodec.store.identity.model_identity`,
+a digest of its configuration and weights), which the file records beside the model's name for humans and under
+which it is installed; calibrations made before identities were recorded are found by the model's name.
+
 Features.  Layers are pooled in groups (consecutive layers of one kind: shape, rotary setting, window; by default
-the fewest groups of at most 4096 features, see ``kvcodec.tools.kvtc_calibration.default_groups``); a token's
-feature vector in a group is the concatenation of its layers' ``[heads, dim]`` keys (or values).  Keys are first rotated back to
+the fewest groups of at most 4096 features, see :func:`kvcodec.codecs.kvtc.fit.default_groups`); a token's feature vector in a group is the concatenation of
+its layers' ``[heads, dim]`` keys (or values).  Keys are first rotated back to
 position 0 (the rotary embedding undone), then centred and multiplied by a weight per channel:
 
 * keys: the RMS of the calibration queries that read the channel's rotary pair (summed over the query heads
@@ -40,6 +44,7 @@ where a component's standard deviation falls below the codec's default ``min_std
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -50,7 +55,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvcodec.codecs.kvtc.rope import Rotary
+from kvcodec.positions import Rotary
 from kvcodec.errors import CorruptDataError, LimitExceededError, MissingCalibrationError
 from kvcodec.files import write_atomically
 
@@ -101,7 +106,10 @@ class LayerInfo:
 
 @dataclass
 class Calibration:
-    """Everything ``kvtc`` needs for one model: layer groups, their bases, the layers' rotary settings."""
+    """Everything ``kvtc`` needs for one model: layer groups, their bases, the layers' rotary settings.
+
+    ``model`` names the model for humans; ``model_digest`` is its identity (empty in calibrations made before
+    identities were recorded): the name it is installed and found under (:func:`calibration_for_model`)."""
 
     model: str
     layers: list[LayerInfo]
@@ -109,6 +117,7 @@ class Calibration:
     keys: list[GroupBasis]
     values: list[GroupBasis]
     settings: dict[str, Any] = field(default_factory=dict)
+    model_digest: str = ""
     _bytes: bytes | None = field(default=None, repr=False)
 
     # --- identity and files -------------------------------------------------------------
@@ -128,14 +137,27 @@ class Calibration:
                     tensors[f"rotary.{i}.inv_freq"] = torch.from_numpy(layer.rotary.inv_freq.astype(np.float64))
             layout = {"layers": [[l.heads, l.key_dim, l.value_dim, None if l.rotary is None else l.rotary.scaling]
                                  for l in self.layers], "groups": self.groups, "settings": self.settings}
-            self._bytes = _sorted_header(save(tensors, metadata={"format": FORMAT, "model": self.model,
-                                                                 "layout": json.dumps(layout, sort_keys=True)}))
+            meta = {"format": FORMAT, "model": self.model, "layout": json.dumps(layout, sort_keys=True)}
+            if self.model_digest:  # absent, a file has the bytes it had before identities were recorded
+                meta["model_digest"] = self.model_digest
+            self._bytes = _sorted_header(save(tensors, metadata=meta))
         return self._bytes
 
     @property
     def digest(self) -> str:
         """SHA-256 of the file's bytes: the name containers record."""
         return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    @property
+    def model_key(self) -> str:
+        """The name this calibration is installed and found under: the model's identity, else (a calibration made
+        before identities were recorded) the model's name."""
+        return self.model_digest or self.model
+
+    def of_model(self, model_digest: str) -> Calibration:
+        """This calibration recorded as that of the model whose identity is ``model_digest`` (another file, so
+        another digest)."""
+        return dataclasses.replace(self, model_digest=model_digest, _bytes=None)
 
     def save(self, path: str | os.PathLike[str]) -> str:
         """Write the calibration file (atomically); returns its digest."""
@@ -144,6 +166,8 @@ class Calibration:
 
     @classmethod
     def from_bytes(cls, data: bytes, expect_digest: str | None = None) -> Calibration:
+        """The calibration in ``data``; ``CorruptDataError`` for anything that is not one (bytes that do not hash to
+        ``expect_digest``, or that do but hold no well-formed calibration: a file made to match a name)."""
         from safetensors import SafetensorError
         from safetensors.torch import load
 
@@ -163,10 +187,11 @@ class Calibration:
             bases = {kind: [GroupBasis(tensors[f"{kind}.{g}.mean"], tensors[f"{kind}.{g}.weight"],
                                        tensors[f"{kind}.{g}.basis"], tensors[f"{kind}.{g}.variance"])
                             for g in range(len(groups))] for kind in ("keys", "values")}
-        except (SafetensorError, KeyError, ValueError, TypeError) as e:
-            raise CorruptDataError(f"not a kvtc calibration file: {e}") from None
-        cal = cls(meta.get("model", ""), layers, groups, bases["keys"], bases["values"], layout.get("settings", {}), data)
-        cal._check()
+            cal = cls(str(meta.get("model", "")), layers, groups, bases["keys"], bases["values"],
+                      layout.get("settings", {}), str(meta.get("model_digest", "")), data)
+            cal._check()
+        except (SafetensorError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+            raise CorruptDataError(f"not a kvtc calibration file: {type(e).__name__}: {e}") from None
         return cal
 
     @classmethod
@@ -186,7 +211,7 @@ class Calibration:
 
     def _check(self) -> None:
         seen = [l for g in self.groups for l in g]
-        if sorted(seen) != list(range(len(self.layers))):
+        if not all(type(l) is int for l in seen) or sorted(seen) != list(range(len(self.layers))):
             raise CorruptDataError("kvtc calibration's groups do not cover its layers once each")
         for g, layers in enumerate(self.groups):
             for kind, dim in (("keys", "key_dim"), ("values", "value_dim")):
@@ -263,14 +288,14 @@ def _remember_found(cal: Calibration) -> Calibration:
 
 
 def install(cal: Calibration, folder: str | None = None) -> str:
-    """Copy ``cal`` into ``folder`` (default: the cache folder) as ``<hash>.kvtc`` and record it as the
-    calibration of its model there; returns the path."""
+    """Copy ``cal`` into ``folder`` (default: the cache folder) as ``<hash>.kvtc`` and record it there as the
+    calibration of its model (under :attr:`Calibration.model_key`); returns the path."""
     folder = folder or cache_dir()
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, cal.digest + SUFFIX)
     if not os.path.exists(path):
         cal.save(path)
-    write_atomically(os.path.join(folder, _model_file(cal.model)), (cal.digest + "\n").encode())
+    write_atomically(os.path.join(folder, _model_file(cal.model_key)), (cal.digest + "\n").encode())
     return path
 
 
@@ -305,14 +330,15 @@ def find_calibration(digest: str, paths: Sequence[str | os.PathLike[str]] = ()) 
 
 
 def calibration_for_model(model: str | None, paths: Sequence[str | os.PathLike[str]] = ()) -> Calibration | None:
-    """The calibration an encoder uses for caches of ``model``: the last registered for it, else the one
-    installed for it in the search path."""
+    """The calibration an encoder uses for caches of ``model`` (a model identity, or a model's name): the last
+    registered in this process whose identity or name it is, else the one installed under it in the search path
+    (a name finds only calibrations made before identities were recorded: names are ambiguous)."""
     if not model:
         return None
     with _lock:
         known = list(_registered.values())
     for cal in reversed(known):
-        if cal.model == model:
+        if model in (cal.model_digest, cal.model):
             return cal
     for folder in search_dirs(paths):
         marker = os.path.join(folder, _model_file(model))

@@ -11,8 +11,8 @@ import kvcodec
 from kvcodec.cache import KVCache
 from kvcodec.codecs import Codec
 from kvcodec.codecs.kvtc.calibration import Calibration, LayerInfo
-from kvcodec.tools.kvtc_calibration import default_groups, fit_calibration
-from kvcodec.codecs.kvtc.rope import Rotary
+from kvcodec.codecs.kvtc.fit import default_groups, fit_calibration
+from kvcodec.positions import Rotary
 from kvcodec.formats.v1 import Header
 from kvcodec.tools.fuzz.container import unseal
 from kvcodec.tools.fuzz.mutate import Seed

@@ -20,7 +20,7 @@ DEFAULT_EVAL_TEXTS = ("pydoc-topics", "license:GPL-3", "license:MPL-2.0")
 # dict literal).  kvtc's out-of-domain checks (bench/rate_distortion.py --texts heldout,
 # bench/studies/kvtc_heldout_levers.py) measure on them.
 HELDOUT_TEXTS = ("stdlib:email/architecture.rst", "package:matplotlib/mpl-data/matplotlibrc", "stdlib:html/entities.py")
-# kvtc's calibration texts (kvcodec.tools.kvtc_calibration): legal prose, Python source and documentation pages,
+# kvtc's calibration texts (kvcodec.codecs.kvtc.fit): legal prose, Python source and documentation pages,
 # at most DEFAULT_TEXT_TOKENS of each; none is an evaluation text or a held-out kind, or a version of one.  Measured
 # on SmolLM2 at level 2 (bench/studies/results/kvtc_heldout-levers.md), this mix's basis left 37% less KL divergence on
 # the held-out kinds than four licenses of about as many tokens (0.0140 against 0.0223 nats per token, at 6% fewer

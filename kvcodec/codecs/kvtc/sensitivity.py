@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from kvcodec.errors import InvalidInputError
-from kvcodec.tools.texts import load_text
+from kvcodec.texts import load_text
 
 SENSITIVITY_TEXTS = ("license:GFDL-1.3",)  # a calibration text (never an evaluation one)
 PREFIX_TOKENS = 1024

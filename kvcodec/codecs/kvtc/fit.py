@@ -1,7 +1,8 @@
-"""Computing kvtc calibrations: run a model over calibration text, weigh its keys and values, fit the PCA bases.
+"""Fitting kvtc calibrations: run a model over calibration text, weigh its keys and values, fit the PCA bases, and
+install the result where encoders find it (an engine hook's first use of kvtc does this while serving).
 
 The design (features, weights, truncation) is described in :mod:`kvcodec.codecs.kvtc.calibration`, which holds
-what a decoder needs of a calibration (the file, its lookup); this half runs models, so it is tooling.
+what a decoder needs of a calibration (the file, its lookup).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import torch
 from kvcodec.cache import KVCache
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, LayerInfo, cache_dir, calibration_for_model,
                                              install, register_calibration)
+from kvcodec.codecs.kvtc.eigen import leading_eigenpairs
 from kvcodec.codecs.kvtc.levels import LEVELS
-from kvcodec.codecs.kvtc.rope import Rotary
+from kvcodec.codecs.kvtc.moments import Moments
+from kvcodec.positions import Rotary
+from kvcodec.codecs.kvtc.sensitivity import equalized_weights
 from kvcodec.errors import InvalidInputError
-from kvcodec.tools.kvtc_eigen import leading_eigenpairs
-from kvcodec.tools.kvtc_moments import Moments
-from kvcodec.tools.kvtc_sensitivity import equalized_weights
-from kvcodec.tools.texts import DEFAULT_CALIBRATION_TEXTS, DEFAULT_TEXT_TOKENS, load_text
+from kvcodec.texts import DEFAULT_CALIBRATION_TEXTS, DEFAULT_TEXT_TOKENS, load_text
 
 SEGMENT_TOKENS = 2048
 SINK_TOKENS = 1  # left out of the statistics: kvtc stores them exactly
@@ -209,8 +210,8 @@ def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_T
                        group_layers: int | None = None, segment_tokens: int = SEGMENT_TOKENS,
                        max_tokens: int | None = None, text_tokens: int | None = DEFAULT_TEXT_TOKENS,
                        undo_rope: bool = True, progress: Any = None) -> Statistics:
-    """Run ``loaded`` (a :class:`kvcodec.tools.models.LoadedModel`) over ``texts`` (specs for
-    :func:`kvcodec.tools.texts.load_text`) in segments of ``segment_tokens`` and accumulate the calibration
+    """Run ``loaded`` (a :class:`kvcodec.models.LoadedModel`) over ``texts`` (specs for
+    :func:`kvcodec.texts.load_text`) in segments of ``segment_tokens`` and accumulate the calibration
     statistics of the groups ``group_layers`` gives (see :func:`default_groups`), from at most ``text_tokens`` of
     each text (None: all of it) and ``max_tokens`` in all.  Memory: the model, one segment's
     activations, and the groups' moments (``8·(F² + 2F)`` bytes per group and K/V, F its width)."""
@@ -327,7 +328,7 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
 
     ``group_layers`` pools that many consecutive layers per basis (None: :func:`default_groups`' rule).
     ``loss_weights`` scales each layer's key and value weights so that a unit of error costs the same loss in
-    every layer of a kind, as measured with the model (:mod:`kvcodec.tools.kvtc_sensitivity`).  Off by default: it
+    every layer of a kind, as measured with the model (:mod:`kvcodec.codecs.kvtc.sensitivity`).  Off by default: it
     moves bits to where they buy the most (Gemma 3 270M, level 4, its three evaluation texts: 1.124 bits at +1.23%,
     KL 0.0112, against 1.080 bits at +2.14%, KL 0.0173 with the values' alone), but values-only loss weights moved
     SmolLM2's default level to 0.658 bits at +0.39%, over that level's 0.6-bit target
@@ -395,17 +396,23 @@ def _basis(moments: Moments, w: torch.Tensor, min_std: float) -> GroupBasis:
     return GroupBasis(moments.mean.float(), w.float(), vec.half(), var.float())
 
 
-def ensure_calibration(loaded: Any, log: Any = None, **options: Any) -> Calibration:
+def ensure_calibration(loaded: Any, log: Any = None, *, model_digest: str = "", **options: Any) -> Calibration:
     """The calibration installed for ``loaded``'s model, or a new one computed now (with ``options`` for
     :func:`calibrate`), installed in the cache folder and announced through ``log`` (a callable taking a line):
-    how tools and engine hooks that have the model get one on first use."""
-    cal = calibration_for_model(loaded.model_id)
+    how tools and engine hooks that have the model get one on first use.  The model is known by ``model_digest``
+    (its identity: :func:`kvcodec.store.identity.model_identity`), which a new calibration records and is
+    installed under; without one, by ``loaded.model_id`` (a name, as calibrations were named before)."""
+    key = model_digest or loaded.model_id
+    cal = calibration_for_model(key)
     if cal is not None:
         return register_calibration(cal)
     if log:
-        log(f"kvtc: no calibration of {loaded.model_id} installed; calibrating it now (once) into {cache_dir()}")
+        log(f"kvtc: no calibration of {loaded.model_id} ({key}) installed; calibrating it now (once) into "
+            f"{cache_dir()}")
     cal = calibrate(loaded, **options)
+    if model_digest:
+        cal = cal.of_model(model_digest)
     path = install(cal)
     if log:
-        log(f"kvtc: calibration {cal.digest} of {loaded.model_id} installed as {path}")
+        log(f"kvtc: calibration {cal.digest} of {loaded.model_id} ({key}) installed as {path}")
     return register_calibration(cal)
