@@ -72,5 +72,5 @@ def redis_server(tmp_path):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from kvcodec.tools.models import load_model
+    from kvcodec.models import load_model
     return load_model("smollm2")

@@ -43,6 +43,6 @@ def tokenizer(smollm2_hf):
 @pytest.fixture(scope="session")
 def texts(tokenizer) -> dict[str, list[int]]:
     """Token ids of real texts (Debian's license files), long enough for any prompt here."""
-    from kvcodec.tools.texts import load_text
+    from kvcodec.texts import load_text
 
     return {name: tokenizer(load_text(f"license:{name}")).input_ids for name in ("GPL-3", "MPL-2.0", "Apache-2.0")}

@@ -43,7 +43,7 @@ def test_kvtc_calibrates_on_first_use_saves_and_loads(kvtc_engine, texts, smollm
     assert again["num_cached_tokens"] == HIT and len(again["token_ids"]) == MAX_TOKENS
 
     # the stored chunks decode to the model's KV within kvtc's error
-    from kvcodec.tools.models import load_model
+    from kvcodec.models import load_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     store = connector_store(extra, smollm2_hf)  # finds the calibration the engine installed
