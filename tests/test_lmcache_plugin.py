@@ -12,6 +12,8 @@ import torch
 import kvcodec
 import kvcodec.engines.lmcache_plugin as lp
 from kvcodec.cache import KVCache
+from kvcodec.codecs import get_codec
+from kvcodec.engines.lmcache import serde
 from kvcodec.errors import InvalidInputError
 from kvcodec.store import KVStore
 
@@ -53,31 +55,47 @@ def _run(coro):
     return asyncio.new_event_loop().run_until_complete(coro)
 
 
+def _object_key(chunk_hash: bytes = b"a" * 16, model: str = "m", salt: str = "") -> SimpleNamespace:
+    """LMCache's ``ObjectKey`` (what its multiprocess server hands the serializer with each object)."""
+    return SimpleNamespace(chunk_hash=chunk_hash, model_name=model, kv_rank=0, object_group_id=0, cache_salt=salt)
+
+
+def _serialized(ser, chunk: torch.Tensor, key) -> torch.Tensor:
+    """``chunk`` serialized for ``key`` into an estimate-sized buffer followed, as LMCache loads it, by slack of no
+    meaning."""
+    layout = SimpleNamespace(shapes=[chunk.shape], dtypes=[chunk.dtype])
+    buf = FakeMemoryObj(torch.zeros(ser.estimate_serialized_size(layout), dtype=torch.uint8))
+    n = ser.serialize(FakeMemoryObj(chunk), buf, key)
+    assert 0 < n <= buf.tensor.numel()
+    loaded = torch.randint(0, 256, (buf.tensor.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    loaded[:n] = buf.tensor[:n]
+    return loaded
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_raw_round_trip_bit_exact(dtype):
-    chunk = _chunk(dtype)
-    codec = lp.LMCacheChunkCodec("raw", num_heads=H)
-    data = codec.encode(chunk)
-    back = codec.decode(data)
-    assert back.dtype == dtype and back.shape == chunk.shape and torch.equal(back, chunk)
-    # the same as going through KVCache by hand
-    assert KVCache.from_lmcache(chunk, H).to_lmcache().equal(chunk)
+def test_serializer_raw_round_trip_bit_exact(dtype):
+    ser, de = lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": H})
+    chunk, key = _chunk(dtype), _object_key()
+    out = FakeMemoryObj(torch.empty_like(chunk))
+    de.deserialize(FakeMemoryObj(_serialized(ser, chunk, key)), out, key)
+    assert out.tensor.dtype == dtype and torch.equal(out.tensor, chunk)
 
 
-def test_cachegen_round_trip_real_kv(real_kv):
-    """A real SmolLM2 chunk (256 tokens, 30 layers, 3 KV heads of 64) in LMCache's layout through cachegen."""
+def test_serializer_cachegen_round_trip_real_kv(real_kv):
+    """A real SmolLM2 chunk (256 tokens, 30 layers, 3 KV heads of 64) in LMCache's layout through cachegen:
+    exactly what cachegen makes of it, compressed."""
     kv = KVCache([(l.keys[:, :256], l.values[:, :256]) for l in real_kv.layers])
     chunk = kv.to_lmcache()
     assert chunk.shape == (2, 30, 256, 3 * 64)
-    codec = lp.LMCacheChunkCodec("cachegen", num_heads=3)
-    data = codec.encode(chunk)
-    back = codec.decode(data)
-    assert back.shape == chunk.shape and back.dtype == chunk.dtype
-    assert len(data) < chunk.numel() * 2 / 2.5  # well under the fp16 bytes
-    # exactly what kvcodec's own API gives for the same cache
-    direct = kvcodec.decode(kvcodec.encode(kv, lp.get_codec("cachegen"), chunk_tokens=256)).to_lmcache()
-    assert torch.equal(back, direct)
-    rel_rms = (back.float() - chunk.float()).pow(2).mean().sqrt() / chunk.float().pow(2).mean().sqrt()
+    ser, de = lp.make_serde({"type": "kvcodec", "codec": "cachegen", "num_heads": 3})
+    key = _object_key()
+    loaded = _serialized(ser, chunk, key)
+    assert int(serde.SERIALIZED_LENGTH.unpack(loaded[:8].numpy().tobytes())[0]) < chunk.numel() * 2 / 2.5
+    out = FakeMemoryObj(torch.empty_like(chunk))
+    de.deserialize(FakeMemoryObj(loaded), out, key)
+    direct = kvcodec.decode(kvcodec.encode(kv, get_codec("cachegen"), chunk_tokens=256)).to_lmcache()
+    assert torch.equal(out.tensor, direct)
+    rel_rms = (out.tensor.float() - chunk.float()).pow(2).mean().sqrt() / chunk.float().pow(2).mean().sqrt()
     assert rel_rms < 0.25  # lossy (the per-element error is what cachegen trades for ~3.5x; quality is measured in bench/)
 
 
@@ -134,22 +152,20 @@ def test_codec_options_from_url():
         lp.connector_from_url("kvcodec://local/?backend=tape")
 
 
-def test_serializer_round_trip():
+def test_serializer_refuses_a_short_buffer_and_registers_only_with_lmcache():
     ser, de = lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": H})
-    chunk = _chunk(torch.float16, seed=5)
-    layout = SimpleNamespace(shapes=[chunk.shape], dtypes=[chunk.dtype])
-    buf = FakeMemoryObj(torch.zeros(ser.estimate_serialized_size(layout), dtype=torch.uint8))
-    n = ser.serialize(FakeMemoryObj(chunk), buf, None)
-    assert 0 < n <= buf.tensor.numel()
-    # LMCache loads the stored bytes into a buffer of the estimated size: slack of no meaning follows them
-    loaded = torch.randint(0, 256, (buf.tensor.numel(),), dtype=torch.uint8)
-    loaded[:n] = buf.tensor[:n]
-    out = FakeMemoryObj(torch.empty_like(chunk))
-    de.deserialize(FakeMemoryObj(loaded), out, None)
-    assert torch.equal(out.tensor, chunk)
+    chunk, key = _chunk(), _object_key()
+    loaded = _serialized(ser, chunk, key)
+    n = int(serde.SERIALIZED_LENGTH.unpack(loaded[:8].numpy().tobytes())[0])
     with pytest.raises(kvcodec.CorruptDataError):  # a length beyond the buffer
-        de.deserialize(FakeMemoryObj(loaded[: n - 1]), out, None)
+        de.deserialize(FakeMemoryObj(loaded[: n + 7]), FakeMemoryObj(torch.empty_like(chunk)), key)
     assert lp.register() is lp.HAVE_LMCACHE_SERDE
+    with pytest.raises(InvalidInputError, match="num_heads"):
+        lp.make_serde({"type": "kvcodec", "codec": "raw"})
+    with pytest.raises(InvalidInputError, match="tiers"):
+        lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": H, "tiers": ["cpu"]})
+    with pytest.raises(InvalidInputError, match="secret"):
+        lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": H, "secret": "s" * 32})
 
 
 def test_adapter_takes_the_plugin_url_of_remote_storage_plugins():
@@ -217,12 +233,11 @@ def test_a_local_decode_fault_is_a_miss_that_keeps_the_entry(monkeypatch):
 
 def test_deserializer_refuses_a_chunk_of_another_shape_with_the_same_element_count():
     ser, de = lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": 4})
-    chunk = torch.randn(2, 4, 8, 4 * 4).half()  # [2, L=4, T=8, H*D=16]
-    buf = FakeMemoryObj(torch.zeros(ser.estimate_serialized_size(chunk.shape), dtype=torch.uint8))
-    ser.serialize(FakeMemoryObj(chunk), buf, None)
+    chunk, key = torch.randn(2, 4, 8, 4 * 4).half(), _object_key()  # [2, L=4, T=8, H*D=16]
+    loaded = _serialized(ser, chunk, key)
     out = FakeMemoryObj(torch.zeros(2, 8, 4, 16, dtype=torch.float16))  # 8 layers of 4 tokens: same count
-    with pytest.raises(kvcodec.CorruptDataError, match="buffer"):
-        de.deserialize(buf, out, None)
+    with pytest.raises(kvcodec.CorruptDataError):
+        de.deserialize(FakeMemoryObj(loaded), out, key)
     assert not out.tensor.any()
 
 
@@ -236,3 +251,68 @@ def test_with_a_deployment_secret_values_are_authenticated(monkeypatch):
     assert torch.equal(_run(conn.get(Key("k"))).tensor, chunk)
     _plant(conn, "k", _chunk(seed=9))  # valid KV, no tag
     assert _run(conn.get(Key("k"))) is None and not conn.exists_sync(Key("k")) and conn.stats["corrupt"] == 1
+
+
+# --- the serializer binds each value to LMCache's object key (issue 32) -------------------------------
+
+def test_copied_object_does_not_hit_under_another_key():
+    """LMCache's multiprocess server hands the serializer each object's key: an object stored under key A and
+    copied under key B (any client of a shared L2 can do that) is refused under B, never B's KV."""
+    ser, de = lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": H})
+    a, b = _object_key(b"a" * 16), _object_key(b"b" * 16)
+    chunk = _chunk(seed=11)
+    stored_a = _serialized(ser, chunk, a)
+    out = FakeMemoryObj(torch.zeros_like(chunk))
+    for other in (b, _object_key(b"a" * 16, salt="tenant2"), _object_key(b"a" * 16, model="other")):
+        with pytest.raises(kvcodec.CorruptDataError):
+            de.deserialize(FakeMemoryObj(stored_a.clone()), out, other)
+        assert not out.tensor.any()
+    de.deserialize(FakeMemoryObj(stored_a), out, a)
+    assert torch.equal(out.tensor, chunk)
+
+
+def test_serialized_value_without_the_secret_is_refused(monkeypatch):
+    """With ``$KVCODEC_STORE_SECRET`` set, the serializer seals each value and the deserializer refuses one written
+    without the secret (valid KV, bound to the right key)."""
+    from kvcodec.store.auth import SECRET_ENV
+
+    chunk, key = _chunk(seed=12), _object_key()
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    unsealed = _serialized(lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": H})[0], chunk, key)
+    monkeypatch.setenv(SECRET_ENV, "s" * 32)
+    ser, de = lp.make_serde({"type": "kvcodec", "codec": "raw", "num_heads": H})
+    out = FakeMemoryObj(torch.zeros_like(chunk))
+    with pytest.raises(kvcodec.CorruptDataError):
+        de.deserialize(FakeMemoryObj(unsealed), out, key)
+    assert not out.tensor.any()
+    de.deserialize(FakeMemoryObj(_serialized(ser, chunk, key)), out, key)
+    assert torch.equal(out.tensor, chunk)
+
+
+# --- one configuration (issue 32) ------------------------------------------------------------------
+
+def test_kvcodec_url_with_a_password_is_refused():
+    """Engines log their configuration: a Redis password goes in a file or an environment variable the URL names."""
+    for url in ("kvcodec://:hunter2@127.0.0.1:6379/?backend=redis&codec=raw",
+                "kvcodec://alice:p%40ss@127.0.0.1:6379/0?backend=rediss&codec=raw"):
+        with pytest.raises(InvalidInputError, match="password_file") as err:
+            lp.connector_from_url(url)
+        assert "hunter2" not in str(err.value) and "p%40ss" not in str(err.value)
+
+
+def test_url_settings_are_the_store_configuration(tmp_path):
+    """The URL's store settings (namespace, chunk size, calibration policy) reach the store; a setting neither the
+    store, the tier nor the codec takes is an error."""
+    from kvcodec.engines.lmcache.settings import url_config
+
+    config, own = url_config(f"kvcodec://{tmp_path}/kv?backend=disk&capacity=1MiB&codec=kivi&bits=4&num_heads=3"
+                             "&namespace=team-a&calibrate=now&calibrate.max_tokens=512&workers=3")
+    assert own == {"backend": "disk", "num_heads": "3", "workers": "3"}
+    assert config.codec == "kivi" and config.codec_options == {"bits": 4} and config.namespace == "team-a"
+    assert config.calibrate == "now" and config.calibration_options == {"max_tokens": 512}
+    assert config.tiers == (f"file://{tmp_path}/kv?capacity=1MiB",)
+    conn = lp.connector_from_url(f"kvcodec://local/?backend=memory&codec=raw&num_heads={H}&namespace=team-a")
+    assert conn.store.identity.namespace == "team-a" and conn.key(Key("k")).startswith(
+        conn.store.engine_key("k", b"lmcache-chunk/1\0")[:8])
+    with pytest.raises(InvalidInputError, match="nosuch"):
+        lp.connector_from_url(f"kvcodec://local/?backend=memory&codec=raw&num_heads={H}&nosuch=1")
