@@ -11,20 +11,17 @@ import pytest
 import torch
 
 import kvcodec.engines.vllm_connector as vc
+import kvcodec.engines.vllm_connector.worker as worker_module
 import kvcodec.layouts.paged as paged_module
-import kvcodec.store.load as load_module
+import kvcodec.layouts.sinks as sinks_module
 from kvcodec.cache import KVCache
-from kvcodec.engines.vllm_connector import (
-    KVCodecConnector,
-    KVCodecConnectorMetadata,
-    KVConnectorRole,
-    build_store,
-)
+from kvcodec.engines.vllm_connector import KVCodecConnector, KVCodecConnectorMetadata, KVConnectorRole
+from kvcodec.engines.vllm_connector.setup import connector_store, vllm_identity
 from kvcodec.codecs.kvtc import MissingCalibrationError
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
 from kvcodec.codecs.raw import Raw
-from kvcodec.store import KVStore, MemoryTier
+from kvcodec.store import CacheIdentity, KVStore, MemoryTier, PrefixLoad
 
 L, H, D, BS, NB = 3, 2, 8, 8, 40
 CHUNK = 32
@@ -254,7 +251,7 @@ def test_chunk_that_fails_to_decode_is_reported_and_evicted_only_when_bad(monkey
     store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
     ids, kv = _stored(store)
     bad_key = store.keys_for(ids)[2][0]
-    bad = store.fetch(ids)[2].sections[1]  # passes its checksums, then fails to decode
+    bad = store.source.read(bad_key, 64, 96).sections[1]  # passes its checksums, then fails to decode
     real = Raw.decode_layer
 
     def flaky(self, data, ctx):
@@ -283,7 +280,7 @@ def test_missing_chunk_reported():
 
 def test_store_from_extra_config_shared_through_disk(tmp_path):
     extra = {"codec": "raw", "chunk_tokens": CHUNK, "tiers": ["cpu:1000000", f"disk:{tmp_path / 'kv'}"], "model": "m"}
-    store = build_store(extra, "ignored")
+    store = connector_store(extra, "ignored", CacheIdentity())
     assert [t.name for t in store.tiers] == ["cpu", "disk"] and store.codec.codec_id == "raw" and store.model == "m"
     # the scheduler and the worker are separate processes in vLLM: separate stores, shared through disk
     sched = KVCodecConnector(_config(extra), KVConnectorRole.SCHEDULER)
@@ -296,8 +293,7 @@ def test_store_from_extra_config_shared_through_disk(tmp_path):
     req = SimpleNamespace(request_id="b", prompt_token_ids=ids + [1, 2, 3])
     assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
     with pytest.raises(ValueError):
-        build_store({"tiers": ["tape"]}, "m")
-    assert vc.make_tier("redis://10.0.0.1:6380/2").client.connection_pool.connection_kwargs["port"] == 6380
+        connector_store({"tiers": ["tape"]}, "m", CacheIdentity())
 
 
 def test_connector_is_vllm_base_subclass_when_available():
@@ -305,7 +301,7 @@ def test_connector_is_vllm_base_subclass_when_available():
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
         assert issubclass(KVCodecConnector, KVConnectorBase_V1)
     else:
-        assert KVCodecConnector.__module__ == "kvcodec.engines.vllm_connector"
+        assert KVCodecConnector.__module__ == "kvcodec.engines.vllm_connector.connector"
         with pytest.raises(ValueError):
             KVCodecConnector(SimpleNamespace(kv_transfer_config=None), KVConnectorRole.WORKER)
 
@@ -343,7 +339,7 @@ def test_a_failed_layer_write_stays_reported_whatever_the_later_layers_do(monkey
     sched, worker, fresh = _pair(store)
     failing.target = fresh[NAMES[1]].data_ptr()
     monkeypatch.setattr(paged_module, "write_paged", failing)  # the codec's paged decode writes with it
-    monkeypatch.setattr(load_module, "write_paged", failing)  # and a load's dense path
+    monkeypatch.setattr(sinks_module, "write_paged", failing)  # and a load's dense path
     ids2 = ids + _ids(10, seed=7)
     for attempt in range(5):
         req = SimpleNamespace(request_id=f"w{attempt}", prompt_token_ids=ids2)
@@ -383,7 +379,9 @@ def test_tensor_parallel_ranks_keep_their_own_heads(tmp_path):
     assert torch.equal(got[1].layers[0].keys, _kv(100, seed=1).layers[0].keys)
 
 
-def test_lora_and_multimodal_requests_are_neither_loaded_nor_saved(caplog):
+def test_lora_and_multimodal_requests_the_keys_cannot_cover_are_neither_loaded_nor_saved(caplog):
+    """An adapter whose files are not on this machine, a multimodal item without a content hash: logged once per
+    kind, never keyed by their tokens alone."""
     store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
     ids, _ = _stored(store)
     sched, _, _ = _pair(store)
@@ -446,12 +444,12 @@ def test_the_worker_times_prefill_and_leaves_a_load_to_vllm_when_recomputing_is_
     sched, worker, caches = _pair(store)
     ids, kv = _ids(100), _kv(100)
     clock = iter([0.0, 0.001])  # the prefill step: 100 tokens in 1 ms
-    monkeypatch.setattr(vc.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(worker_module.time, "perf_counter", lambda: next(clock))
     _prefill(sched, worker, caches, "a", ids, kv, _table(100, seed=1))
     monkeypatch.undo()
-    assert worker.prefill.samples == (100 / 0.001,)
+    assert worker.worker.prefill.samples == (100 / 0.001,)
     for codec in store.variants:  # both variants decode 1 k tokens/s here: far slower than that prefill
-        store.decode_rate(codec).observe(1000, 1.0)
+        store.telemetry.decode_rate(codec).observe(1000, 1.0)
     ids2 = ids + _ids(10, seed=7)
     req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
     ext, _ = sched.get_num_new_matched_tokens(req, 0)
@@ -468,7 +466,6 @@ def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_pat
     import threading
 
     from kvcodec.codecs.kvtc import calibration as calmod
-    from kvcodec.engines import vllm_setup
     from kvcodec.tools.fuzz.seeds import fuzz_calibration
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -482,9 +479,9 @@ def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_pat
         release.wait(10)
         return calmod.register_calibration(fuzz_calibration(_kv(64))).digest
 
-    monkeypatch.setattr(vllm_setup, "ensure_model_calibration", fit)
+    monkeypatch.setattr("kvcodec.engines.store_setup.ensure_model_calibration", fit)
     monkeypatch.setattr("kvcodec.engines.auto_calibration.ensure_model_calibration", fit)
-    store = build_store({"codec": "kvtc", "tiers": ["cpu"]}, "m")
+    store = connector_store({"codec": "kvtc", "tiers": ["cpu"]}, "m", CacheIdentity())
     assert store.codec.codec_id == "cachegen"  # serving already, the fit still running
     release.set()
     for _ in range(100):
@@ -495,7 +492,7 @@ def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_pat
     # variants: the ones that need no calibration serve meanwhile, then all of them
     monkeypatch.setattr(calmod, "_registered", {})
     release.clear()
-    variants = build_store({"codec": ["kvtc:level=0", "cachegen", "raw"], "tiers": ["cpu"]}, "m2")
+    variants = connector_store({"codec": ["kvtc:level=0", "cachegen", "raw"], "tiers": ["cpu"]}, "m2", CacheIdentity())
     assert [c.codec_id for c in variants.variants] == ["cachegen", "raw"]
     release.set()
     for _ in range(100):
@@ -505,4 +502,169 @@ def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_pat
     assert [(c.codec_id, c.get_config().get("level")) for c in variants.variants] == \
         [("kvtc", 0), ("cachegen", 2), ("raw", None)] and calls[-1] == "m2"
     with pytest.raises(Exception, match="background"):
-        build_store({"codec": "kvtc", "tiers": ["cpu"], "calibrate": "later"}, "m")
+        connector_store({"codec": "kvtc", "tiers": ["cpu"], "calibrate": "later"}, "m", CacheIdentity())
+
+
+# --- one identity: what the keys cover --------------------------------------------------------------
+
+def _saved_by(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, **request) -> None:
+    """A request carrying ``request``'s inputs misses, is computed and saved."""
+    req = SimpleNamespace(request_id=rid, prompt_token_ids=ids, **request)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, None, 0)
+    blocks = _table(len(ids), seed=1)
+    for name, layer in zip(NAMES, kv.layers):
+        write_paged(caches[name], layer.keys, layer.values, slot_mapping(torch.tensor(blocks), 0, len(ids), BS))
+    meta = sched.build_connector_meta(_sched_out(rid, ids, blocks))
+    assert [s.req_id for s in meta.saves] == [rid]
+    _forward(worker, meta, caches)
+    sched.request_finished(req, (blocks,))
+
+
+def _hit(sched, rid: str, ids: list[int], **request) -> int:
+    return sched.get_num_new_matched_tokens(SimpleNamespace(request_id=rid, prompt_token_ids=ids, **request), 0)[0]
+
+
+def test_same_placeholder_ids_with_other_prompt_embeds_do_not_share_kv():
+    """vLLM 0.32 prompts given as embeddings carry placeholder token ids: two of them with the same ids and other
+    embeddings were keyed alike, and the second loaded the first's KV (a 96-token wrong hit here)."""
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids = [0] * 100  # the placeholder ids of an embeddings prompt
+    embeds = [torch.randn(100, 16, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    _saved_by(sched, worker, caches, "e1", ids, _kv(100), prompt_embeds=embeds[0])
+    assert _hit(sched, "other", ids + [0], prompt_embeds=torch.cat([embeds[1], embeds[1][:1]])) == 0
+    assert _hit(sched, "plain", ids + [0]) == 0  # nor does a prompt of those ids alone
+    assert _hit(sched, "same", ids, prompt_embeds=embeds[0]) == 96  # the same embeddings still hit
+
+
+def test_multimodal_items_key_requests_apart():
+    """Same placeholder tokens, other image (vLLM's content hash ``identifier``) or the same image elsewhere: no hit."""
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids = _ids(100)
+
+    def image(identifier: str, offset: int = 10) -> list[SimpleNamespace]:
+        return [SimpleNamespace(modality="image", identifier=identifier,
+                                mm_position=SimpleNamespace(offset=offset, length=40, is_embed=None))]
+
+    _saved_by(sched, worker, caches, "i1", ids, _kv(100), mm_features=image("cat"))
+    assert _hit(sched, "dog", ids, mm_features=image("dog")) == 0
+    assert _hit(sched, "moved", ids, mm_features=image("cat", offset=20)) == 0
+    assert _hit(sched, "cat", ids, mm_features=image("cat")) == 96
+
+
+def test_lora_adapters_key_requests_apart(tmp_path, monkeypatch):
+    """A request through an adapter on disk is keyed by the adapter's files: another adapter's bytes (even under the
+    same name and id) and the base model miss."""
+    monkeypatch.setenv("KVCODEC_DIGEST_CACHE", str(tmp_path / "digests.json"))
+    adapters = []
+    for n in range(2):
+        folder = tmp_path / f"adapter{n}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+        (folder / "adapter_model.safetensors").write_bytes(bytes([n]) * 64)
+        adapters.append(SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=str(folder)))
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids = _ids(100)
+    _saved_by(sched, worker, caches, "l0", ids, _kv(100), lora_request=adapters[0])
+    assert _hit(sched, "l1", ids, lora_request=adapters[1]) == 0
+    assert _hit(sched, "base", ids) == 0
+    assert _hit(sched, "again", ids, lora_request=adapters[0]) == 96
+
+
+def _model_folder(folder, weights: bytes):
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 3}')
+    with open(folder / "model.safetensors", "wb") as f:  # in place: the same file, rewritten
+        f.write(weights)
+
+
+def test_weights_replaced_in_place_get_other_keys(tmp_path, monkeypatch):
+    """The model digest covered config.json and the revision only: a folder whose weights were replaced in place
+    (a fine-tune keeping the base model's config) was served the base model's KV."""
+    monkeypatch.setenv("KVCODEC_DIGEST_CACHE", str(tmp_path / "digests.json"))
+    folder = tmp_path / "model"
+    cfg = _config({"codec": "raw", "tiers": ["cpu"]})
+    cfg.model_config.model = str(folder)
+    keys = []
+    for weights in (b"base" * 100, b"tune" * 100):
+        _model_folder(folder, weights)
+        time.sleep(0.01)  # a change time of its own
+        identity = vllm_identity(cfg, is_worker=True)
+        keys.append(KVCodecConnector(cfg, KVConnectorRole.WORKER).store.keys_for(_ids(64)))
+        assert keys[-1] == connector_store({"codec": "raw", "tiers": ["cpu"]}, str(folder), identity).keys_for(_ids(64))
+    assert keys[0][0][0] != keys[1][0][0]
+
+
+# --- credentials -------------------------------------------------------------------------------------
+
+def test_a_redis_password_in_the_extra_config_stops_the_start_and_is_not_shown():
+    """vLLM logs kv_connector_extra_config at start: a password in a tier URL there was accepted (and logged)."""
+    for url in ("redis://:hunter2@127.0.0.1:6379/0", "redis://alice:hun#ter?2@127.0.0.1:6379"):
+        with pytest.raises(InvalidInputError, match="password_file") as e:
+            KVCodecConnector(_config({"codec": "raw", "tiers": ["cpu", url]}), KVConnectorRole.SCHEDULER)
+        assert "hunter2" not in str(e.value) and "hun#ter" not in str(e.value)
+
+
+def test_redis_url_and_redis_timeout_s_are_no_longer_settings():
+    for extra in ({"redis_url": "redis://127.0.0.1:6379"}, {"redis_timeout_s": 2}):
+        with pytest.raises(InvalidInputError, match="unknown setting"):
+            KVCodecConnector(_config(extra), KVConnectorRole.SCHEDULER)
+
+
+def test_password_file_reaches_a_redis_that_requires_auth(redis_server, tmp_path):
+    import redis
+
+    admin = redis.Redis(port=redis_server.port)
+    admin.config_set("requirepass", "s3cret-pw")
+    admin.close()
+    (tmp_path / "pw").write_text("s3cret-pw\n")
+    url = f"redis://127.0.0.1:{redis_server.port}?password_file={tmp_path / 'pw'}&timeout=2"
+    extra = {"codec": "raw", "chunk_tokens": CHUNK, "tiers": [url]}
+    sched = KVCodecConnector(_config(extra), KVConnectorRole.SCHEDULER)
+    worker = KVCodecConnector(_config(extra), KVConnectorRole.WORKER)
+    caches = _paged()
+    worker.register_kv_caches(caches)
+    ids = _ids(100)
+    _prefill(sched, worker, caches, "a", ids, _kv(100), _table(100, seed=1))
+    assert worker.stats["saved_chunks"] == 4
+    assert sched.get_num_new_matched_tokens(SimpleNamespace(request_id="b", prompt_token_ids=ids + [1]), 0) == (96, False)
+    anonymous = KVCodecConnector(_config({**extra, "tiers": [f"redis://127.0.0.1:{redis_server.port}?timeout=2"]}),
+                                 KVConnectorRole.SCHEDULER)
+    assert anonymous.get_num_new_matched_tokens(SimpleNamespace(request_id="c", prompt_token_ids=ids + [1]), 0) == (0, False)
+
+
+# --- no completion lost ------------------------------------------------------------------------------
+
+def test_a_load_that_fails_to_finish_is_reported_and_the_others_still_finish(monkeypatch):
+    """Two loads in one forward pass, the first one's finish raises: it used to escape into vLLM, leaving the
+    second load unrecorded; now the first's blocks are load errors and the second's tokens are in."""
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    ids, kv = _stored(store)
+    sched, worker, fresh = _pair(store)
+    real, calls = PrefixLoad.finish, []
+
+    def finish(self):
+        calls.append(self)
+        if len(calls) == 1:
+            raise RuntimeError("simulated fault in the load path")
+        return real(self)
+
+    monkeypatch.setattr(PrefixLoad, "finish", finish)
+    ids2 = ids + _ids(10, seed=7)
+    perm = torch.randperm(NB, generator=torch.Generator().manual_seed(2)).tolist()
+    tables = {"x": perm[:14], "y": perm[14:28]}  # 14 blocks of 8 each for the 110 tokens
+    new = []
+    for rid in tables:
+        req = SimpleNamespace(request_id=rid, prompt_token_ids=ids2)
+        ext, _ = sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, None, ext)
+        new.append(SimpleNamespace(req_id=rid, prompt_token_ids=ids2, block_ids=(tables[rid],), num_computed_tokens=ext))
+    meta = sched.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=new, scheduled_cached_reqs=None, num_scheduled_tokens={rid: 14 for rid in tables}))
+    assert len(meta.loads) == 2
+    errors = _forward(worker, meta, fresh)
+    assert errors == set(tables["x"][: 96 // BS])
+    assert worker.stats["loaded_tokens"] == 96 and len(calls) == 2

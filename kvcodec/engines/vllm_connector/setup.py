@@ -1,31 +1,27 @@
-"""What the vLLM connector works out once at start-up from vLLM's configuration: its store and tiers, the identity
-of the caches it keys (model, KV dtype, parallel rank), the cachegen profile of the served model, and the paged
-layout of the KV memory vLLM hands it.
-
-Kept apart from :mod:`kvcodec.engines.vllm_connector` (the per-step protocol) and importable without vLLM.
+"""What the vLLM connector works out once at start-up from vLLM's configuration: its store (from
+``kv_connector_extra_config`` through :class:`~kvcodec.store.config.StoreConfig`), the identity of the caches it
+keys (the model's configuration and weights, KV dtype, parallel rank), the cachegen profile of the served model, and
+the paged layout of the KV memory vLLM hands it.  Importable without vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import logging
-import os
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from kvcodec.engines.auto_calibration import (calibrate_in_background, ensure_model_calibration, load_served_model,
-                                              needs_first_calibration, ready_variants, wants_calibration)
-from kvcodec.errors import InvalidInputError, UnsupportedError
+from kvcodec.engines.auto_calibration import load_served_model
+from kvcodec.engines.store_setup import open_store
+from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
 from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
-from kvcodec.store import KVStore, MemoryTier, PlacementPolicy, StorageTier
-from kvcodec.store.auth import SECRET_ENV, check_secret, secret_from_env
-from kvcodec.store.keys import CacheIdentity, model_digest
-from kvcodec.store.urls import default_disk_folder, tier_from_url
-
+from kvcodec.store import KVStore, MemoryTier
+from kvcodec.store.config import StoreConfig
+from kvcodec.store.identity import CacheIdentity, model_identity
+from kvcodec.store.tiers import default_disk_folder
 
 
 def engine_logger(name: str) -> logging.Logger:
@@ -35,6 +31,10 @@ def engine_logger(name: str) -> logging.Logger:
 
 log = engine_logger(__name__)
 
+WHERE = "kv_connector_extra_config"
+# The connector's tiers unless configured: a per-process cache in front of a disk folder the scheduler and the
+# workers share (a bare "disk" is the private ~/.cache/kvcodec/vllm).
+DEFAULT_TIERS = ("cpu", "disk")
 # vLLM's CPU attention kernels whose cache layout is PagedLayout CPU (keys transposed per block and head); the
 # others ("amx" tile-packs the keys, "neon", "vsx", "vxe", "rvv" were never checked) are refused at start-up.
 CPU_ISAS_KNOWN = ("vec", "vec16")
@@ -43,84 +43,33 @@ CPU_ISAS_KNOWN = ("vec", "vec16")
 GPU_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 
 
-# --- tiers and the store ---------------------------------------------------------------------------
+# --- the store -------------------------------------------------------------------------------------
 
-def make_tier(spec: str, *, redis_timeout_s: float = 0.5) -> StorageTier:
-    """One tier from a tier URL (:mod:`kvcodec.store.urls`: ``cpu[:SIZE]``, ``gpu[:SIZE]``, ``disk[:FOLDER][?...]``,
-    ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?...]``, ``rediss://...``); a bare ``disk`` is the private
-    per-user folder ``~/.cache/kvcodec/vllm``."""
-    return tier_from_url(spec, timeout_s=redis_timeout_s, disk_folder=default_disk_folder("vllm"))
-
-
-def build_store(extra: dict[str, Any] | None, model: str, *, identity: CacheIdentity | None = None) -> KVStore:
-    """The store a connector uses, from ``kv_connector_extra_config``.  Warns when no tier can be shared between
-    vLLM's scheduler and worker processes (only ``cpu`` / ``gpu`` tiers): then nothing saved is ever found.
-    ``identity`` (:func:`cache_identity`) is what the engine's caches depend on; ``extra``'s ``namespace`` is added
-    to it.  The secret that authenticates stored values comes from ``$KVCODEC_STORE_SECRET`` or the file named by
-    ``secret_file`` (never from the configuration itself, which vLLM logs).
-    With codec ``kvtc`` and its calibration ``"auto"``, a model (``model``: the folder vLLM serves) with no
-    calibration installed is calibrated here, once (``calibration_options`` for kvtc's ``calibrate``)."""
-    extra = dict(extra or {})
-    if "secret" in extra:
-        raise InvalidInputError(f"put the store secret in ${SECRET_ENV} or a file named by \"secret_file\", not in "
-                                "kv_connector_extra_config, which vLLM writes to its log")
-    timeout = float(extra.get("redis_timeout_s", 0.5))
-    specs = list(extra.get("tiers") or ["cpu", "disk"])
-    if extra.get("redis_url") and not any(s.startswith(("redis://", "rediss://")) for s in specs):
-        specs.append(extra["redis_url"])
-    tiers = [make_tier(s, redis_timeout_s=timeout) for s in specs]
-    # private (in-process) tiers are caches; every other tier is shared between the scheduler and workers
-    shared = [t.name for t in tiers if not isinstance(t, MemoryTier)]
-    if not shared:
+def connector_store(extra: Mapping[str, Any] | None, model: str, identity: CacheIdentity) -> KVStore:
+    """The store of a connector whose ``kv_connector_extra_config`` is ``extra``, serving ``model`` (the folder or
+    name vLLM was given) with caches of ``identity`` (:func:`vllm_identity`).  Every key is a
+    :class:`~kvcodec.store.config.StoreConfig` setting (``tiers`` defaults to :data:`DEFAULT_TIERS`); kvtc's
+    calibration policy is :func:`~kvcodec.engines.store_setup.open_store`'s.  Warns when no tier can be shared
+    between vLLM's scheduler and worker processes: then nothing saved is ever found."""
+    config, _ = StoreConfig.parse({"tiers": list(DEFAULT_TIERS), **(extra or {})}, where=WHERE)
+    store = open_store(config, model=model, identity=identity, log=log.info,
+                       load_model=lambda: load_served_model(model, log.info),
+                       disk_folder=default_disk_folder("vllm"))
+    if all(isinstance(t, MemoryTier) for t in store.tiers):
         log.warning("kvcodec connector: tiers %s are private to each process, and vLLM runs its scheduler and its "
                     "workers in different processes: the scheduler will never find what a worker saved. Add a "
-                    "shared tier (\"disk:<folder>\" or \"redis://host:port\") to \"tiers\".", specs)
-    name, codec, options = str(extra.get("model", model)), extra.get("codec", "cachegen"), extra.get("codec_options")
-    load = lambda: load_served_model(model, log.info)  # noqa: E731
-    when = extra.get("calibrate", "background")
-    if when not in ("background", "now"):
-        raise InvalidInputError(f"calibrate must be \"background\" or \"now\", not {when!r}")
-    later = when == "background" and needs_first_calibration(codec, options, name)
-    if wants_calibration(codec, options) and not later:
-        ensure_model_calibration(name, load, log.info, extra.get("calibration_options"))
-    identity = dataclasses.replace(identity or cache_identity(model), namespace=str(extra.get("namespace", "")))
-    serving = (ready_variants(codec) or extra.get("fallback_codec", "cachegen")) if later else codec
-    store = KVStore(tiers, model=name, codec=serving,
-                    codec_options=None if later else options, chunk_tokens=int(extra.get("chunk_tokens", 256)),
-                    hash=extra.get("hash", "sha256"), policy=PlacementPolicy(shared=shared), identity=identity,
-                    secret=_secret(extra))
-    if later:
-        log.info("kvtc: no calibration of %s installed; serving with %s while it is made in the background", name,
-                 store.codec.codec_id)
-        calibrate_in_background(store, load, log.info, options, extra.get("calibration_options"), codec)
+                    "shared tier (\"disk:<folder>\" or \"redis://host:port\") to \"tiers\".", list(config.tiers))
     return store
-
-
-def _secret(extra: dict[str, Any]) -> bytes | None:
-    path = extra.get("secret_file")
-    if path is None:
-        return secret_from_env()
-    try:
-        with open(path, "rb") as f:
-            return check_secret(f.read(4096).strip())
-    except OSError as e:
-        raise InvalidInputError(f"secret_file {path!r} cannot be read: {e}") from None
 
 
 # --- what the caches depend on ---------------------------------------------------------------------
 
 def cache_identity(model: str, *, kv_dtype: str = "", hf_config: Any = None, revision: str | None = None,
                    tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> CacheIdentity:
-    """The :class:`~kvcodec.store.keys.CacheIdentity` of caches of ``model`` (the folder or name vLLM serves).
-
-    The model digest hashes the folder's ``config.json`` when ``model`` is a folder (any process can read it, so a
-    test or a bench computes the same keys as the engine), else ``hf_config``, and the weights ``revision``."""
-    config = hf_config
-    path = os.path.join(model, "config.json")
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            config = json.loads(f.read(1 << 20))
-    return CacheIdentity(model_digest=model_digest(config, revision) if config is not None or revision else "",
+    """The :class:`~kvcodec.store.identity.CacheIdentity` of caches of ``model`` (the folder or name vLLM serves):
+    its :func:`~kvcodec.store.identity.model_identity` (configuration and weight files), the KV dtype and the rank.
+    Any process can compute it, so a test or a bench finds the engine's keys."""
+    return CacheIdentity(model_digest=model_identity(model, hf_config=hf_config, revision=revision),
                          kv_dtype=kv_dtype, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
 
 
@@ -142,16 +91,21 @@ def _ranks(vllm_config: Any, is_worker: bool) -> tuple[int, int, int, int]:
 
 
 def vllm_identity(vllm_config: Any, is_worker: bool) -> CacheIdentity:
-    """What the caches of this vLLM process depend on: the served model's configuration and revision, the KV
+    """What the caches of this vLLM process depend on: the served model (configuration, weights, revision), the KV
     cache dtype (``cache_dtype``, or the model's dtype when it is ``auto``) and the parallel rank."""
     mc, cc = getattr(vllm_config, "model_config", None), getattr(vllm_config, "cache_config", None)
     kv_dtype = str(getattr(cc, "cache_dtype", None) or "auto")
     if kv_dtype == "auto":
         kv_dtype = str(getattr(mc, "dtype", "") or "").removeprefix("torch.")
     tp_rank, tp_size, pp_rank, pp_size = _ranks(vllm_config, is_worker)
-    return cache_identity(str(getattr(mc, "model", None) or "unknown-model"), kv_dtype=kv_dtype,
-                          hf_config=getattr(mc, "hf_config", None), revision=getattr(mc, "revision", None),
-                          tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+    return cache_identity(served_model(vllm_config), kv_dtype=kv_dtype, hf_config=getattr(mc, "hf_config", None),
+                          revision=getattr(mc, "revision", None), tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                          pp_size=pp_size)
+
+
+def served_model(vllm_config: Any) -> str:
+    """The folder or name vLLM serves (``model_config.model``)."""
+    return str(getattr(getattr(vllm_config, "model_config", None), "model", None) or "unknown-model")
 
 
 # --- the model's profile -------------------------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""What the scheduler side tells the worker side each step: the loads and saves of that step's requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcodec.engines.vllm_connector.base import MetadataBase
+
+
+@dataclass
+class LoadSpec:
+    """Load tokens ``start .. end-1`` of ``token_ids`` (the prompt up to the end of the chunk holding token
+    ``end-1``) into the blocks ``block_ids``; ``salt`` keys the request (:mod:`.requests`)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+    salt: str | None = None
+
+
+@dataclass
+class SaveSpec:
+    """Save the KV of ``token_ids`` (a prompt), held in the blocks ``block_ids``, under ``salt``."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    salt: str | None = None
+
+
+@dataclass
+class KVCodecConnectorMetadata(MetadataBase):
+    """One step's loads and saves, and ``step_tokens``: the tokens vLLM computes in it (the worker times its
+    prefill speed with them)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    step_tokens: int = 0
