@@ -65,7 +65,7 @@ def redis(tmp_path_factory):
 @pytest.fixture(scope="module")
 def raw_extra(tmp_path_factory, redis) -> dict:
     folder = tmp_path_factory.mktemp("kv-disk")
-    return {"codec": "raw", "tiers": [f"disk:{folder}", redis.url], "redis_timeout_s": 0.5}
+    return {"codec": "raw", "tiers": [f"disk:{folder}", f"{redis.url}?timeout=0.5"]}
 
 
 def _same(got: dict, want: dict) -> None:

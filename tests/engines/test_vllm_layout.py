@@ -14,7 +14,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from kvcodec.codecs import get_codec
 from kvcodec.codecs.base import LayerContext
-from kvcodec.engines.vllm_setup import detect_layout, use_profile_of_config
+from kvcodec.engines.vllm_connector.setup import detect_layout, use_profile_of_config
 from kvcodec.errors import UnsupportedError
 from kvcodec.formats.v1 import LayerShape
 from kvcodec.layouts.paged import CPU, read_paged, slot_mapping, write_paged

@@ -45,7 +45,7 @@ def test_the_variant_loaded_follows_the_link(smollm2_hf, texts, link, tmp_path):
     other = texts["MPL-2.0"][:300]
     redis = started_redis(tmp_path, link)
     try:
-        extra = {"codec": ["cachegen", "raw"], "tiers": [redis.url], "redis_timeout_s": 60}
+        extra = {"codec": ["cachegen", "raw"], "tiers": [f"{redis.url}?timeout=60"]}
         with Engine(smollm2_hf, connector_config(**extra)) as engine:
             engine.generate(other, 1)  # the worker times a prefill
             first = engine.generate(prompt, 8)  # a miss: computed, saved in both variants

@@ -39,10 +39,10 @@ def connector_config(**extra: Any) -> dict[str, Any]:
 
 def connector_store(extra: dict[str, Any], model: str | os.PathLike[str], dtype: str = DTYPE) -> Any:
     """The store of a connector with ``extra`` serving ``model`` in ``dtype``, seen from outside the engine: the same
-    tiers and the same keys (its cache identity: the folder's config, the KV dtype, rank 0 of 1)."""
-    from kvcodec.engines.vllm_setup import build_store, cache_identity
+    tiers and the same keys (its cache identity: the folder's config and weights, the KV dtype, rank 0 of 1)."""
+    from kvcodec.engines.vllm_connector.setup import cache_identity, connector_store
 
-    return build_store(extra, str(model), identity=cache_identity(str(model), kv_dtype=dtype))
+    return connector_store(extra, str(model), cache_identity(str(model), kv_dtype=dtype))
 
 
 class Engine:
