@@ -14,15 +14,18 @@ from typing import BinaryIO, Iterator
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike[str], *, prefix: str = ".kvcodec-", fsync: bool = True) -> Iterator[BinaryIO]:
+def atomic_writer(path: str | os.PathLike[str], *, prefix: str = ".kvcodec-", fsync: bool = True,
+                  dir_fd: int | None = None) -> Iterator[BinaryIO]:
     """A binary file to write ``path``'s new content into; it replaces ``path`` when the block ends without an
-    exception, and is removed otherwise.  An ``OSError`` creating it names ``path``, not the temporary file."""
+    exception, and is removed otherwise.  An ``OSError`` creating it names ``path``, not the temporary file.  With
+    ``dir_fd`` (an open folder) ``path`` is a name in that folder, whatever path the folder has meanwhile."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = "" if dir_fd is not None else os.path.dirname(os.path.abspath(path))
     while True:
         tmp = os.path.join(directory, f"{prefix}{secrets.token_hex(8)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666,
+                         dir_fd=dir_fd)
             break
         except FileExistsError:
             continue
@@ -34,10 +37,10 @@ def atomic_writer(path: str | os.PathLike[str], *, prefix: str = ".kvcodec-", fs
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import kvcodec
-from kvcodec.adapt import (RECOMPUTE, AdaptationPolicy, BandwidthEstimator, BandwidthTrace, ChunkTable, Decision,
-                           compare, fetch, simulate)
+from kvcodec.store.telemetry import RateEstimator
+from kvcodec.tools.adaptation import (RECOMPUTE, AdaptationPolicy, BandwidthTrace, ChunkTable, Decision, compare, fetch,
+                                      simulate)
 
 LEVELS3 = [1000, 2000, 4000]  # bytes of one chunk at levels 0, 1, 2
 
@@ -33,7 +34,7 @@ class Scripted(AdaptationPolicy):
 # ------------------------------------------------------------------------------------------------ estimator
 
 def test_estimator_prior_then_windowed_harmonic_mean():
-    e = BandwidthEstimator(prior_bps=50.0, window=2)
+    e = RateEstimator(prior=50.0, window=2)
     assert e.estimate == 50.0 and e.samples == ()
     e.observe(100, 1.0)                      # 100 B/s; the prior is dropped
     assert e.estimate == pytest.approx(100.0, rel=1e-12)
@@ -48,7 +49,7 @@ def test_estimator_prior_then_windowed_harmonic_mean():
 
 
 def test_estimator_equal_chunks_is_total_bytes_over_total_time():
-    e = BandwidthEstimator(window=3)
+    e = RateEstimator(1.0, window=3)
     for seconds in (1.0, 4.0, 2.5):
         e.observe(1000, seconds)
     assert e.estimate == pytest.approx(3000 / 7.5, rel=1e-12)
@@ -56,11 +57,11 @@ def test_estimator_equal_chunks_is_total_bytes_over_total_time():
 
 def test_estimator_rejects_bad_input():
     with pytest.raises(kvcodec.InvalidInputError):
-        BandwidthEstimator(window=0)
+        RateEstimator(1.0, window=0)
     with pytest.raises(kvcodec.InvalidInputError):
-        BandwidthEstimator(prior_bps=0)
+        RateEstimator(prior=0)
     with pytest.raises(kvcodec.InvalidInputError):
-        BandwidthEstimator().observe(-1, 1.0)
+        RateEstimator(1.0).observe(-1, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------ traces
@@ -107,7 +108,7 @@ def test_steady_high_bandwidth_gives_the_best_level_everywhere():
 def test_bandwidth_drop_steps_levels_down_after_it_is_seen_and_back_up():
     # 100 kB/s, except 10 kB/s during [0.16, 0.36): chunk 4 (sent from 0.16) is caught in the drop
     trace = BandwidthTrace([(0, 1e5), (0.16, 1e4), (0.36, 1e5)])
-    res = simulate(AdaptationPolicy(table(12), 0.9, recompute_s=10.0), trace, BandwidthEstimator(1e5, window=3))
+    res = simulate(AdaptationPolicy(table(12), 0.9, recompute_s=10.0), trace, RateEstimator(1e5, window=3))
     # chunk 4 was decided before the drop could be seen; chunk 5 right after the slow sample; chunk 8 once the
     # slow sample has left the 3-chunk window (4000 B in 0.22 s: estimate 3 / (2/1e5 + 0.22/4000) = 40 kB/s)
     assert res.level_string() == "222221112222"
@@ -125,13 +126,13 @@ def test_bandwidth_drop_steps_levels_down_after_it_is_seen_and_back_up():
 def test_very_low_bandwidth_with_cheap_recompute_recomputes():
     tab = table(10)                                    # token ids: 10 tokens x 4 B = 40 B per chunk
     res = simulate(AdaptationPolicy(tab, 1.0, recompute_s=0.01), BandwidthTrace.steady(1000),
-                   BandwidthEstimator(1000))
+                   RateEstimator(1000))
     assert all(d == RECOMPUTE and d.recompute for d in res.decisions)
     # ids of chunk i arrive at 0.04 (i+1); each recompute (0.01 s) is shorter than the next ids transfer
     assert res.ttft_s == pytest.approx(0.41)
     assert res.bytes_sent == 400 and res.met_budget and math.isnan(res.bits_per_element)
     # the same link with expensive recompute: smallest level (nothing fits a 1 s budget), never recompute
-    res2 = simulate(AdaptationPolicy(tab, 1.0, recompute_s=2.0), BandwidthTrace.steady(1000), BandwidthEstimator(1000))
+    res2 = simulate(AdaptationPolicy(tab, 1.0, recompute_s=2.0), BandwidthTrace.steady(1000), RateEstimator(1000))
     assert res2.levels == [0] * 10 and not res2.met_budget
 
 
@@ -182,7 +183,7 @@ def test_budget_respected_whenever_feasible_on_a_steady_link():
         for budget in (0.5, 1.0, 2.0, 3.0, 5.0, 8.0):
             feasible = tab.level_bytes(0) / bw <= budget
             p = AdaptationPolicy(tab, budget, recompute_s=1e3)
-            res = simulate(p, BandwidthTrace.steady(bw), BandwidthEstimator(bw))
+            res = simulate(p, BandwidthTrace.steady(bw), RateEstimator(bw))
             if not feasible:
                 assert res.levels == [0] * 10
                 continue
@@ -210,7 +211,7 @@ def test_prefix_causal_recompute_waits_and_overlaps_transfers():
 
 def test_baselines_and_compare():
     p = AdaptationPolicy(table(8), 0.5, recompute_s=0.05)
-    results = compare(p, BandwidthTrace.steady(4e4), lambda: BandwidthEstimator(4e4))
+    results = compare(p, BandwidthTrace.steady(4e4), lambda: RateEstimator(4e4))
     assert [r.policy for r in results] == ["adaptive", "always L0", "always L1", "always L2", "recompute all"]
     assert [r.ttft_s for r in results[1:4]] == pytest.approx([0.2, 0.4, 0.8])
     assert results[4].ttft_s == pytest.approx(8 * 0.05 + 40 / 4e4)   # serial recompute; last ids arrive first
@@ -263,13 +264,13 @@ def test_policy_from_a_real_multilevel_container(container):
     assert sum(tab.elements) == kv.num_elements == 4 * 2 * 100 * 32
     # the policy built from the reader behaves like the one built from the table
     for bw, want in ((1e9, [2] * 4), (tab.level_bytes(1) / 0.01 * 1.01, None)):
-        a = simulate(AdaptationPolicy(reader, 0.01, 1.0), BandwidthTrace.steady(bw), BandwidthEstimator(bw))
-        b = simulate(AdaptationPolicy(tab, 0.01, 1.0), BandwidthTrace.steady(bw), BandwidthEstimator(bw))
+        a = simulate(AdaptationPolicy(reader, 0.01, 1.0), BandwidthTrace.steady(bw), RateEstimator(bw))
+        b = simulate(AdaptationPolicy(tab, 0.01, 1.0), BandwidthTrace.steady(bw), RateEstimator(bw))
         assert a.records == b.records and a.met_budget
         if want:
             assert a.levels == want
     mid = simulate(AdaptationPolicy(reader, 0.01, 1.0), BandwidthTrace.steady(tab.level_bytes(1) / 0.01 * 1.01),
-                   BandwidthEstimator(tab.level_bytes(1) / 0.01 * 1.01))
+                   RateEstimator(tab.level_bytes(1) / 0.01 * 1.01))
     assert 1 in mid.levels and 0 not in mid.levels and mid.levels != [2] * 4
     n = sum(tab.elements)
     assert 8 * tab.level_bytes(0) / n < mid.bits_per_element < 8 * tab.level_bytes(2) / n

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from kvcodec.errors import InvalidInputError
+from kvcodec.errors import InvalidInputError, LimitExceededError
 from kvcodec.store import DiskTier
 
 
@@ -80,7 +80,7 @@ def test_symlinks_are_not_followed(tmp_path):
     tier = DiskTier(tmp_path / "kv")
     outside = tmp_path / "secret.txt"
     outside.write_bytes(b"not a kv value")
-    path = tier._file("k")
+    path = os.path.join(tier.path, tier._file("k"))
     os.symlink(outside, path)
     assert tier.get("k") is None and not tier.contains("k")  # read: O_NOFOLLOW
     assert tier.size() == 0
@@ -92,12 +92,27 @@ def test_symlinks_are_not_followed(tmp_path):
     assert DiskTier(tmp_path / "kv")._index == {} and tier.size() == 0  # not counted against the capacity
 
 
-def test_a_file_past_max_value_bytes_is_a_miss(tmp_path, caplog):
+def test_a_file_past_max_value_bytes_is_refused_unread(tmp_path):
     tier = DiskTier(tmp_path / "kv", max_value_bytes=1000)
     assert tier.put("small", b"s" * 1000) and tier.get("small") == b"s" * 1000
-    with open(tier._file("big"), "wb") as f:  # what another writer left; the size check comes before any read
-        f.truncate(1 << 40)  # a sparse terabyte
-    with caplog.at_level(logging.WARNING):
-        assert tier.get("big") is None
-    assert "more than max_value_bytes=1000" in caplog.text
+    with open(os.path.join(tier.path, tier._file("big")), "wb") as f:  # what another writer left; the size check
+        f.truncate(1 << 40)  # a sparse terabyte                            comes before any read
+    with pytest.raises(LimitExceededError, match="more than the 1000"):
+        tier.get("big")
+    with pytest.raises(LimitExceededError, match="more than the 10 "):  # and the reader's own bound
+        tier.get("small", 10)
     assert DiskTier(tmp_path / "kv").get("small") == b"s" * 1000  # the default limit (1 GiB)
+
+
+def test_a_folder_swapped_under_a_running_disk_tier_is_never_read(tmp_path):
+    """The folder was checked once, by path: whoever owns its parent could rename it away and put a folder of forged
+    values at the path, which the running tier then served.  The tier holds the folder it checked."""
+    path = tmp_path / "kv"
+    tier = DiskTier(path)
+    assert tier.put("k", b"good")
+    os.rename(path, tmp_path / "moved")
+    forged = DiskTier(path)  # a private folder of the same user's making at the same path
+    assert forged.put("k", b"forged") and forged.put("other", b"forged")
+    assert tier.get("k") == b"good" and tier.keys() == ["k"] and tier.value_sizes(["k", "other"]) == [4, None]
+    assert tier.put("new", b"value") and not forged.contains("new")
+    assert tier.delete("k") and forged.get("k") == b"forged"

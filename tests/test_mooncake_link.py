@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcodec.store import DenseSink, KVStore, PrefixLoad
+from kvcodec.store import DenseSink, KVStore
 from kvcodec.store.tiers.mooncake import MooncakeTier
 
 from kvcodec.tools.redis_server import free_port
@@ -93,8 +93,8 @@ def test_values_cross_the_link_at_its_rate_and_loads_follow_it(mooncake_behind_l
 
     def variants(rate: float) -> list[int]:
         link.set_rate(rate)
-        PrefixLoad(store, ids, DenseSink()).start().finish()  # what the store learns of the link at this rate
-        result = PrefixLoad(store, ids, DenseSink()).start().finish()
+        store.prefix_load(ids, DenseSink()).start().finish()  # what the store learns of the link at this rate
+        result = store.prefix_load(ids, DenseSink()).start().finish()
         assert result.complete
         return [c.variant for c in result.chunks]
 

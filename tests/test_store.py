@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvcodec
+from kvcodec.errors import CorruptDataError
 from kvcodec.store import DiskTier, GPUTier, KVStore, MemoryTier, PlacementPolicy, RedisTier, chunk_hashes, namespace
 
 from kvcodec.tools.redis_server import free_port as _free_port
@@ -96,7 +97,7 @@ def test_chunks_an_engine_names_itself(real_kv):
     size = store.put_chunk(key, kv)
     assert size == len(tier.get(key)) and store.put_chunk(key, kv) == 0  # already there: nothing written
     assert store.load_chunk(key).equal(kv) and store.load_chunk(key, 100).equal(kv)
-    assert store.holders([key, "nope"]) == ["cpu", None]
+    assert store.source.holders([key, "nope"]) == ["cpu", None]
     assert store.held_prefix([key, "nope", key]) == 1 and store.held_prefix([key]) == 1 and store.held_prefix([]) == 0
     assert store.load_chunk(key, 256) is None and store.stats["corrupt"] == 1 and not tier.contains(key)
     store.put_chunk(key, kv)
@@ -233,7 +234,7 @@ def test_corrupt_chunk_is_evicted_and_recomputed(tmp_path, real_kv):
     store = KVStore([disk], model=real_kv.model, codec="raw")
     store.put(ids, real_kv)
     second = store.keys_for(ids)[1][0]
-    path = disk._file(second)
+    path = Path(disk.path) / disk._file(second)
     data = bytearray(Path(path).read_bytes())
     data[len(data) // 2] ^= 0x40  # one flipped bit in the middle of the tensor bytes
     Path(path).write_bytes(bytes(data))
@@ -326,8 +327,9 @@ def test_redis_tier_layout(redis_server):
     assert tier.get_range("kvc@m@02", 0, 3) is None
     raw = redis.Redis(port=redis_server.port)
     assert raw.get("kvcodec:kvc@m@01:data") == b"payload" and len(raw.get("kvcodec:kvc@m@01:meta")) == 28
-    raw.set("kvcodec:kvc@m@01:data", b"payloaX")  # a payload that does not match its metadata is a miss
-    assert tier.get("kvc@m@01") is None
+    raw.set("kvcodec:kvc@m@01:data", b"payloaX")  # a payload that does not match its metadata is bad
+    with pytest.raises(CorruptDataError, match="does not match its metadata"):
+        tier.get("kvc@m@01")
     raw.delete("kvcodec:kvc@m@01:meta")
     assert not tier.contains("kvc@m@01") and tier.get("kvc@m@01") is None
     assert tier.delete("kvc@m@01") and tier.keys() == []
@@ -420,7 +422,7 @@ def test_a_tier_that_raises_is_a_miss():
         def contains(self, key):
             raise OSError("backend gone")
 
-        def get(self, key):
+        def get(self, key, max_bytes=None):
             raise OSError("backend gone")
 
         def put(self, key, value):

@@ -9,12 +9,13 @@ import time
 import pytest
 import torch
 
-from kvcodec.adapt import BandwidthEstimator
 from kvcodec.cache import KVCache
 from kvcodec.codecs.raw import Raw
 from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping
-from kvcodec.store import DenseSink, KVStore, MemoryTier, PagedSink, PrefixLoad
-from kvcodec.store.plan import Contention, LoadPlanner, finish_s
+from kvcodec.store import DenseSink, KVStore, MemoryTier, PagedSink
+from kvcodec.store.plan import LoadPlanner, finish_s
+from kvcodec.store.telemetry import Contention
+from kvcodec.store.telemetry import Link as Measured
 
 CHUNK, LAYERS, HEADS, DIM, BS = 32, 3, 2, 16, 16
 
@@ -32,10 +33,10 @@ class SlowTier(MemoryTier):
         super().__init__(None)
         self.delay, self.log = delay, []
 
-    def get(self, key):
+    def get(self, key, max_bytes=None):
         self.log.append(("fetch", key, time.perf_counter()))
         time.sleep(self.delay)
-        return super().get(key)
+        return super().get(key, max_bytes)
 
 
 def _store(tier, codec="raw") -> tuple[KVStore, list[int], KVCache]:
@@ -59,7 +60,7 @@ def test_fetch_of_the_next_chunk_overlaps_the_decode_of_this_one(monkeypatch):
     monkeypatch.setattr(Raw, "decode_layer", slow)
     sink = DenseSink()
     t0 = time.perf_counter()
-    result = PrefixLoad(store, ids, sink).start().finish()
+    result = store.prefix_load(ids, sink).start().finish()
     took = time.perf_counter() - t0
     assert result.complete and [c.status for c in result.chunks] == ["loaded"] * 4
     # serial: 4 x 0.15 s of fetch + 4 x 3 x 0.05 s of decode = 1.2 s; streamed: about 0.15 + 4 x 0.15 = 0.75 s
@@ -83,7 +84,7 @@ def test_fetched_chunks_wait_for_the_decoder_within_a_byte_budget(monkeypatch, p
         return real(self, data, ctx)
 
     monkeypatch.setattr(Raw, "decode_layer", held)
-    load = PrefixLoad(store, ids, DenseSink(), prefetch_bytes=prefetch_bytes).start()
+    load = store.prefix_load(ids, DenseSink(), prefetch_bytes=prefetch_bytes).start()
     time.sleep(0.3)  # the decoder is stuck in chunk 0
     reads = len(store.tiers[0].log)
     gate.set()
@@ -103,7 +104,7 @@ def test_a_layer_is_ready_before_the_last_layer_is_decoded(monkeypatch):
         return real(self, data, ctx)
 
     monkeypatch.setattr(Raw, "decode_layer", held)
-    load = PrefixLoad(store, ids, DenseSink()).start()
+    load = store.prefix_load(ids, DenseSink()).start()
     assert load.wait_layer(0, timeout=5)  # while the last layer of the last chunk is still held back
     with pytest.raises(TimeoutError):
         load.wait_layer(LAYERS - 1, timeout=0.2)
@@ -122,7 +123,7 @@ def test_a_paged_load_writes_only_the_tokens_asked_for():
     store, ids, kv = _store(MemoryTier(None))
     sink, layers, blocks = _paged_sink(len(ids))
     start, end = 16, 112  # inside chunk 0 and inside chunk 3
-    result = PrefixLoad(store, ids, sink, start=start, end=end).start().finish()
+    result = store.prefix_load(ids, sink, start=start, end=end).start().finish()
     assert result.complete and result.loaded_end == end
     for paged, layer in zip(layers, kv.layers):
         k, v = read_paged(paged, slot_mapping(blocks, 0, len(ids), BS), "cpu")
@@ -133,7 +134,7 @@ def test_a_paged_load_writes_only_the_tokens_asked_for():
 def test_a_missing_chunk_ends_the_load_and_says_so():
     store, ids, _ = _store(MemoryTier(None))
     store.tiers[0].delete(store.keys_for(ids)[2][0])
-    result = PrefixLoad(store, ids, DenseSink()).start().finish()
+    result = store.prefix_load(ids, DenseSink()).start().finish()
     assert result.loaded_end == 2 * CHUNK and not result.complete
     assert [c.status for c in result.chunks] == ["loaded", "loaded", "missing", "skipped"]
 
@@ -144,14 +145,14 @@ def test_every_variant_is_stored_and_found():
     tier = MemoryTier(None)
     store, ids, kv = _store(tier, codec=["cachegen", "raw"])
     assert len(tier.keys()) == 2 * 4 and store.lookup(ids).num_tokens == len(ids)
-    sizes = store.variant_sizes([k for _, _, ks in store.variant_keys(ids) for k in ks])
+    sizes = store.source.value_sizes([k for _, _, ks in store.variant_keys(ids) for k in ks])
     assert all(s is not None for s in sizes) and sizes[0][0] < sizes[1][0] / 3  # cachegen, raw of chunk 0
     store.tiers[0].delete(store.variant_keys(ids)[0][2][1])  # raw of chunk 0 gone: cachegen still serves it
     assert store.lookup(ids).num_tokens == len(ids)
 
 
 def _loaded(store, ids, **planner) -> list[int | str]:
-    result = PrefixLoad(store, ids, DenseSink(), planner=LoadPlanner(store, **planner)).start().finish()
+    result = store.prefix_load(ids, DenseSink(), **planner).start().finish()
     return [c.variant if c.status == "loaded" else c.status for c in result.chunks]
 
 
@@ -172,14 +173,14 @@ class Link(MemoryTier):
         super().__init__(None)
         self.rate, self.reads = rate, []
 
-    def get(self, key):
-        value = super().get(key)
+    def get(self, key, max_bytes=None):
+        value = super().get(key, max_bytes)
         self.reads.append((key, 0))
         time.sleep(0 if value is None else len(value) / self.rate)
         return value
 
-    def get_range(self, key, offset, length):
-        value = MemoryTier.get(self, key)  # (not this link's get: one piece crosses it)
+    def get_range(self, key, offset, length, max_bytes=None):
+        value = MemoryTier.get(self, key, max_bytes)  # (not this link's get: one piece crosses it)
         piece = None if value is None else value[offset:offset + length]
         self.reads.append((key, offset))
         time.sleep(0 if piece is None else len(piece) / self.rate)
@@ -197,7 +198,7 @@ def _slow_cachegen(monkeypatch, seconds: float) -> None:
 
 def test_the_load_stops_where_recomputing_the_rest_is_sooner():
     store, ids, kv = _store(MemoryTier(None), codec=["cachegen", "raw"])
-    store.decode_rate = lambda codec: Pinned(1e6)  # both decode 1 M tokens/s
+    store.telemetry.decode_rate = lambda codec: Pinned(1e6)  # both decode 1 M tokens/s
     # an engine that recomputes 10 M tokens/s beats any load decoding 1 M/s: nothing is loaded
     assert _loaded(store, ids, recompute_tps=1e7) == ["recompute", "skipped", "skipped", "skipped"]
     # ... one at 100 k tokens/s does not, and without a recompute speed a load never stops
@@ -211,14 +212,13 @@ def _behind_link(monkeypatch, raw_s: float, cachegen_s: float) -> tuple[KVStore,
     ids, kv = list(range(1000, 1000 + 4 * CHUNK)), _kv(4 * CHUNK)
     kv = KVCache([(l.keys.float(), l.values.float()) for l in kv.layers], model="m")
     store.put(ids, kv)
-    raw_bytes = store.variant_sizes(store.variant_keys(ids)[0][2])[1][0]
+    raw_bytes = store.source.value_sizes(store.variant_keys(ids)[0][2])[1][0]
     link = Link(raw_bytes / raw_s)
     for key in [k for _, _, ks in store.variant_keys(ids) for k in ks]:
         link.put(key, store.tiers[0].get(key))
-    store.tiers[0], store.links = link, {link.name: BandwidthEstimator(prior_bps=link.rate)}
-    store.contention = {link.name: Contention()}
+    store.tiers[0], store.telemetry.links = link, {link.name: Measured(link.rate)}
     _slow_cachegen(monkeypatch, cachegen_s / LAYERS)
-    store.decode_rate = lambda codec: Pinned(CHUNK / cachegen_s if codec.codec_id == "cachegen" else 1e9)
+    store.telemetry.decode_rate = lambda codec: Pinned(CHUNK / cachegen_s if codec.codec_id == "cachegen" else 1e9)
     return store, ids, kv
 
 
@@ -228,7 +228,7 @@ def test_two_variants_load_from_both_ends(monkeypatch):
     store, ids, kv = _behind_link(monkeypatch, raw_s=0.030, cachegen_s=0.030)
     sink = DenseSink()
     t0 = time.perf_counter()
-    result = PrefixLoad(store, ids, sink).start().finish()
+    result = store.prefix_load(ids, sink).start().finish()
     took = time.perf_counter() - t0
     variants = [c.variant for c in result.chunks]
     assert result.complete and variants[0] == 1 and variants[-1] == 0, variants
@@ -257,15 +257,16 @@ def test_a_small_variant_is_decoded_only_where_it_saves_the_link_more_than_it_sl
     decoder works back through cachegen while raw comes; where it slows it 3x (30 ms of decoding cost the link
     20 ms, more than the 10 ms raw chunk it saves), every chunk comes raw."""
     store, ids, _ = _behind_link(monkeypatch, raw_s=0.010, cachegen_s=0.030)
-    store.contention = {name: Slowdown(slowdown) for name in store.links}
-    result = PrefixLoad(store, ids, DenseSink()).start().finish()
+    for link in store.telemetry.links.values():
+        link.contention = Slowdown(slowdown)
+    result = store.prefix_load(ids, DenseSink()).start().finish()
     variants = [c.variant for c in result.chunks]
     assert result.complete and (0 in variants) == smalls, variants
 
 
 def test_contention_pairs_reads_close_in_time_at_the_link_speed_asked_about(monkeypatch):
     clock = iter([0.0, 0.01, 0.02, 0.03, 5.0, 5.01, 6.0, 6.01]).__next__
-    monkeypatch.setattr("kvcodec.store.plan.time.perf_counter", clock)
+    monkeypatch.setattr("kvcodec.store.telemetry.time.perf_counter", clock)
     contention = Contention()
     assert contention.slowdown(100) == 1.0  # unmeasured
     contention.observe(100, 1.0, beside_decode=False)
@@ -290,7 +291,7 @@ def test_a_link_that_drops_mid_request_costs_at_most_the_read_under_way(monkeypa
     link = Link(1e8)
     for key in [k for _, _, ks in store.variant_keys(ids) for k in ks]:
         link.put(key, store.tiers[0].get(key))
-    store.tiers[0], store.links = link, {link.name: BandwidthEstimator(prior_bps=link.rate)}
+    store.tiers[0], store.telemetry.links = link, {link.name: Measured(link.rate)}
     _slow_cachegen(monkeypatch, 0.020 / LAYERS)
     raw_keys = {ks[1] for _, _, ks in store.variant_keys(ids)}
     real_get_range = Link.get_range
@@ -303,7 +304,7 @@ def test_a_link_that_drops_mid_request_costs_at_most_the_read_under_way(monkeypa
     link.get_range = dropping
     monkeypatch.setattr("kvcodec.store.load.PIECE_BYTES", (1024, 1024))  # this test's chunks are small: 50 ms a piece
     t0 = time.perf_counter()
-    result = PrefixLoad(store, ids, DenseSink()).start().finish()
+    result = store.prefix_load(ids, DenseSink()).start().finish()
     took = time.perf_counter() - t0
     assert result.complete and [c.variant for c in result.chunks][-1] == 0
     assert took < 0.3, took
@@ -322,7 +323,7 @@ def test_two_variants_mixed_keep_both_stages_busy():
 def test_planner_options_are_checked():
     store, _, _ = _store(MemoryTier(None))
     with pytest.raises(Exception, match="recompute_tps"):
-        LoadPlanner(store, recompute_tps=0)
+        LoadPlanner(store.telemetry, store.variants, recompute_tps=0)
 
 
 def test_a_joint_codec_decodes_whole_chunks_straight_into_paged_memory(monkeypatch):
@@ -343,7 +344,7 @@ def test_a_joint_codec_decodes_whole_chunks_straight_into_paged_memory(monkeypat
     monkeypatch.setattr(KVTC, "decode_frame_paged", lambda self, *a, **k: fused.append(1) or real(self, *a, **k))
     dense = store.get(ids)
     sink, layers, blocks = _paged_sink(len(ids))
-    assert PrefixLoad(store, ids, sink, start=16).start().finish().complete
+    assert store.prefix_load(ids, sink, start=16).start().finish().complete
     assert len(fused) == 3  # chunks 1-3; chunk 0 starts before the load
     for paged, layer in zip(layers, dense.layers):
         k, v = read_paged(paged, slot_mapping(blocks, 0, len(ids), BS), "cpu")

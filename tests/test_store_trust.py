@@ -4,6 +4,7 @@ which failures evict a shared entry."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -202,3 +203,98 @@ def test_engine_identity_hashes_the_served_folders_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 31}))
     b = cache_identity(str(tmp_path), kv_dtype="bfloat16")
     assert a.model_digest and a.model_digest != b.model_digest and a.kv_dtype == "bfloat16"
+
+
+# --- values a read must not pay for (issue 32) ----------------------------------------------------------------------
+
+def _shaped_store(tier, **options):
+    """A store of 1 MiB chunks: 2 layers x 2 heads x 1024 tokens x (64 + 64) channels of float16."""
+    return KVStore([tier], model="m", codec="raw", chunk_tokens=1024, shape=ChunkShape(2, 2, 64, 64, "float16"),
+                   **options)
+
+
+def _sent_bytes(client) -> int:
+    return int(client.info("stats")["total_net_output_bytes"])
+
+
+def test_redis_reads_no_more_than_a_chunk_of_the_stores_shape(redis_server):
+    """A 64 MiB value under a 1 MiB chunk's key costs a load about 1 MiB of transfer, not 64 (the tier's 1 GiB
+    max_value was the only bound), and is evicted: it can never be served."""
+    import redis
+
+    from kvcodec.store import RedisTier
+
+    tier = RedisTier(port=redis_server.port, timeout_s=5.0)
+    store = _shaped_store(tier)
+    ids = list(range(1024))
+    key = store.keys_for(ids)[0][0]
+    assert tier.put(key, b"\0" * (64 << 20))
+    client = redis.Redis(port=redis_server.port)
+    before = _sent_bytes(client)
+    assert store.get(ids) is None
+    assert _sent_bytes(client) - before < 4 << 20
+    assert not tier.contains(key) and store.stats["corrupt"] == 1
+
+
+def test_a_redis_value_disagreeing_with_its_metadata_is_evicted(redis_server):
+    """Junk under a chunk's key whose ``:meta`` does not match it was a miss left stored, paid for by every load."""
+    import redis
+
+    from kvcodec.store import RedisTier
+
+    tier = RedisTier(port=redis_server.port, timeout_s=5.0)
+    store = _shaped_store(tier)
+    ids = list(range(1024))
+    key = store.keys_for(ids)[0][0]
+    assert tier.put(key, b"x" * 1000)
+    redis.Redis(port=redis_server.port).set(f"kvcodec:{key}:data", b"\0" * (256 << 10))
+    assert store.get(ids) is None
+    assert not tier.contains(key) and store.stats["corrupt"] == 1
+
+
+def test_a_value_over_its_bound_in_a_slow_tier_is_evicted_by_a_size_query(tmp_path):
+    """A load that plans from value sizes drops a value no chunk of the store's shape can fill, unread."""
+    from kvcodec.store import DiskTier
+
+    disk = DiskTier(tmp_path / "kv")
+    store = _shaped_store(disk)
+    ids = list(range(1024))
+    key = store.keys_for(ids)[0][0]
+    with open(os.path.join(disk.path, disk._file(key)), "wb") as f:
+        f.truncate(1 << 40)  # a sparse terabyte
+    assert store.source.value_sizes([key]) == [None]
+    assert not disk.contains(key) and store.stats["corrupt"] == 1
+
+
+def test_damaged_side_data_is_evicted_and_repaired_on_the_next_put(tmp_path, monkeypatch):
+    """kvtc's calibration stored beside the chunks: a damaged copy was refused on every load but never evicted, and
+    a machine holding a good copy trusted ``contains`` and never wrote it back."""
+    from kvcodec.codecs.kvtc import KVTC, register_calibration
+    from kvcodec.codecs.kvtc import calibration as calmod
+    from kvcodec.tools.fuzz.seeds import fuzz_calibration
+
+    kv = kvcodec.KVCache([(l.keys, l.values) for l in _kv(64).layers], model="m", rope="post")
+    cal = register_calibration(fuzz_calibration(kv))
+    tier = MemoryTier(None)
+    store = KVStore([tier], model="m", codec="kvtc", codec_options={"calibration": cal.digest}, chunk_tokens=32)
+    store.put(list(range(64)), kv)
+    name = store.codec.side_data_name()
+    good = tier.get(name)
+    assert good == store.codec.side_data()
+    damaged = bytearray(good)
+    damaged[len(damaged) // 2] ^= 1
+    tier.put(name, bytes(damaged))
+    with monkeypatch.context() as new_machine:  # no calibration here: the damaged copy is evicted, not kept
+        new_machine.setattr(calmod, "_registered", {})
+        new_machine.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        new_machine.delenv(calmod.ENV_PATH, raising=False)
+        fresh = KVTC(calibration=cal.digest)
+        assert not fresh.has_side_data()
+        store.source.fetch_side_data([fresh])
+        assert not tier.contains(name) and not fresh.has_side_data()
+    store.put(list(range(100, 164)), kv)  # a machine that has it writes it back on its next put
+    assert tier.get(name) == good
+    tier.put(name, bytes(damaged))  # ... also over a damaged copy where contains() says it is there
+    other = KVStore([tier], model="m", codec="kvtc", codec_options={"calibration": cal.digest}, chunk_tokens=32)
+    other.put(list(range(200, 264)), kv)
+    assert tier.get(name) == good

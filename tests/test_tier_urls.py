@@ -285,3 +285,30 @@ def test_redis_reads_are_bounded_by_max_value_bytes(redis_server, caplog):
     finally:
         type(conn).send_packed_command = real_send
     assert len(sends) == 5
+
+
+@pytest.mark.parametrize("password", ["p#ss", "p?ss", "p/ss", "p@ss", "p:ss", "a#b?c/d@e:f", "%23%3F%2F%40%3A"])
+def test_redact_hides_passwords_holding_url_delimiters(password):
+    """``#`` and ``?`` ended the user information early, so such a password was shown; escaped or not, it is not."""
+    for user, host in (("", "cache.internal:6379/0?ttl=5"), ("admin", "10.0.0.7"), ("u", "[::1]:6379#frag")):
+        assert redact(f"redis://{user}:{password}@{host}") == f"redis://{user}:***@{host}"
+
+
+def test_a_redis_password_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    """A password written into a tier URL is logged with the engine's configuration; password_file= and
+    password_env= keep it out of it."""
+    secret_file = tmp_path / "redis.pw"
+    secret_file.write_text("from-file\n")
+    tier = tier_from_url(f"redis://kv@127.0.0.1:6390/0?password_file={secret_file}")
+    assert tier.client.connection_pool.connection_kwargs["password"] == "from-file"
+    assert tier.client.connection_pool.connection_kwargs["username"] == "kv"
+    monkeypatch.setenv("KVC_TEST_REDIS_PW", "from-env")
+    tier = tier_from_url("rediss://127.0.0.1?password_env=KVC_TEST_REDIS_PW")
+    assert tier.client.connection_pool.connection_kwargs["password"] == "from-env"
+    with pytest.raises(InvalidInputError, match="give one") as err:
+        tier_from_url("redis://:inline@127.0.0.1?password_env=KVC_TEST_REDIS_PW")
+    assert "inline" not in str(err.value)
+    with pytest.raises(InvalidInputError, match="not set"):
+        tier_from_url("redis://127.0.0.1?password_env=KVC_TEST_UNSET_PW")
+    with pytest.raises(InvalidInputError, match="cannot read password_file"):
+        tier_from_url(f"redis://127.0.0.1?password_file={tmp_path / 'missing'}")

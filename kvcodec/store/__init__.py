@@ -7,21 +7,26 @@
 >>> n, where = store.lookup(token_ids)    # stored prefix length, tier of each chunk
 >>> prefix_kv = store.get(token_ids)      # decoded KVCache of the stored prefix (or None)
 
-Engine hooks load through :class:`PrefixLoad` (:mod:`kvcodec.store.load`), which streams chunks into their
-memory.
+Engine hooks load through :meth:`KVStore.prefix_load`: a :class:`PrefixLoad` (:mod:`kvcodec.store.load`) that
+streams chunks into their memory (a :class:`DenseSink` or :class:`PagedSink`).  The parts: ``tiers`` (one module
+per tier, and the URL grammar), ``source`` (read, check, evict), ``telemetry`` (link and decode rates), ``plan``
+and ``load``; ``store`` is the facade over them.
 """
 
 from kvcodec.store.auth import UnauthenticatedError
 from kvcodec.store.identity import CacheIdentity, model_digest, model_identity, request_salt
 from kvcodec.store.keys import HASHES, chunk_bounds, chunk_hashes, format_key, namespace
-from kvcodec.store.store import (DEFAULT_STORE_CHUNK_TOKENS, ChunkShape, FetchedChunk, KVStore, Lookup, PlacementPolicy,
-                                 concat)
-from kvcodec.store.load import ChunkOutcome, DenseSink, LoadResult, PagedSink, PrefixLoad
+from kvcodec.layouts.sinks import DenseSink, PagedSink
+from kvcodec.store.chunks import ChunkShape, FetchedChunk
+from kvcodec.store.load import ChunkOutcome, LoadResult, PrefixLoad
+from kvcodec.store.source import ChunkSource, PlacementPolicy
+from kvcodec.store.store import DEFAULT_STORE_CHUNK_TOKENS, KVStore, Lookup, concat
+from kvcodec.store.telemetry import RateEstimator, Telemetry
 from kvcodec.store.tiers import DiskTier, GPUTier, MemoryTier, MooncakeTier, RedisTier, StorageTier, tier_from_url
 
 __all__ = [
     "KVStore", "Lookup", "PlacementPolicy", "FetchedChunk", "ChunkShape", "concat", "DEFAULT_STORE_CHUNK_TOKENS",
-    "PrefixLoad", "DenseSink", "PagedSink", "LoadResult", "ChunkOutcome",
+    "PrefixLoad", "DenseSink", "PagedSink", "LoadResult", "ChunkOutcome", "ChunkSource", "Telemetry", "RateEstimator",
     "CacheIdentity", "model_digest", "model_identity", "request_salt", "UnauthenticatedError",
     "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier", "MooncakeTier", "tier_from_url",
     "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",

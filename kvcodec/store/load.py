@@ -1,11 +1,11 @@
 """Loading a stored prefix into an engine's memory: the one load path every engine hook uses.
 
-A :class:`PrefixLoad` streams a prompt's chunks out of a :class:`~kvcodec.store.KVStore`.  A fetch thread reads
-chunks from their tiers (each checked once: authentication, checksums, key, shape; :meth:`KVStore.read_chunk`)
-while a decode thread decodes the ones already in, layer by layer, into a *sink*: :class:`PagedSink` writes
-straight into an engine's paged memory through :meth:`Codec.decode_layer_paged` (the codec's fused path:
-cachegen's Triton kernel, kvfetcher's frame-wise restore), :class:`DenseSink` keeps tensors for a hook that wants
-them.  At most ``prefetch_bytes`` of fetched chunks wait for the decoder, which bounds the memory a load holds.
+A :class:`PrefixLoad` (built by :meth:`kvcodec.store.KVStore.prefix_load`) streams a prompt's chunks out of a
+store's :class:`~kvcodec.store.source.ChunkSource`.  A fetch thread reads chunks from their tiers (each checked
+once: authentication, checksums, key, shape; :meth:`ChunkSource.read`) while a decode thread decodes the ones
+already in, layer by layer, into a *sink* (:mod:`kvcodec.layouts.sinks`): into a :class:`PagedSink`, an engine's
+paged memory, through :meth:`Codec.decode_layer_paged` (the codec's fused path: cachegen's Triton kernel,
+kvfetcher's frame-wise restore); into a :class:`DenseSink`, tensors for a hook that wants them.  At most ``prefetch_bytes`` of fetched chunks wait for the decoder, which bounds the memory a load holds.
 
 With one stored variant, chunks are fetched and decoded in order.  With several, the load works from both ends
 (:mod:`kvcodec.store.plan`): the smallest variant of every chunk first, decoded from the last chunk backwards,
@@ -20,7 +20,7 @@ tokens ``start .. end-1`` are written: a chunk reaching outside them (the engine
 
 A chunk that is missing or fails ends the load there: tokens from its first one on are the engine's to recompute
 (:attr:`LoadResult.loaded_end`), and a chunk that is itself bad (corrupt, forged, of another shape) is evicted
-(:meth:`KVStore.discard`).  Every chunk's outcome, tier, bytes and times are in :attr:`LoadResult.chunks`.
+(:meth:`ChunkSource.discard`).  Every chunk's outcome, tier, bytes and times are in :attr:`LoadResult.chunks`.
 """
 
 from __future__ import annotations
@@ -29,20 +29,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from kvcodec.cache import KVCache
 from kvcodec.chunking import DecodeRequest, coding, decode_sections
-from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError
-from kvcodec.layouts.paged import PagedLayout, paged_layout, slot_mapping, write_paged
+from kvcodec.layouts.sinks import DenseSink, PagedSink
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
 from kvcodec.store.plan import LoadPlanner, Option
-
-if TYPE_CHECKING:
-    from kvcodec.store.store import KVStore
+from kvcodec.store.source import ChunkSource
 
 log = logging.getLogger(__name__)
 
@@ -101,95 +97,48 @@ class LoadResult:
         return sum(c.nbytes for c in self.chunks)
 
 
-class DenseSink:
-    """Keeps each layer's loaded keys and values as ``[H, T, D]`` tensors on ``device``, in ``dtype`` (None: the
-    chunks' own)."""
-
-    def __init__(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        self.device, self.dtype = resolve_device(device), dtype
-        self._parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # per layer: (token, keys, values)
-        self.rope: str | None = None
-
-    def write(self, layer: int, token_start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if self.dtype is not None:
-            keys, values = keys.to(self.dtype), values.to(self.dtype)
-        self._parts.setdefault(layer, []).append((token_start, keys.to(self.device), values.to(self.device)))
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s keys and values over every token written so far."""
-        parts = self._parts.get(i)
-        if not parts:
-            raise InvalidInputError(f"layer {i} holds nothing")
-        if len(parts) > 1:  # a load writes chunks in any order
-            parts.sort(key=lambda p: p[0])
-            parts[:] = [(parts[0][0], torch.cat([p[1] for p in parts], 1), torch.cat([p[2] for p in parts], 1))]
-        return parts[0][1], parts[0][2]
-
-    def cache(self, **meta: Any) -> KVCache:
-        """Every layer written, as one cache (``meta`` as for :class:`KVCache`)."""
-        return KVCache([self.layer(i) for i in range(len(self._parts))], rope=self.rope, **meta)
+def _decode_paged_layer(sink: PagedSink, chunk: FetchedChunk, layer: int, request: DecodeRequest) -> None:
+    """Decode ``layer`` of a chunk lying wholly inside the load straight into the memory.  A fused decode and write
+    cannot tell a fault of its bytes from one of the memory, so only a kvcodec error (corrupt bytes) blames the
+    chunk: the bytes passed their checksums, and evicting good KV for a local fault would be worse."""
+    codec, tokens = chunk.codec, chunk.end - chunk.start
+    assert codec is not None
+    ctx = request.context(layer, (0, tokens))
+    coding(request.threads, lambda: codec.decode_layer_paged(
+        chunk.sections[layer], ctx, sink.layers[layer], sink.slots(chunk.start, tokens), sink.layout))
 
 
-class PagedSink:
-    """An engine's paged KV memory: one tensor per model layer in ``layout``, and the request's block table
-    (``block_ids``, ``block_size`` tokens each).  Chunks decode straight into it."""
-
-    def __init__(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int], block_size: int,
-                 layout: PagedLayout | str) -> None:
-        self.layers, self.block_size, self.layout = list(layers), int(block_size), paged_layout(layout)
-        device = self.layers[0].device if self.layers else torch.device("cpu")
-        self.block_table = torch.tensor([int(b) for b in block_ids], dtype=torch.long, device=device)
-
-    def slots(self, token_start: int, count: int) -> torch.Tensor:
-        return slot_mapping(self.block_table, token_start, count, self.block_size)
-
-    def write(self, layer: int, token_start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        paged = self.layers[layer]
-        write_paged(paged, keys.to(paged.device), values.to(paged.device), self.slots(token_start, keys.shape[1]),
-                    self.layout)
-
-    def decode_into(self, chunk: FetchedChunk, layer: int, request: DecodeRequest) -> None:
-        """Decode ``layer`` of a chunk lying wholly inside the load straight into the memory.  A fused decode and
-        write cannot tell a fault of its bytes from one of the memory, so only a kvcodec error (corrupt bytes) blames
-        the chunk: the bytes passed their checksums, and evicting good KV for a local fault would be worse."""
-        codec, tokens = chunk.codec, chunk.end - chunk.start
-        assert codec is not None
-        ctx = request.context(layer, (0, tokens))
-        coding(request.threads, lambda: codec.decode_layer_paged(
-            chunk.sections[layer], ctx, self.layers[layer], self.slots(chunk.start, tokens), self.layout))
+def _decode_paged_frame(sink: PagedSink, chunk: FetchedChunk, request: DecodeRequest) -> None:
+    """Decode every layer of a chunk of a joint codec (one section for the frame) lying wholly inside the load
+    straight into the memory."""
+    codec, tokens = chunk.codec, chunk.end - chunk.start
+    assert codec is not None and chunk.header is not None
+    layers = range(len(chunk.header.layers))
+    ctxs = [request.context(l, (0, tokens)) for l in layers]
+    slots = sink.slots(chunk.start, tokens)
+    coding(request.threads, lambda: codec.decode_frame_paged(
+        chunk.sections[0], ctxs, {l: sink.layers[l] for l in layers}, {l: slots for l in layers}, sink.layout))
 
 
-    def decode_frame_into(self, chunk: FetchedChunk, request: DecodeRequest) -> None:
-        """Decode every layer of a chunk of a joint codec (one section for the frame) lying wholly inside the load
-        straight into the memory."""
-        codec, tokens = chunk.codec, chunk.end - chunk.start
-        assert codec is not None and chunk.header is not None
-        layers = range(len(chunk.header.layers))
-        ctxs = [request.context(l, (0, tokens)) for l in layers]
-        slots = self.slots(chunk.start, tokens)
-        coding(request.threads, lambda: codec.decode_frame_paged(
-            chunk.sections[0], ctxs, {l: self.layers[l] for l in layers}, {l: slots for l in layers}, self.layout))
-
-
-def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | PagedSink, start: int, end: int, *,
+def decode_chunk_into(chunk: FetchedChunk, sink: DenseSink | PagedSink, start: int, end: int, *, max_bytes: int,
                       device: torch.device | str | None = None,
                       on_layer: Callable[[int], None] = lambda layer: None) -> None:
-    """Decode a checked chunk's tokens ``start .. end-1`` into ``sink``, layer by layer (a codec coding a chunk's
-    layers jointly decodes them at once), calling ``on_layer(l)`` after each layer is in.  A dense decode runs on
-    ``device``, by default a paged sink's own."""
+    """Decode a checked chunk's tokens ``start .. end-1`` into ``sink``, producing at most ``max_bytes``, layer by
+    layer (a codec coding a chunk's layers jointly decodes them at once), calling ``on_layer(l)`` after each layer
+    is in.  A dense decode runs on ``device``, by default a paged sink's own."""
     header, codec, tokens = chunk.header, chunk.codec, chunk.end - chunk.start
     assert header is not None and codec is not None, "decode a chunk the store checked"
     if device is None and isinstance(sink, PagedSink) and sink.layers:
         device = sink.layers[0].device
     layers = range(len(header.layers))
-    request = DecodeRequest.make(device=device, max_bytes=store.max_bytes(tokens)).bind(header, [codec]) \
+    request = DecodeRequest.make(device=device, max_bytes=max_bytes).bind(header, [codec]) \
         .select(0, tokens, layers)
     lo, hi = max(start, chunk.start) - chunk.start, min(end, chunk.end) - chunk.start
     if isinstance(sink, DenseSink):
         sink.rope = header.meta.get("rope")
     fused = isinstance(sink, PagedSink) and (lo, hi) == (0, tokens)
     if fused and codec.joint_sections:
-        sink.decode_frame_into(chunk, request)  # type: ignore[union-attr]
+        _decode_paged_frame(sink, chunk, request)  # type: ignore[arg-type]
         for l in layers:
             on_layer(l)
         return
@@ -201,7 +150,7 @@ def decode_chunk_into(store: KVStore, chunk: FetchedChunk, sink: DenseSink | Pag
     decoded = dense(layers) if codec.joint_sections else {}
     for l in layers:
         if fused:
-            sink.decode_into(chunk, l, request)  # type: ignore[union-attr]
+            _decode_paged_layer(sink, chunk, l, request)  # type: ignore[arg-type]
         else:
             _, k, v = decoded.pop(l) if decoded else dense([l])[l]
             sink.write(l, chunk.start + lo, k[:, lo:hi], v[:, lo:hi])
@@ -221,26 +170,27 @@ class _Reading:
 
 
 class PrefixLoad:
-    """Load tokens ``start .. end-1`` (default: all) of ``token_ids``'s stored prefix from ``store`` into ``sink``.
+    """Load tokens ``start .. end-1`` (default: all) of a prompt's stored prefix from ``source`` into ``sink``.
 
-    :meth:`start` starts the fetch and decode threads and returns at once; :meth:`wait_layer` waits for one
-    layer; :meth:`finish` waits for the whole load and says how far it got.  ``salt`` as for
-    :meth:`KVStore.keys_for`; ``device`` is where a dense decode runs (default: a paged sink's memory's, else the
-    CPU).
+    ``chunks``: ``(start, end, keys)`` of every chunk of the prompt, its key in each of ``planner.variants``
+    (:meth:`KVStore.prefix_load` builds a load).  :meth:`start` starts the fetch and decode threads and returns at
+    once; :meth:`wait_layer` waits for one layer; :meth:`finish` waits for the whole load and says how far it got.
+    ``device`` is where a dense decode runs (default: a paged sink's memory's, else the CPU).  Reads and decodes
+    feed ``planner.telemetry``.
     """
 
-    def __init__(self, store: KVStore, token_ids: Sequence[int], sink: DenseSink | PagedSink, *, start: int = 0,
-                 end: int | None = None, salt: str | bytes | None = None, device: torch.device | str | None = None,
-                 prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, planner: LoadPlanner | None = None) -> None:
-        token_ids = [int(t) for t in token_ids]
-        self.store, self.sink, self.device = store, sink, device
+    def __init__(self, source: ChunkSource, chunks: Sequence[tuple[int, int, list[str]]],
+                 sink: DenseSink | PagedSink, *, planner: LoadPlanner, start: int = 0, end: int | None = None,
+                 device: torch.device | str | None = None, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES) -> None:
+        total = chunks[-1][1] if chunks else 0
+        self.source, self.sink, self.device = source, sink, device
         self.start_token = int(start)
-        self.end = len(token_ids) if end is None else min(int(end), len(token_ids))
+        self.end = total if end is None else min(int(end), total)
         if not 0 <= self.start_token <= self.end:
-            raise InvalidInputError(f"cannot load tokens {start}..{end} of a {len(token_ids)}-token prompt")
-        self.planner = planner or LoadPlanner(store)
-        self.variants = self.planner.variants
-        self.chunks = [ChunkOutcome(keys, s, e) for s, e, keys in store.variant_keys(token_ids, salt=salt)
+            raise InvalidInputError(f"cannot load tokens {start}..{end} of a {total}-token prompt")
+        self.planner, self.telemetry = planner, planner.telemetry
+        self.variants = planner.variants
+        self.chunks = [ChunkOutcome(list(keys), s, e) for s, e, keys in chunks
                        if e > self.start_token and s < self.end]
         self._cond = threading.Condition()
         # Fetched chunks not yet taken by the decoder.  Front: read in order by the fetch thread (with several
@@ -284,7 +234,7 @@ class PrefixLoad:
         if not self._started:
             self._started = True
             self._t0 = time.perf_counter()
-            self.store.fetch_side_data()
+            self.source.fetch_side_data(self.variants)
             for t in self._threads:
                 t.start()
         return self
@@ -333,7 +283,7 @@ class PrefixLoad:
         intact."""
         outcome = self.chunks[i]
         t0 = time.perf_counter()
-        chunk = self.store.read_chunk(key, outcome.start, outcome.end)
+        chunk = self.source.read(key, outcome.start, outcome.end)
         outcome.fetch_s += time.perf_counter() - t0
         if chunk is None:
             self._end_at(i, "missing")
@@ -345,7 +295,8 @@ class PrefixLoad:
         """The smallest variant of every chunk first, within the byte budget; then, and whenever the budget is
         full, the largest variant of the lowest chunk the decoder has not taken (see :mod:`kvcodec.store.plan`)."""
         n = len(self.variants)
-        held = self.store.variant_sizes([k for c in self.chunks for k in c.keys])
+        held = self.source.value_sizes([k for c in self.chunks for k in c.keys],
+                                       [c.end - c.start for c in self.chunks for _ in c.keys])
         for i in range(len(self.chunks)):
             options = sorted((Option(v, *held[i * n + v]) for v in range(n) if held[i * n + v] is not None),
                              key=lambda o: o.nbytes)
@@ -420,15 +371,16 @@ class PrefixLoad:
         as soon as the decoder takes the chunk's small variant (a video player's abandonment rule)."""
         outcome, large = self.chunks[i], self._options[i][1]
         assert large is not None
-        store, key = self.store, outcome.keys[large.variant]
-        tier = store.tier(large.tier)
-        piece_bytes = int(min(max(store.links[tier.name].estimate * PIECE_S, PIECE_BYTES[0]), PIECE_BYTES[1]))
+        key = outcome.keys[large.variant]
+        tier = self.source.tier(large.tier)
+        piece_bytes = int(min(max(self.telemetry.link(tier.name).throughput.estimate * PIECE_S, PIECE_BYTES[0]),
+                              PIECE_BYTES[1]))
         t0 = time.perf_counter()
         if not tier.ranged_reads or large.nbytes < 2 * piece_bytes:
             with self._cond:
                 self._reading = _Reading(i, large, t0, large.nbytes, 0)
                 decoding = self._decoding_small
-            chunk = store.read_chunk(key, outcome.start, outcome.end)
+            chunk = self.source.read(key, outcome.start, outcome.end)
             self._observe(large, large.nbytes, time.perf_counter() - t0, decoding)
         else:
             chunk = self._read_pieces(i, large, key, piece_bytes)
@@ -440,8 +392,7 @@ class PrefixLoad:
             self._hold(i, chunk, front=True)
 
     def _read_pieces(self, i: int, large: Option, key: str, piece_bytes: int) -> FetchedChunk | None:
-        outcome, store = self.chunks[i], self.store
-        tier = store.tier(large.tier)
+        outcome, source = self.chunks[i], self.source
         parts: list[bytes] = []
         got = 0
         while got < large.nbytes:
@@ -455,26 +406,25 @@ class PrefixLoad:
                 self._reading = _Reading(i, large, time.perf_counter(), length, large.nbytes - got - length)
                 decoding = self._decoding_small
             t0 = time.perf_counter()
-            piece = store.call_tier(tier, "get_range", key, got, length)
+            piece = source.read_range(large.tier, key, got, length, outcome.end - outcome.start)
             seconds = time.perf_counter() - t0
             if not piece:
-                return store.read_chunk(key, outcome.start, outcome.end)  # gone here: any tier holding it
-            store.links[tier.name].observe(len(piece), seconds)
+                return source.read(key, outcome.start, outcome.end)  # gone here: any tier holding it
             self._observe(large, len(piece), seconds, decoding)
             with self._cond:
                 self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
             parts.append(piece)
             got += len(piece)
-        chunk = store.accept(key, tier.name, b"".join(parts), outcome.start, outcome.end, evict=False)
-        return chunk if chunk is not None else store.read_chunk(key, outcome.start, outcome.end)
+        chunk = source.accept(key, large.tier, b"".join(parts), outcome.start, outcome.end, evict=False)
+        return chunk if chunk is not None else source.read(key, outcome.start, outcome.end)
 
     def _observe(self, option: Option, nbytes: int, seconds: float, decoding_before: bool) -> None:
-        """A large read's throughput, for :class:`~kvcodec.store.plan.Contention` when a small variant's decode ran
+        """A large read's throughput, for :class:`~kvcodec.store.telemetry.Contention` when a small variant's decode ran
         all through it or not at all."""
         with self._cond:
             decoding = self._decoding_small
         if decoding == decoding_before:
-            self.store.contention[option.tier].observe(nbytes, seconds, beside_decode=decoding)
+            self.telemetry.link(option.tier).contention.observe(nbytes, seconds, beside_decode=decoding)
 
     def _decode(self) -> None:
         try:
@@ -488,14 +438,15 @@ class PrefixLoad:
                     self._decoding_small = small
                 try:
                     self._check_shape(chunk)
-                    decode_chunk_into(self.store, chunk, self.sink, self.start_token, self.end, device=self.device,
+                    decode_chunk_into(chunk, self.sink, self.start_token, self.end,
+                                      max_bytes=self.source.max_bytes(chunk.end - chunk.start), device=self.device,
                                       on_layer=lambda layer, i=i: self._layer_in(i, layer))
                 except Exception as err:
                     outcome.decode_s = time.perf_counter() - t0
                     outcome.error = f"{type(err).__name__}: {err}"
                     log.warning("stored chunk %s (tokens %d-%d) did not load: %s", chunk.key, chunk.start,
                                 chunk.end - 1, outcome.error)
-                    self.store.discard(chunk, err)
+                    self.source.discard(chunk, err)
                     self._end_at(i, "failed")
                     continue
                 finally:
@@ -503,8 +454,8 @@ class PrefixLoad:
                         self._decoding, self._decoding_small = None, False
                 outcome.decode_s = time.perf_counter() - t0
                 outcome.status, outcome.variant, outcome.tier = "loaded", variant, chunk.tier
-                self.store.decode_rate(self.variants[outcome.variant]).observe(chunk.end - chunk.start,
-                                                                              outcome.decode_s)
+                self.telemetry.decode_rate(self.variants[outcome.variant]).observe(chunk.end - chunk.start,
+                                                                                  outcome.decode_s)
         except BaseException:  # noqa: BLE001
             log.warning("loading a stored prefix failed", exc_info=True)
         finally:

@@ -15,26 +15,22 @@ Estimates still decide four things (:class:`LoadPlanner`): whether loading the r
 engine recomputing it at ``recompute_tps`` (tokens per second of prefill the engine hook observed) would be sooner;
 whether a large variant can still arrive before the decoder reaches its chunk from the back; whether the decoder,
 reaching the chunk whose large variant is arriving, waits for it; and whether decoding a small variant pays at all
-where the decoder and the link share a machine's cores (:class:`Contention`): on a fast link a decode can slow the
-fetch by more than it saves.  Fetching takes a variant's bytes over the estimated throughput of the tier holding
-it (:attr:`KVStore.links`, from the store's own recent reads: the harmonic mean of the last few, which drops at once
-when the link does); decoding takes its tokens at the variant's decode rate (:meth:`KVStore.decode_rate`, from the
-store's own recent decodes).
+where the decoder and the link share a machine's cores (:class:`~kvcodec.store.telemetry.Contention`): on a fast
+link a decode can slow the fetch by more than it saves.  Fetching takes a variant's bytes over the estimated
+throughput of the tier holding it, decoding takes its tokens at the variant's decode rate, both from the store's
+own recent reads and decodes (:class:`~kvcodec.store.telemetry.Telemetry`: the harmonic mean of the last few, which
+drops at once when the link does).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from kvcodec.codecs import Codec
 from kvcodec.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from kvcodec.store.store import KVStore
+from kvcodec.store.telemetry import Telemetry
 
 
 @dataclass(frozen=True)
@@ -46,65 +42,33 @@ class Option:
     tier: str
 
 
-class Contention:
-    """How much a small variant's decode slows one tier's reads on this machine, at a given link speed, from the
-    store's own loads.  Where the network path or the server itself runs on the decoder's cores, decoding is not
-    free for the link (measured here: a raw fetch from Redis on loopback took 1.5x as long beside a kvtc decode,
-    2.7x beside a cachegen one); behind a slower link the shaper, not the cores, sets the pace, and a decode costs
-    it nothing.  So each measurement is a pair of large reads within ``PAIR_S`` of each other, one with no small
-    decode running and one beside such a decode (a link that changes speed in between moves one pair, not the
-    estimate): the ratio of their throughputs, kept with the first one's.  :meth:`slowdown` is the median ratio
-    of the pairs measured within 2x of the speed asked about, 1 where there are none."""
-
-    PAIR_S = 0.1
-    WINDOW = 16
-
-    def __init__(self) -> None:
-        self._last: dict[bool, tuple[float, float]] = {}  # beside_decode: (when, bytes/s) of the latest read
-        self._pairs: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (bytes/s alone, ratio)
-
-    def observe(self, nbytes: int, seconds: float, *, beside_decode: bool) -> None:
-        if nbytes <= 0 or seconds <= 0:
-            return
-        now, rate = time.perf_counter(), nbytes / seconds
-        self._last[beside_decode] = (now, rate)
-        other = self._last.get(not beside_decode)
-        if other is not None and now - other[0] <= self.PAIR_S:
-            alone, beside = (other[1], rate) if beside_decode else (rate, other[1])
-            self._pairs.append((alone, alone / beside))
-
-    def slowdown(self, bps: float) -> float:
-        """How many times longer a read takes beside a small decode than alone, on a link of ``bps`` bytes/s."""
-        ratios = [r for alone, r in self._pairs if bps / 2 <= alone <= bps * 2]
-        return max(1.0, statistics.median(ratios)) if ratios else 1.0
-
-
 class LoadPlanner:
-    """The estimates of one load (see the module doc).  ``recompute_tps``: the engine's prefill speed, or None
-    (never stop early)."""
+    """The estimates of one load of chunks stored in ``variants`` (see the module doc), from ``telemetry``.
+    ``recompute_tps``: the engine's prefill speed, or None (never stop early)."""
 
-    def __init__(self, store: KVStore, *, recompute_tps: float | None = None) -> None:
+    def __init__(self, telemetry: Telemetry, variants: Sequence[Codec], *,
+                 recompute_tps: float | None = None) -> None:
         if recompute_tps is not None and not recompute_tps > 0:
             raise InvalidInputError(f"recompute_tps must be positive, not {recompute_tps!r}")
-        self.store, self.recompute_tps = store, recompute_tps
-        self.variants = store.variants  # as the load's keys were made, whatever the store switches to meanwhile
+        self.telemetry, self.variants, self.recompute_tps = telemetry, list(variants), recompute_tps
 
     def fetch_s(self, option: Option, nbytes: int | None = None) -> float:
         """Seconds to read ``nbytes`` (default: all) of ``option`` from its tier."""
-        return (option.nbytes if nbytes is None else nbytes) / self.store.links[option.tier].estimate
+        return (option.nbytes if nbytes is None else nbytes) / self.telemetry.link(option.tier).throughput.estimate
 
     def decode_s(self, option: Option, tokens: int) -> float:
         """Seconds to decode a ``tokens``-token chunk in ``option`` (0 for a variant this store never decoded)."""
-        return tokens / self.store.decode_rate(self.variants[option.variant]).estimate
+        return tokens / self.telemetry.decode_rate(self.variants[option.variant]).estimate
 
     def decode_known(self, option: Option) -> bool:
         """Whether :meth:`decode_s` comes from this store's own decodes of that variant."""
-        return bool(self.store.decode_rate(self.variants[option.variant]).samples)
+        return bool(self.telemetry.decode_rate(self.variants[option.variant]).samples)
 
     def small_pays(self, small: Option, large: Option, tokens: int) -> bool:
         """Whether decoding a chunk's small variant saves the link more time (its large variant's read) than the
-        decode costs the link by slowing it (:class:`Contention`)."""
-        slowdown = self.store.contention[large.tier].slowdown(self.store.links[large.tier].estimate)
+        decode costs the link by slowing it (:class:`~kvcodec.store.telemetry.Contention`)."""
+        link = self.telemetry.link(large.tier)
+        slowdown = link.contention.slowdown(link.throughput.estimate)
         return self.fetch_s(large) > self.decode_s(small, tokens) * (1 - 1 / slowdown)
 
     def worth_loading(self, small: Option, large: Option | None, tokens: int, remaining_tokens: int,

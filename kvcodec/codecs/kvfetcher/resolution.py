@@ -29,7 +29,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvcodec.adapt import BandwidthEstimator, BandwidthTrace
+from kvcodec.store.telemetry import RateEstimator as BandwidthEstimator
+from kvcodec.tools.adaptation import BandwidthTrace
 from kvcodec.errors import InvalidInputError
 
 DEFAULT_LADDER = (1024, 512, 256, 128)

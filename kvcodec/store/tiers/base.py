@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from kvcodec.errors import LimitExceededError
+
 EvictFn = Callable[[str, bytes], None]
 
 # A stored value is one chunk's container, a few MB; a value past this is not one of ours, and reading it whole would
@@ -17,8 +19,11 @@ DEFAULT_MAX_VALUE_BYTES = 1 << 30
 
 
 class StorageTier:
-    """Base class.  Subclasses implement the six operations; none of them raises on a backend fault
-    (a tier that cannot answer reports a miss, ``False`` or an empty list instead)."""
+    """Base class.  Subclasses implement the six operations; none of them raises on a backend fault (a tier that
+    cannot answer reports a miss, ``False`` or an empty list instead).  A read raises only for a value that is
+    itself bad: :class:`~kvcodec.errors.LimitExceededError` for one larger than the bound the reader asked for (or
+    the tier's own), having read no more than that bound, and :class:`~kvcodec.errors.CorruptDataError` for one
+    the tier's own bookkeeping shows damaged; the reader decides whether to evict it."""
 
     name = "tier"
     capacity_bytes: int | None = None
@@ -30,7 +35,8 @@ class StorageTier:
         """Store ``value`` under ``key`` (replacing any old value); True when it was stored."""
         raise NotImplementedError
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
+        """``key``'s value, None when not held; a value over ``max_bytes`` raises (see the class)."""
         raise NotImplementedError
 
     def contains(self, key: str) -> bool:
@@ -50,10 +56,10 @@ class StorageTier:
     # for a smaller variant of its chunk between two pieces.
     ranged_reads = False
 
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        """Bytes ``offset .. offset+length-1`` of ``key``'s value (fewer at its end), None when not held.  Nothing
-        checks them: the caller checks the whole value it assembles."""
-        value = self.get(key)
+    def get_range(self, key: str, offset: int, length: int, max_bytes: int | None = None) -> bytes | None:
+        """Bytes ``offset .. offset+length-1`` of ``key``'s value (fewer at its end, none past ``max_bytes``), None
+        when not held.  Nothing checks them: the caller checks the whole value it assembles."""
+        value = self.get(key, max_bytes)
         return None if value is None else value[offset:offset + length]
 
     def delete(self, key: str) -> bool:
@@ -71,3 +77,11 @@ class StorageTier:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def check_size(tier: StorageTier, key: str, size: int, *bounds: int | None) -> None:
+    """Raise :class:`LimitExceededError` when ``key``'s ``size`` bytes exceed the least of ``bounds`` (None: no
+    bound)."""
+    limit = min((b for b in bounds if b is not None), default=None)
+    if limit is not None and size > limit:
+        raise LimitExceededError(f"tier {tier.name}: {key} holds {size} bytes, more than the {limit} a read may take")

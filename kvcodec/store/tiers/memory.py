@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvcodec.errors import InvalidInputError
-from kvcodec.store.tiers.base import StorageTier
+from kvcodec.store.tiers.base import StorageTier, check_size
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,12 @@ class MemoryTier(StorageTier):
                     log.exception("demoting %s from %s failed", k, self.name)
         return True
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         with self._lock:
             stored = self._items.get(key)
             if stored is None:
                 return None
+            check_size(self, key, self._nbytes(stored), max_bytes)
             self._items.move_to_end(key)
         return self._load(stored)
 
@@ -81,8 +82,8 @@ class MemoryTier(StorageTier):
 
     ranged_reads = True
 
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
-        value = self.get(key)  # a memory tier's get is a reference (or one device copy), not a transfer
+    def get_range(self, key: str, offset: int, length: int, max_bytes: int | None = None) -> bytes | None:
+        value = self.get(key, max_bytes)  # a memory tier's get is a reference (or one device copy), not a transfer
         return None if value is None else value[offset:offset + length]
 
     def delete(self, key: str) -> bool:

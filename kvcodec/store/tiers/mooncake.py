@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from kvcodec.errors import InvalidInputError
+from kvcodec.errors import InvalidInputError, LimitExceededError
 from kvcodec.store.tiers.base import DEFAULT_MAX_VALUE_BYTES, StorageTier
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class MooncakeTier(StorageTier):
     hit is followed by a ``get`` miss.  ``delete`` within a value's 10 s read lease is refused by Mooncake
     (False).  The client cannot list keys: ``keys`` and ``size`` ask the master's HTTP admin server
     (``mooncake_master --metrics_port``) when ``admin`` (``HOST:PORT``) is given, else they return ``[]`` and 0.
-    Nothing raises on a backend fault: faults are misses, False, ``[]`` or 0, with a warning.
+    Nothing raises on a backend fault: faults are misses, False, ``[]`` or 0, with a warning.  A value over the
+    bound a reader asks for (or ``max_value_bytes``) raises, unfetched.
     """
 
     name = "mooncake"
@@ -228,9 +229,9 @@ class MooncakeTier(StorageTier):
             log.warning("mooncake tier %s: put of %s failed with Mooncake error %s", self.name, key, rc)
         return rc == 0
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         k = self._k(key)
-        limit = self.max_value_bytes + HEADER.size
+        limit = min(self.max_value_bytes, self.max_value_bytes if max_bytes is None else max_bytes) + HEADER.size
 
         def read(c: Any) -> Any:
             n = c.get_size(k)
@@ -242,12 +243,12 @@ class MooncakeTier(StorageTier):
         if got is None:
             return None
         if isinstance(got, int):
-            if got > limit:
-                log.warning("mooncake tier %s: %s holds %d bytes, more than max_value_bytes=%d; treated as a miss",
-                            self.name, key, got - HEADER.size, self.max_value_bytes)
-            elif got != OBJECT_NOT_FOUND:
-                log.warning("mooncake tier %s: get_size of %s failed with Mooncake error %d", self.name, key, got)
-            return None
+            if got < 0:
+                if got != OBJECT_NOT_FOUND:
+                    log.warning("mooncake tier %s: get_size of %s failed with Mooncake error %d", self.name, key, got)
+                return None
+            raise LimitExceededError(f"mooncake tier {self.name}: {key} holds {got - HEADER.size} bytes, more than the "
+                                     f"{limit - HEADER.size} a read may take")
         if len(got) < HEADER.size:
             # listed but unreadable: the process holding its segment died, or it was removed between the calls
             log.warning("mooncake tier %s: %s is listed but could not be read; treated as a miss", self.name, key)

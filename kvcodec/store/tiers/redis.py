@@ -8,8 +8,8 @@ import struct
 import time
 from typing import Any, Callable
 
-from kvcodec.errors import InvalidInputError
-from kvcodec.store.tiers.base import DEFAULT_MAX_VALUE_BYTES, StorageTier
+from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.store.tiers.base import DEFAULT_MAX_VALUE_BYTES, StorageTier, check_size
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,9 @@ class RedisTier(StorageTier):
     Each value is two keys, ``<prefix><key>:data`` (the container chunk) and ``<prefix><key>:meta`` (28 bytes:
     version, payload length, payload xxh3-64), written together with one ``MSET`` (atomic: concurrent writers leave
     one complete pair; with ``ttl_s`` a ``MULTI`` of two ``SET ... EX``) and read together by one ``MULTI`` of
-    ``STRLEN``, ``GETRANGE 0 max_value_bytes`` and ``GET`` (one round trip, a consistent pair): a value larger than
-    ``max_value_bytes`` is a miss, and no more than that is ever sent or allocated for it.  The
+    ``STRLEN``, ``GETRANGE`` up to the bound and ``GET`` (one round trip, a consistent pair): a value larger than
+    ``max_value_bytes`` or the bound its reader asks for raises, and no more than that is ever sent or allocated for
+    it; so does a payload that disagrees with its metadata (the reader evicts both).  The
     names are kvcodec's own (default prefix ``kvcodec:``): LMCache's own Redis connector writes ``<key>kv_bytes`` and
     ``<key>metadata`` with another metadata format, and the two never read each other's values from a shared
     database.  With a cluster client (or ``hash_tag=True``) the key is wrapped in braces, ``{<key>}:data``, so
@@ -44,7 +45,7 @@ class RedisTier(StorageTier):
     to redis-py (``ssl_ca_certs``, ``ssl_cert_reqs``, ``ssl_certfile``, ``ssl_keyfile``, ...).  The password is
     never logged nor shown in the repr.  Every call has a socket timeout (``timeout_s``) and no retries; after a
     failure the tier reports misses without touching the network for ``down_for_s`` seconds, so a dead or hung
-    Redis costs at most one timeout per ``down_for_s``.  Nothing raises: faults are misses.
+    Redis costs at most one timeout per ``down_for_s``.  No backend fault raises: faults are misses.
     """
 
     name = "redis"
@@ -131,15 +132,16 @@ class RedisTier(StorageTier):
 
         return bool(self._call(write, False))
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes | None:
         payload, meta = self._k(key)
+        limit = min(self.max_value_bytes, self.max_value_bytes if max_bytes is None else max_bytes)
 
         # A Lua script could check the length before sending anything, but it copies the value through Lua: measured
         # 1.8-2.2x slower than GET on 1-8 MB values.  GETRANGE bounds what an oversized value costs instead.
         def read() -> list[Any]:
             pipe = self.client.pipeline(transaction=True)
             pipe.strlen(payload)
-            pipe.getrange(payload, 0, self.max_value_bytes)
+            pipe.getrange(payload, 0, max(0, limit - 1))
             pipe.get(meta)
             return pipe.execute()
 
@@ -147,13 +149,9 @@ class RedisTier(StorageTier):
         if not got or got[2] is None:
             return None
         n, value, m = got
-        if n > self.max_value_bytes:
-            log.warning("redis tier %s: %s holds %d bytes, more than max_value_bytes=%d; treated as a miss",
-                        self.name, key, n, self.max_value_bytes)
-            return None
+        check_size(self, key, n, limit)
         if len(m) != META.size or m != _meta(value):
-            log.warning("redis tier %s: %s has a payload that does not match its metadata", self.name, key)
-            return None
+            raise CorruptDataError(f"redis tier {self.name}: {key} has a payload that does not match its metadata")
         return value
 
     def contains(self, key: str) -> bool:
@@ -183,9 +181,10 @@ class RedisTier(StorageTier):
 
     ranged_reads = True
 
-    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+    def get_range(self, key: str, offset: int, length: int, max_bytes: int | None = None) -> bytes | None:
         payload, _ = self._k(key)
-        length = max(0, min(length, self.max_value_bytes - offset))
+        limit = min(self.max_value_bytes, self.max_value_bytes if max_bytes is None else max_bytes)
+        length = max(0, min(length, limit - offset))
 
         def read() -> list[Any]:
             pipe = self.client.pipeline(transaction=True)

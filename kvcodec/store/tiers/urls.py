@@ -7,7 +7,10 @@
   ``$XDG_CACHE_HOME/kvcodec/tiers``); ``capacity=SIZE`` (default 10 GiB, LRU), ``shared=true`` (a folder
   deliberately shared with other users: no owner/mode check, files per the umask), ``max_value=SIZE``;
 - ``redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?OPTIONS]`` and ``rediss://...`` (TLS): ``ttl=SECONDS``,
-  ``timeout=SECONDS`` (default 0.5), ``prefix=TEXT`` (default ``kvcodec:``), ``max_value=SIZE``; with ``rediss``
+  ``timeout=SECONDS`` (default 0.5), ``prefix=TEXT`` (default ``kvcodec:``), ``max_value=SIZE``,
+  ``password_file=PATH`` (the password is its first line) or ``password_env=NAME`` (an environment variable),
+  which keep the password out of configuration that engines log (``redis://USER@HOST?password_env=REDIS_PW``);
+  with ``rediss``
   also ``ssl_ca_certs=PATH``, ``ssl_cert_reqs=none|optional|required``, ``ssl_certfile=PATH``,
   ``ssl_keyfile=PATH``, ``ssl_check_hostname=true|false``;
 - ``mooncake://MASTER_HOST[:PORT][?OPTIONS]``: Mooncake Store (:mod:`kvcodec.store.tiers.mooncake`; master port
@@ -44,8 +47,8 @@ OPTIONS = {
     "memory": frozenset({"capacity"}),
     "gpu": frozenset({"capacity", "device"}),
     "disk": frozenset({"capacity", "shared", "max_value"}),
-    "redis": frozenset({"ttl", "timeout", "prefix", "max_value"}),
-    "rediss": frozenset({"ttl", "timeout", "prefix", "max_value", "ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile",
+    "redis": frozenset({"ttl", "timeout", "prefix", "max_value", "password_file", "password_env"}),
+    "rediss": frozenset({"ttl", "timeout", "prefix", "max_value", "password_file", "password_env", "ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile",
                          "ssl_keyfile", "ssl_check_hostname"}),
     "mooncake": frozenset({"metadata", "segment", "buffer", "replicas", "timeout", "protocol", "local", "admin",
                            "max_value"}),
@@ -65,14 +68,17 @@ def default_disk_folder(purpose: str = "tiers") -> str:
 
 
 def redact(spec: str) -> str:
-    """``spec`` with the password of a URL replaced by ``***`` (also one whose ``@`` or ``/`` was not escaped)."""
+    """``spec`` with the password of a URL replaced by ``***``, also one holding ``@ : / ? #`` unescaped: the user
+    information ends at the last ``@`` followed by a host (so a doubtful spec hides too much, never too little)."""
     scheme, sep, rest = spec.partition("://")
-    head = rest.split("?", 1)[0].split("#", 1)[0]
-    if not sep or "@" not in head:
+    at = max((m.start() for m in _HOST_AFTER_AT.finditer(rest)), default=-1)
+    if not sep or at < 0:
         return spec
-    userinfo, _, tail = head.rpartition("@")
-    user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{tail}{rest[len(head):]}"
+    user, colon, _ = rest[:at].partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}{rest[at:]}"
+
+
+_HOST_AFTER_AT = re.compile(r"(?=@(?:\[[\w:.%]*\]|[\w.\-%]+)(?::\d*)?(?:[/?#]|$))")
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
@@ -178,9 +184,29 @@ def _redis(spec: str, scheme: str, timeout_s: float) -> RedisTier:
         raise InvalidInputError(f"tier {shown!r}: ssl_cert_reqs is none, optional or required")
     limit = parse_size(q["max_value"], f"tier {shown!r}: max_value") if "max_value" in q else DEFAULT_MAX_VALUE_BYTES
     return RedisTier(host, port, db=int(db), username=unquote(u.username) if u.username else None,
-                     password=unquote(u.password) if u.password is not None else None, ssl=scheme == "rediss",
+                     password=_password(shown, u.password, q), ssl=scheme == "rediss",
                      ssl_options=ssl_options, timeout_s=timeout, ttl_s=int(ttl) if ttl else None,
                      prefix=q.get("prefix", "kvcodec:"), max_value_bytes=limit)
+
+
+def _password(shown: str, in_url: str | None, q: dict[str, str]) -> str | None:
+    """The password from exactly one of the URL, ``password_file`` (its first line) or ``password_env``."""
+    given = [w for w, v in (("the URL", in_url), ("password_file", q.get("password_file")),
+                            ("password_env", q.get("password_env"))) if v is not None]
+    if len(given) > 1:
+        raise InvalidInputError(f"tier {shown!r}: the password comes from {' and '.join(given)}; give one")
+    if "password_file" in q:
+        try:
+            with open(q["password_file"], encoding="utf-8") as f:
+                return f.readline().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidInputError(f"tier {shown!r}: cannot read password_file {q['password_file']!r} "
+                                    f"({type(e).__name__})") from None
+    if "password_env" in q:
+        if q["password_env"] not in os.environ:
+            raise InvalidInputError(f"tier {shown!r}: password_env names {q['password_env']!r}, which is not set")
+        return os.environ[q["password_env"]]
+    return unquote(in_url) if in_url is not None else None
 
 
 def _mooncake(spec: str) -> StorageTier:

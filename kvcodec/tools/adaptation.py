@@ -11,8 +11,8 @@ KV is recomputed by prefill).
 
 Pieces:
 
-* :class:`BandwidthEstimator`: harmonic mean of the last ``window`` chunk
-  throughputs, a prior before any observation.
+* :class:`~kvcodec.store.telemetry.RateEstimator` (the store's own): harmonic
+  mean of the last ``window`` chunk throughputs, a prior before any observation.
 * :class:`ChunkTable`: bytes of every chunk at every level, from a
   :class:`kvcodec.Reader` or from plain size lists.
 * :class:`AdaptationPolicy` (``decide(i, now_s, estimate)``) and the fixed
@@ -46,15 +46,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kvcodec.errors import InvalidInputError
+from kvcodec.store.telemetry import LINK_PRIOR_BPS, RateEstimator
 
 if TYPE_CHECKING:
     from kvcodec.cache import KVCache
     from kvcodec.reader import Reader
 
-#: Prior throughput before any chunk was measured: 1 Gbit/s.
-DEFAULT_PRIOR_BPS = 1e9 / 8
-#: Chunk throughputs averaged by :class:`BandwidthEstimator`.
-DEFAULT_WINDOW = 3
 #: Bytes sent per token id for a recomputed chunk (int32 ids).
 TOKEN_ID_BYTES = 4
 
@@ -63,59 +60,6 @@ _REL_TOL = 1e-9  # float slack on deadline comparisons
 
 def _fits(t: float, deadline: float) -> bool:
     return t <= deadline + _REL_TOL * max(1.0, abs(deadline))
-
-
-# --------------------------------------------------------------------------------------------- estimator
-
-class BandwidthEstimator:
-    """Throughput estimate: the harmonic mean of the last ``window`` chunk throughputs (bytes/s).
-
-    Why a windowed harmonic mean (the estimator of ABR video players such as
-    MPC, Yin et al. SIGCOMM 2015) rather than an exponentially weighted mean:
-
-    * the policy predicts *transfer times* (bytes / throughput); the harmonic
-      mean of throughputs is the throughput that gives the mean of per-byte
-      times, so for equal-sized chunks it is exactly total bytes / total time;
-    * it is dominated by the low samples, so one slow chunk pulls the estimate
-      down at once (a deadline is missed by overestimating, not by
-      underestimating), while it climbs back only as fast samples fill the
-      window;
-    * a window forgets a regime after exactly ``window`` chunks, which keeps the
-      policy's behaviour easy to predict and test.
-
-    Before any observation ``estimate`` is ``prior_bps``; the prior is dropped
-    at the first observation.  Transfers of zero bytes or zero seconds carry no
-    throughput and are ignored.
-    """
-
-    def __init__(self, prior_bps: float = DEFAULT_PRIOR_BPS, window: int = DEFAULT_WINDOW) -> None:
-        if not (isinstance(window, int) and window >= 1):
-            raise InvalidInputError(f"window must be a positive integer, not {window!r}")
-        if not (prior_bps > 0 and math.isfinite(prior_bps)):
-            raise InvalidInputError(f"prior_bps must be a positive number, not {prior_bps!r}")
-        self.prior_bps = float(prior_bps)
-        self.window = window
-        self._samples: deque[float] = deque(maxlen=window)
-
-    def observe(self, nbytes: float, seconds: float) -> None:
-        """Record one chunk transfer: ``nbytes`` bytes in ``seconds`` seconds."""
-        if nbytes < 0 or seconds < 0 or not (math.isfinite(nbytes) and math.isfinite(seconds)):
-            raise InvalidInputError(f"a transfer needs finite non-negative bytes and seconds, not {nbytes}, {seconds}")
-        if nbytes == 0 or seconds == 0:
-            return
-        self._samples.append(nbytes / seconds)
-
-    @property
-    def samples(self) -> tuple[float, ...]:
-        """The throughputs in the window, oldest first."""
-        return tuple(self._samples)
-
-    @property
-    def estimate(self) -> float:
-        """Bytes per second: the harmonic mean of the window, or the prior before any observation."""
-        if not self._samples:
-            return self.prior_bps
-        return len(self._samples) / sum(1.0 / s for s in self._samples)
 
 
 # --------------------------------------------------------------------------------------------- chunk sizes
@@ -555,14 +499,14 @@ class SimResult:
 
 
 def simulate(policy: AdaptationPolicy, trace: BandwidthTrace,
-             estimator: BandwidthEstimator | None = None) -> SimResult:
+             estimator: RateEstimator | None = None) -> SimResult:
     """Fetch every chunk of ``policy.table`` over ``trace`` as ``policy`` decides (see the module's model of time).
 
-    ``estimator`` (default: a fresh :class:`BandwidthEstimator`) sees every
+    ``estimator`` (default: a fresh :class:`RateEstimator`) sees every
     transfer, token ids of recomputed chunks included, after it ends and before
     the next decision.  Deterministic: same inputs, same result.
     """
-    est = estimator if estimator is not None else BandwidthEstimator()
+    est = estimator if estimator is not None else RateEstimator(LINK_PRIOR_BPS)
     table = policy.table
     link = 0.0   # the link is free from here
     ready = 0.0  # the KV of every chunk decided so far is usable from here (the compute device is free)
@@ -586,7 +530,7 @@ def simulate(policy: AdaptationPolicy, trace: BandwidthTrace,
 
 
 def compare(policy: AdaptationPolicy, trace: BandwidthTrace,
-            estimator: Callable[[], BandwidthEstimator] = BandwidthEstimator, *,
+            estimator: Callable[[], RateEstimator] = RateEstimator, *,
             others: Sequence[AdaptationPolicy] = ()) -> list[SimResult]:
     """``policy``, ``others``, every fixed level of ``policy``, then recompute-all, each simulated on
     ``trace`` with a fresh estimator."""

@@ -1,0 +1,131 @@
+"""What a store has measured of its own loads: each tier's link (throughput, and how much a decode beside a read
+slows it) and each codec variant's decode rate.  The load planner (:mod:`kvcodec.store.plan`) plans with these;
+loads (:mod:`kvcodec.store.load`) feed them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from typing import Iterable
+
+from kvcodec.errors import InvalidInputError
+
+#: Samples a :class:`RateEstimator` averages.
+DEFAULT_WINDOW = 3
+#: A link's throughput before any read was measured: 1 Gbit/s, in bytes per second.
+LINK_PRIOR_BPS = 1e9 / 8
+# An unmeasured codec is taken to decode for free (tokens per second), so that the first load that could use it
+# does, and measures it.
+DECODE_PRIOR_TPS = 1e12
+
+
+class RateEstimator:
+    """A rate (an amount per second: bytes, tokens) as the harmonic mean of the last ``window`` measurements, and
+    ``prior`` before the first.
+
+    Why a windowed harmonic mean (the estimator of ABR video players such as MPC, Yin et al. SIGCOMM 2015) rather
+    than an exponentially weighted mean: a planner predicts *times* (amount / rate), and the harmonic mean of rates
+    is the rate that gives the mean time per unit (for equal amounts exactly total amount / total time); it is
+    dominated by the low samples, so one slow measurement pulls the estimate down at once (a deadline is missed by
+    overestimating), while it climbs back only as fast samples fill the window; and a window forgets a regime after
+    exactly ``window`` samples, which keeps behaviour easy to predict and test.  Measurements of nothing or of no
+    time carry no rate and are ignored.
+    """
+
+    def __init__(self, prior: float, window: int = DEFAULT_WINDOW) -> None:
+        if not (isinstance(window, int) and window >= 1):
+            raise InvalidInputError(f"window must be a positive integer, not {window!r}")
+        if not (prior > 0 and math.isfinite(prior)):
+            raise InvalidInputError(f"prior must be a positive number, not {prior!r}")
+        self.prior = float(prior)
+        self.window = window
+        self._samples: deque[float] = deque(maxlen=window)
+
+    def observe(self, amount: float, seconds: float) -> None:
+        """Record ``amount`` done in ``seconds``."""
+        if amount < 0 or seconds < 0 or not (math.isfinite(amount) and math.isfinite(seconds)):
+            raise InvalidInputError(f"a measurement needs a finite non-negative amount and time, not {amount}, "
+                                    f"{seconds}")
+        if amount == 0 or seconds == 0:
+            return
+        self._samples.append(amount / seconds)
+
+    @property
+    def samples(self) -> tuple[float, ...]:
+        """The rates in the window, oldest first."""
+        return tuple(self._samples)
+
+    @property
+    def estimate(self) -> float:
+        """The harmonic mean of the window, or the prior before any measurement."""
+        if not self._samples:
+            return self.prior
+        return len(self._samples) / sum(1.0 / s for s in self._samples)
+
+
+class Contention:
+    """How much a small variant's decode slows one tier's reads on this machine, at a given link speed, from the
+    store's own loads.  Where the network path or the server itself runs on the decoder's cores, decoding is not
+    free for the link (measured here: a raw fetch from Redis on loopback took 1.5x as long beside a kvtc decode,
+    2.7x beside a cachegen one); behind a slower link the shaper, not the cores, sets the pace, and a decode costs
+    it nothing.  So each measurement is a pair of large reads within ``PAIR_S`` of each other, one with no small
+    decode running and one beside such a decode (a link that changes speed in between moves one pair, not the
+    estimate): the ratio of their throughputs, kept with the first one's.  :meth:`slowdown` is the median ratio
+    of the pairs measured within 2x of the speed asked about, 1 where there are none."""
+
+    PAIR_S = 0.1
+    WINDOW = 16
+
+    def __init__(self) -> None:
+        self._last: dict[bool, tuple[float, float]] = {}  # beside_decode: (when, bytes/s) of the latest read
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (bytes/s alone, ratio)
+
+    def observe(self, nbytes: int, seconds: float, *, beside_decode: bool) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        now, rate = time.perf_counter(), nbytes / seconds
+        self._last[beside_decode] = (now, rate)
+        other = self._last.get(not beside_decode)
+        if other is not None and now - other[0] <= self.PAIR_S:
+            alone, beside = (other[1], rate) if beside_decode else (rate, other[1])
+            self._pairs.append((alone, alone / beside))
+
+    def slowdown(self, bps: float) -> float:
+        """How many times longer a read takes beside a small decode than alone, on a link of ``bps`` bytes/s."""
+        ratios = [r for alone, r in self._pairs if bps / 2 <= alone <= bps * 2]
+        return max(1.0, statistics.median(ratios)) if ratios else 1.0
+
+
+class Link:
+    """One tier's link as this process measured it: ``throughput`` (bytes/s) and ``contention``."""
+
+    def __init__(self, prior_bps: float = LINK_PRIOR_BPS) -> None:
+        self.throughput = RateEstimator(prior_bps)
+        self.contention = Contention()
+
+
+class Telemetry:
+    """A store's measurements: a :class:`Link` per tier name (:meth:`link`) and a decode rate in tokens per second
+    per codec variant (:meth:`decode_rate`, by ``repr(codec)``)."""
+
+    def __init__(self, tiers: Iterable[str]) -> None:
+        self.links = {name: Link() for name in tiers}
+        self._decode: dict[str, RateEstimator] = {}
+        self._lock = threading.Lock()
+
+    def link(self, tier: str) -> Link:
+        return self.links[tier]
+
+    def decode_rate(self, codec: object) -> RateEstimator:
+        """``codec``'s decode rate (tokens/s) from this store's own loads; unmeasured, a codec decodes for free."""
+        with self._lock:
+            return self._decode.setdefault(repr(codec), RateEstimator(DECODE_PRIOR_TPS))
+
+    def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A read of ``nbytes`` from ``tier`` in ``seconds`` (a :class:`~kvcodec.store.source.ChunkSource`
+        observer)."""
+        self.links[tier].throughput.observe(nbytes, seconds)
