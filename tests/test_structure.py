@@ -1,6 +1,7 @@
 """The package's layering, read statically from its source (no imports run): the runtime never imports the
-tooling in ``kvcodec.tools`` at module level, ``kvcodec.formats`` imports nothing above itself, the kernels
-nothing but the formats, and no modules import each other in a circle."""
+tooling in ``kvcodec.tools`` (only the command line does, inside a function), ``kvcodec.formats`` imports nothing
+above itself, the kernels nothing but the formats, no part of the store imports its facade, and no modules import
+each other in a circle.  Imports under ``if TYPE_CHECKING`` count like any other: they are dependencies too."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 # pyproject.toml's package-dir: kernels/ and formats/ ship inside the package
 SOURCES = {"kvcodec": REPO / "kvcodec", "kvcodec.kernels": REPO / "kernels", "kvcodec.formats": REPO / "formats"}
 TOOLS = "kvcodec.tools"
-# Tooling-facing runtime modules that may import the tools inside a function, when the command or the first-use
-# calibration that needs them runs.
-LAZY_TOOL_USERS = {"kvcodec.cli", "kvcodec.engines.auto_calibration"}
+# The tooling-facing runtime module that may import the tools inside a function, when the command that needs them
+# runs.  (Nothing that serves does: an engine hook's first-use calibration lives in the runtime.)
+LAZY_TOOL_USERS = {"kvcodec.cli"}
+STORE_FACADE = "kvcodec.store.store"
 
 
 def _modules() -> dict[str, Path]:
@@ -32,20 +34,15 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _imports(name: str, path: Path) -> list[tuple[str, int, bool]]:
     """``(module, line, at_module_level)`` for each import of one of ours; ``from P import n`` counts as an import
-    of ``P`` and, where ``n`` is a module, of ``P.n``.  Imports under ``if TYPE_CHECKING`` never run."""
+    of ``P`` and, where ``n`` is a module, of ``P.n``.  Imports under ``if TYPE_CHECKING`` count as module-level
+    ones: the module is written against the other, whether or not the import runs."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: list[tuple[str, int, bool]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                continue
             inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
                 out.extend((a.name, child.lineno, top) for a in child.names)
@@ -139,6 +136,21 @@ def test_no_import_circles():
                                                        for b, line, _ in IMPORTS[a] if b in c and b != a)
                  for c in circles]
     assert not circles, "import circles:\n" + "\n".join(described)
+
+
+def test_type_only_imports_are_dependencies(tmp_path):
+    """A circle hidden behind ``if TYPE_CHECKING`` (the store's load and plan importing its facade) is still one."""
+    source = tmp_path / "load.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvcodec.store.store import KVStore\n")
+    assert _imports("kvcodec.store.load", source) == [(STORE_FACADE, 3, True)]
+
+
+def test_no_part_of_the_store_imports_its_facade():
+    """Tiers, source, telemetry, plan and load work below :class:`KVStore`; only the package re-exports it."""
+    bad = [f"{_where(name, line)} imports {target}"
+           for name, imports in IMPORTS.items() if _within(name, "kvcodec.store") and name != "kvcodec.store"
+           for target, line, _ in imports if target == STORE_FACADE]
+    assert not bad, "parts of the store import kvcodec.store.store:\n" + "\n".join(bad)
 
 
 def test_the_circle_finder_finds_one():
