@@ -10,6 +10,7 @@ deserializer: bit-exact with ``raw``, and with ``cachegen``/``kvtc`` exactly wha
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -20,7 +21,8 @@ from lmcache_server import KVClient, LMCacheServer
 from mooncake_process import master_class
 
 import kvcodec
-from kvcodec.engines.lmcache_plugin import LMCacheChunkCodec
+from kvcodec.store.config import StoreConfig
+from kvcodec.store.identity import CacheIdentity, model_identity
 
 L, H, D = 30, 3, 64
 TOKENS = 512
@@ -46,24 +48,30 @@ def _wait_until(what: str, cond, timeout_s: float = 60) -> None:
         time.sleep(0.1)
 
 
-def _through_l2(server: LMCacheServer, kv: torch.Tensor, stored: callable, *, bench: bool) -> torch.Tensor:
+def _through_l2(server: LMCacheServer, kv: torch.Tensor, stored: callable, *, bench: bool,
+                store_s: float = 60) -> torch.Tensor:
     """LMCache's bench traffic (when ``bench``), then ``kv`` stored, L1 cleared once ``stored(n)`` says L2 holds
-    ``n`` objects, and retrieved: what came back."""
+    ``n`` objects (within ``store_s``), and retrieved: what came back."""
     if bench:
         report = server.bench(BENCH_SHAPE)["results"]
         assert report["total_requests"] == 2 and report["checksum_ok"] == 2 and report["checksum_fail"] == 0, report
     with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:
         client.store(SEQ, kv)
-        _wait_until("the L2 store", lambda: stored(6 if bench else 2))  # the bench's 2 x 2 chunks and these 2
+        _wait_until("the L2 store", lambda: stored(6 if bench else 2), store_s)  # the bench's 2 x 2 chunks and these 2
         server.clear_l1()
         assert client.lookup(SEQ) == TOKENS  # prefetched from L2 into L1
         got, _ = client.retrieve(SEQ)
     return got
 
 
-def _codec_round_trip(kv: torch.Tensor, codec: str, **options) -> torch.Tensor:
-    own = LMCacheChunkCodec(codec, num_heads=H, **options)
-    return torch.cat([own.decode(own.encode(kv[:, :, s:s + 256])) for s in range(0, TOKENS, 256)], 2).to(kv.dtype)
+def _codec_round_trip(kv: torch.Tensor, codec: str, model: str | None = None) -> torch.Tensor:
+    """What ``codec`` itself (as a store for ``model`` resolves it: kvtc's calibration by the model identity) makes
+    of each 256-token chunk of ``kv``."""
+    identity = CacheIdentity(model_digest=model_identity(model)) if model else None
+    own = StoreConfig(codec=codec).store(model=model or "m", identity=identity).codec
+    return torch.cat([kvcodec.decode(kvcodec.encode(kvcodec.KVCache.from_lmcache(kv[:, :, s:s + 256], H), own,
+                                                    chunk_tokens=256)).to_lmcache()
+                      for s in range(0, TOKENS, 256)], 2).to(kv.dtype)
 
 
 def _fs_adapter(folder: Path, serde: dict) -> dict:
@@ -100,20 +108,21 @@ def test_fs_adapter(codec, real_kv, tmp_path):
 
 
 def test_fs_adapter_kvtc_calibrated_in_the_server(real_kv, smollm2_hf, tmp_path, monkeypatch):
-    """``codec: kvtc`` with the served model and no calibration installed: the server calibrates it when it builds
-    the serializer (a small calibration keeps this short), and the chunks come back as kvtc makes them."""
+    """``codec: kvtc`` with the served model, ``calibrate: now`` and no calibration installed: the server calibrates
+    it when the serializer first meets the model (a small calibration keeps this short), and the chunks come back
+    as kvtc makes them."""
     from kvcodec.codecs.kvtc import calibration as calmod
 
     xdg, folder, model = tmp_path / "xdg", tmp_path / "l2", str(smollm2_hf)
     folder.mkdir()
-    serde = _serde("kvtc", model=model,
+    serde = _serde("kvtc", model=model, calibrate="now",
                    calibration_options={"max_tokens": 256, "segment_tokens": 128, "group_layers": 1})
     with LMCacheServer(tmp_path, _fs_adapter(folder, serde), env={"XDG_CACHE_HOME": str(xdg)}) as server:
-        got = _through_l2(server, real_kv, lambda n: len(_files(folder)) >= n, bench=False)
+        got = _through_l2(server, real_kv, lambda n: len(_files(folder)) >= n, bench=False, store_s=300)
     assert list((xdg / "kvcodec" / "calibrations").glob("*.kvtc")), "the server installed no calibration"
     monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))  # this process finds the server's calibration
     monkeypatch.setattr(calmod, "_registered", {})
-    assert torch.equal(got, _codec_round_trip(real_kv, "kvtc", model=model))
+    assert torch.equal(got, _codec_round_trip(real_kv, "kvtc", model))
     assert 0 < float((got.float() - real_kv.float()).abs().max())
 
 
@@ -136,6 +145,98 @@ def test_mooncake_tier_adapter(codec, real_kv, tmp_path):
         assert torch.equal(got, expected)
     finally:
         master.kill()
+
+
+def _swapped_objects_miss(server: LMCacheServer, swap: callable) -> None:
+    """Store the real KV's two chunks, ``swap()`` their stored values (a writer of the shared L2 moving an object
+    under another key), clear L1: neither comes back (before, each was a clean hit holding the other's KV)."""
+    with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:
+        client.store(SEQ, server.real_kv)
+    swap()
+    server.clear_l1()
+    with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:
+        assert client.lookup(SEQ, timeout_s=3) == 0
+    assert server.proc.poll() is None
+
+
+def _swap(values: dict[str, bytes], put: callable) -> None:
+    assert len(values) == 2, sorted(values)
+    (a, va), (b, vb) = values.items()
+    assert va != vb
+    put(a, vb)
+    put(b, va)
+
+
+def test_copied_object_does_not_hit_under_another_key_fs(real_kv, tmp_path):
+    folder = tmp_path / "l2"
+    folder.mkdir()
+    with LMCacheServer(tmp_path, _fs_adapter(folder, _serde("raw"))) as server:
+        server.real_kv = real_kv
+
+        def swap() -> None:
+            _wait_until("the L2 store", lambda: len(_files(folder)) >= 2)
+            _swap({str(p): p.read_bytes() for p in folder.glob("*.data")}, lambda p, v: Path(p).write_bytes(v))
+
+        _swapped_objects_miss(server, swap)
+
+
+def test_copied_object_does_not_hit_under_another_key_mooncake(real_kv, tmp_path):
+    from kvcodec.store.tiers import tier_from_url
+
+    master = master_class()(tmp_path)
+    master.start()
+    try:
+        url = f"mooncake://{master.address}?segment=256MiB&buffer=64MiB&admin={master.admin}"
+        adapter = {"type": "plugin", "module_path": MODULE, "class_name": "KVCodecTierL2Adapter",
+                   "adapter_params": {"url": url}, "serde": _serde("raw")}
+        writer = tier_from_url(url)  # another client of the same master
+        try:
+            with LMCacheServer(tmp_path, adapter) as server:
+                server.real_kv = real_kv
+
+                def swap() -> None:
+                    _wait_until("the L2 store", lambda: len(writer.keys()) >= 2)
+                    _swap({k: writer.get(k) for k in writer.keys()}, writer.put)
+
+                _swapped_objects_miss(server, swap)
+        finally:
+            writer.close()
+    finally:
+        master.kill()
+
+
+def test_store_completion_after_a_pop_is_not_lost():
+    """LMCache pops the completed store tasks while others still run; a store finishing after that pop must be
+    reported by the next one (else LMCache never releases that object's L1 read locks)."""
+    from types import SimpleNamespace
+
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from kvcodec.engines.lmcache_server import KVCodecTierL2Adapter
+
+    adapter = KVCodecTierL2Adapter({"url": "memory://"})
+    entered, release = threading.Event(), threading.Event()
+    put = adapter.tier.put
+
+    def held_put(key: str, value: bytes) -> bool:
+        entered.set()
+        assert release.wait(10)
+        return put(key, value)
+
+    adapter.tier.put = held_put
+    try:
+        key = ObjectKey(chunk_hash=b"\1" * 16, model_name="m", kv_rank=0)
+        task = adapter.submit_store_task([key], [SimpleNamespace(byte_array=bytearray(b"serialized"))])
+        assert entered.wait(10)
+        assert adapter.pop_completed_store_tasks() == {}  # LMCache polls while the store runs
+        release.set()
+        done: dict = {}
+        _wait_until("the store's completion", lambda: done.update(adapter.pop_completed_store_tasks()) or task in done,
+                    timeout_s=10)
+        assert done[task] == len(b"serialized")  # L2StoreResult: success, bytes stored
+    finally:
+        release.set()
+        adapter.close()
 
 
 @pytest.mark.parametrize("params, why", [({}, "needs adapter_params"), ({"url": "memory://", "workers": 0}, "workers"),
