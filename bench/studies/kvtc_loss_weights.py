@@ -5,7 +5,7 @@
 Collects the calibration statistics once (or reads them from ``--statistics``, writing them there first when the
 file does not exist: they take minutes), then fits three calibrations from them: the channel weights read off
 the model's matrices alone (``none``), with each layer's value weights scaled so a unit error costs the same
-measured loss in every layer (``values``; see kvcodec/tools/kvtc_sensitivity.py), and with the keys' scaled
+measured loss in every layer (``values``; see kvcodec/codecs/kvtc/sensitivity.py), and with the keys' scaled
 too (``keys+values``: ``kvcodec calibrate --loss-weights``).  Each is evaluated at ``--levels`` with the
 protocol of bench/rate_distortion.py on the first ``--texts`` evaluation texts.  Writes bench/studies/results/kvtc_loss_weights-<model>.md.
 """
@@ -62,7 +62,7 @@ def main() -> None:
              f"Texts: {', '.join(c.name for c in cases)}; 1536-token float16 prefix, perplexity of the next 512 tokens, "
              "mean over texts; bits count every container byte. One set of calibration statistics "
              f"({stats.settings['tokens']} tokens of {', '.join(stats.settings['texts'])}); the loss measured on "
-             f"{', '.join(SENSITIVITY_TEXTS)} (see kvcodec/tools/kvtc_sensitivity.py).", "",
+             f"{', '.join(SENSITIVITY_TEXTS)} (see kvcodec/codecs/kvtc/sensitivity.py).", "",
              "| layer weights scaled by the measured loss | bits/element | perplexity change | agreement |",
              "|---|---|---|---|"]
     lines += [f"| {r.codec} | {r.bits_per_element:.3f} | {100 * r.ppl_change:+.3f}% | {100 * r.agreement:.2f}% |"
