@@ -55,6 +55,15 @@ def test_a_weight_file_alone_is_a_model(tmp_path):
     assert model_identity(str(gguf)) != first
 
 
+def test_a_local_model_is_known_by_its_files_alone(tmp_path):
+    """A command given a path and an engine given the path, its parsed config and a revision name one model."""
+    folder = _model(tmp_path / "m", b"w" * 64)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 64)
+    for path in (folder, str(gguf)):
+        assert model_identity(path) == model_identity(path, hf_config={"parsed": True}, revision="main")
+
+
 def test_a_digest_is_computed_once_and_reused(tmp_path, monkeypatch):
     path = tmp_path / "w.bin"
     path.write_bytes(os.urandom(1 << 16))

@@ -87,21 +87,26 @@ def model_digest(config: Any = None, revision: str | None = None, weights: str =
 def model_identity(model: str, *, hf_config: Any = None, revision: str | None = None) -> str:
     """The digest that names ``model``'s caches, calibrations and profiles everywhere.
 
-    ``model`` is a folder (its ``config.json`` and weight files), a weight file (a GGUF or safetensors file) or a
-    hub name whose snapshot is in the local HuggingFace cache.  Otherwise only ``hf_config`` and ``revision`` are
-    covered, with a warning: two checkpoints served under that name would share caches."""
+    ``model`` is a folder (its ``config.json`` and weight files), a weight file (a GGUF or safetensors file, which
+    holds its configuration) or a hub name whose snapshot is in the local HuggingFace cache.  What is on disk is
+    all that counts there, so a command given the path and an engine given the path, its parsed config and a
+    revision agree.  Otherwise only ``hf_config`` and ``revision`` are covered, with a warning: two checkpoints
+    served under that name would share caches."""
     path = _local_path(model, revision)
-    config = hf_config
-    if path is not None and os.path.isdir(path):
-        config_file = os.path.join(path, "config.json")
-        if os.path.isfile(config_file):
-            with open(config_file, "rb") as f:
-                config = json.loads(f.read(1 << 20))
-    weights = weights_digest(path) if path is not None else ""
-    if not weights:
-        log.warning("kvcodec: no weight files found for model %r; its caches are keyed by its configuration and "
+    if path is None:
+        log.warning("kvcodec: no local files found for model %r; its caches are keyed by its configuration and "
                     "revision only, so serve a folder or file to have its weights covered", model)
-    return model_digest(config, revision, weights)
+        return model_digest(hf_config, revision)
+    config = None
+    config_file = os.path.join(path, "config.json")
+    if os.path.isfile(config_file):
+        with open(config_file, "rb") as f:
+            config = json.loads(f.read(1 << 20))
+    weights = weights_digest(path)
+    if not weights:
+        log.warning("kvcodec: %r holds no weight files (%s); its caches are keyed by its configuration only",
+                    model, ", ".join(WEIGHT_SUFFIXES))
+    return model_digest(config, None, weights)
 
 
 def _local_path(model: str, revision: str | None) -> str | None:
