@@ -131,7 +131,7 @@ def test_blocking_work_stays_off_lmcaches_event_loop(real_chunks, redis):
 def test_serializer_through_lmcaches_async_serde_processor(real_chunks):
     """Serialize into a buffer of ``estimate_serialized_size`` bytes, then deserialize from another buffer of that
     size holding the stored bytes and slack, as LMCache's L2 adapters do."""
-    from lmcache.v1.distributed.api import MemoryLayoutDesc
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
     from lmcache.v1.distributed.serde import create_serde_processor
     from lmcache.v1.distributed.serde.base import SerdeConfig
 
@@ -145,13 +145,14 @@ def test_serializer_through_lmcaches_async_serde_processor(real_chunks):
         assert proc._pool._max_workers == 2  # make_serde passes max_workers on
         size = proc.estimate_serialized_size(MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[chunk.dtype]))
         src, dst = _Obj(chunk.clone()), _Obj(torch.zeros(size, dtype=torch.uint8))
-        _wait(proc.query_serialize_result, proc.submit_serialize([src], [dst], ["k"]))
+        key = ObjectKey(chunk_hash=b"\1" * 16, model_name="SmolLM2-135M-Instruct", kv_rank=0)
+        _wait(proc.query_serialize_result, proc.submit_serialize([src], [dst], [key]))
         n = dst.used
         assert 0 < n <= size
         loaded = torch.randint(0, 256, (size,), dtype=torch.uint8)  # a fresh estimate-sized buffer: slack follows
         loaded[:n] = dst.tensor[:n]
         out = _Obj(torch.full_like(chunk, float("nan")))
-        _wait(proc.query_deserialize_result, proc.submit_deserialize([_Obj(loaded)], [out], ["k"]))
+        _wait(proc.query_deserialize_result, proc.submit_deserialize([_Obj(loaded)], [out], [key]))
         assert torch.equal(out.tensor, chunk)
     finally:
         proc.close()
@@ -184,14 +185,14 @@ def test_kvtc_calibrates_the_served_model_on_first_use(real_chunks, smollm2_hf, 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(calmod.ENV_PATH, raising=False)
     monkeypatch.setattr(calmod, "_registered", {})
-    caplog.set_level("INFO", logger="kvcodec.engines.lmcache_plugin")
+    caplog.set_level("INFO", logger="kvcodec")
     tokens, kv = real_chunks
     tokens, kv = tokens[:512], kv[:, :, :512]
     model = str(smollm2_hf)
-    url = (f"kvcodec://{tmp_path}/kv?backend=disk&codec=kvtc"
+    url = (f"kvcodec://{tmp_path}/kv?backend=disk&codec=kvtc&calibrate=now"
            "&calibrate.max_tokens=256&calibrate.segment_tokens=128&calibrate.group_layers=1")
     with _engine(url, model) as first:
-        assert f"no calibration of {model} installed; calibrating it now" in caplog.text
+        assert "installed; calibrating it now" in caplog.text
         first.store(tokens, kv)
         _wait_for_puts(first, 2)
     caplog.clear()
@@ -200,9 +201,10 @@ def test_kvtc_calibrates_the_served_model_on_first_use(real_chunks, smollm2_hf, 
         assert "using the installed calibration" in caplog.text and "calibrating" not in caplog.text
         assert second.lookup(tokens) == 512
         got, n = second.retrieve(tokens, kv)
+        kvtc = second.remote_connector().store.codec  # kvtc over the calibration named by the model identity
     assert n == 512
     # LMCache hands over each chunk alone, without its place in the sequence: kvtc codes it at positions 0..255
-    own = [kvcodec.decode(kvcodec.encode(kvcodec.KVCache.from_lmcache(kv[:, :, s:s + 256], H, model=model), "kvtc"))
+    own = [kvcodec.decode(kvcodec.encode(kvcodec.KVCache.from_lmcache(kv[:, :, s:s + 256], H), kvtc, chunk_tokens=256))
            for s in (0, 256)]
     assert torch.equal(got, torch.cat([o.to_lmcache() for o in own], 2).to(got.dtype))
     assert float((got.float() - kv.float()).abs().max()) > 0  # lossy: the KV did go through kvtc
