@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kvcodec
+from kvcodec.errors import LimitExceededError
 from kvcodec.store import KVStore, MemoryTier, tier_from_url
 
 from kvcodec.tools.redis_server import free_port
@@ -164,7 +165,10 @@ def test_value_size_limits(master):
     big, small = _tier(master, name="big"), _tier(master, name="small", max_value_bytes=1 << 20)
     try:
         assert big.put("two-mib", os.urandom(2 << 20))
-        assert small.get("two-mib") is None  # larger than its max_value_bytes: not fetched
+        with pytest.raises(LimitExceededError):  # larger than its max_value_bytes: refused, not fetched
+            small.get("two-mib")
+        with pytest.raises(LimitExceededError):  # ... and than the bound its reader asks for
+            big.get("two-mib", 1 << 20)
         assert big.get("two-mib") is not None
         assert not small.put("too-big", bytes(small.max_value_bytes + 1))
         assert not big.put("over-buffer", bytes(BUFFER))  # the buffer holds header and value

@@ -66,7 +66,7 @@ class ChunkShape:
 
 @dataclass
 class FetchedChunk:
-    """A chunk read from a tier and checked once (:meth:`KVStore.check_chunk`): its container bytes
+    """A chunk read from a tier and checked once (:meth:`ChunkSource.check`): its container bytes
     (authentication tag removed), where they came from, its token range, and what the check parsed: the header,
     the codec and every layer's section, checksums verified, so that decoding reads nothing twice."""
 
