@@ -60,7 +60,7 @@ import kvcodec  # noqa: E402
 from kvcodec.chunking import layer_context, make_header  # noqa: E402
 from kvcodec.codecs.kvtc import KVTC, Calibration, gpu, register_calibration  # noqa: E402
 from kvcodec.codecs.kvtc.calibration import GroupBasis, LayerInfo  # noqa: E402
-from kvcodec.codecs.kvtc.rope import Rotary  # noqa: E402
+from kvcodec.positions import Rotary  # noqa: E402
 from kvcodec.container import ContainerFile  # noqa: E402
 from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping  # noqa: E402
 from gpu_timing import Report, Timer, device_or_none  # noqa: E402

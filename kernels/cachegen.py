@@ -3,15 +3,16 @@
 A *part* is the keys or the values of one section, ``[H, T, D]``; a launch
 codes any number of parts at once (both parts of a layer, or every layer of a
 chunk) so that the GPU sees enough lanes.  Parts and lanes are described by
-small int64 tables built on the host (:mod:`kvcodec.codecs.cachegen.device`):
+small int64 tables built on the host (:mod:`kvcodec.codecs.cachegen.device`, and
+for the decode :mod:`kvcodec.codecs.entropy.device`, which kvtc's lanes use too):
 
 * encode parts ``[P, 9]``: input offset (elements from ``x``), strides of h, t
   and d, first channel in the concatenated channel arrays, T, D, offset of the
   part's token scales (-1: none), H;
-* decode parts ``[P, 7]``: output offset (elements from ``out``), stride of h,
+* decode parts ``[P, 8]``: output offset (elements from ``out``), stride of h,
   first entry in the row-offset table, first channel, T, D, token-scale
-  offset.  Element ``[h, t, d]`` goes to ``out + offset + h * stride_h + d +
-  rows[first + t]``: one rule covers a contiguous ``[H, T, D]`` tensor and
+  offset, stride of d.  Element ``[h, t, d]`` goes to ``out + offset + h *
+  stride_h + d * stride_d + rows[first + t]``: one rule covers a contiguous ``[H, T, D]`` tensor and
   vLLM-style paged blocks, whose row offsets come from the block table;
 * lanes ``[NL, 6]``: part, first entry of the lane's channels in ``order``,
   number of channels, first token, tokens per channel, first word.
@@ -74,7 +75,7 @@ HIST_BINS = tl.constexpr(fmt.RADIX + 1)  # symbol magnitudes 0..RADIX; the codeb
 NUM_TABLES = tl.constexpr(fmt.NUM_TABLES)
 TABLE_GROUP = tl.constexpr(16)
 TABLE_STRIDE = tl.constexpr(fmt.ALPHABET + 1)  # cumulative table row: the symbols + the total
-BUCKET_SHIFT = tl.constexpr(fmt.PRECISION - fmt.BUCKET_BITS)  # slot -> bucket (kvcodec.codecs.cachegen.tables.slot_buckets)
+BUCKET_SHIFT = tl.constexpr(fmt.PRECISION - fmt.BUCKET_BITS)  # slot -> bucket (kvcodec.codecs.entropy.tables.slot_buckets)
 LUT_STRIDE = tl.constexpr((1 << fmt.BUCKET_BITS) + 1)
 PRECISION = tl.constexpr(fmt.PRECISION)
 UNIT_STEP = tl.constexpr(128)  # the step code whose step is exactly 1

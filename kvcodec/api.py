@@ -101,7 +101,7 @@ def decode(data: Any, *, device: torch.device | str | None = None, layers: Seque
     ``backend`` and ``threads`` as for :func:`iter_encode`, for the output ``device``.  A ``device`` this
     machine lacks raises :class:`~kvcodec.errors.DeviceUnavailableError` before anything is read.
     ``positions`` (one per token of the decoded range) moves the keys' rotary embedding to those positions
-    (:func:`kvcodec.codecs.kvtc.reposition`): the cache must have ``rope="post"`` keys and a known rotary
+    (:func:`kvcodec.positions.reposition`): the cache must have ``rope="post"`` keys and a known rotary
     setting (a kvtc container's calibration, or one installed for its model).
     ``max_bytes`` (for untrusted input) refuses, with :class:`LimitExceededError` and before allocating it,
     a decode whose output as the header declares it, or any header, index or section it reads, is larger.

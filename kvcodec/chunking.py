@@ -10,12 +10,13 @@ import torch
 from kvcodec.cache import SUPPORTED_DTYPES, KVCache
 from kvcodec.codecs import Codec, LayerContext
 from kvcodec.codecs.base import check_backend
-from kvcodec.codecs.kvtc import reposition
+from kvcodec.codecs.registry import installed_rotary
 from kvcodec.container import Frame
 from kvcodec.container.frames import check_limit
 from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError
 from kvcodec.formats.v1 import Header, Variant
+from kvcodec.positions import reposition
 from kvcodec.threads import DEFAULT_THREADS, check_threads, torch_threads
 
 DEFAULT_CHUNK_TOKENS = 256
@@ -180,8 +181,8 @@ class DecodeRequest:
     def moved(self, kv: KVCache, layers: Sequence[int]) -> KVCache:
         """``kv``, the decoded model ``layers``, with its keys moved to the request's positions (none asked: ``kv``
         itself).  The rule, for every entry point: ``positions`` has one id per token of the range, and a decoded
-        layer holds the range's last tokens, so the cache takes the last of them.  A kvtc container's own
-        calibration knows the rotary setting, else the one installed for the model."""
+        layer holds the range's last tokens, so the cache takes the last of them.  The rotary setting is the
+        container's codecs' (a kvtc container's calibration), else the one a codec has installed for the model."""
         if self.positions is None:
             return kv
         assert self.header is not None
@@ -190,7 +191,9 @@ class DecodeRequest:
         kv = KVCache(kv.layers, model=meta.get("model"), token_ids=kv.token_ids, rope=meta.get("rope"),
                      positions=header_positions(self.header)[end - n:end])
         rotary = next((r for c in self.codecs if (r := c.rotary()) is not None), None)
-        return reposition(kv, self.positions[len(self.positions) - n:], layers=layers, rotary=rotary)
+        if rotary is None:
+            rotary = installed_rotary(kv.model)
+        return reposition(kv, self.positions[len(self.positions) - n:], rotary, layers=layers)
 
 
 def decode_sections(request: DecodeRequest, codec: Codec, token_start: int, token_count: int,

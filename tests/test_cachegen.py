@@ -12,7 +12,7 @@ import kvcodec
 from kvcodec.chunking import layer_context
 from kvcodec.tools.ans_reference import reference_decode, reference_encode
 from kvcodec.codecs.cachegen import LEVELS, CacheGen
-from kvcodec.codecs.cachegen import tables
+from kvcodec.codecs.entropy import tables
 from kvcodec.formats.v1 import Header
 
 

@@ -1,6 +1,6 @@
 """A second real architecture, Gemma 3 270M: sliding-window layers (a window of 512, their own rotary setting),
 one KV head of 256 channels, query/key norms and a norm on the attention's output.  kvtc's calibration, round
-trips and position moves on its real KV.  The model comes from PyPI (228 MB, ``kvcodec.tools.models.GEMMA3_PIP``);
+trips and position moves on its real KV.  The model comes from PyPI (228 MB, ``kvcodec.models.GEMMA3_PIP``);
 CI does not install it, and these tests skip without it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 import kvcodec
 from kvcodec.errors import InvalidInputError
-from kvcodec.tools.models import GEMMA3, GEMMA3_PACKAGE
+from kvcodec.models import GEMMA3, GEMMA3_PACKAGE
 
 needs_gemma = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PACKAGE) is None,
                                  reason=f"Gemma 3 270M is not installed ({GEMMA3_PACKAGE})")
@@ -24,7 +24,7 @@ TOKENS = 600  # past the sliding window: windowed layers hold the last 511 token
 
 
 def test_missing_package_names_the_pip_command(monkeypatch):
-    from kvcodec.tools.models import resolve
+    from kvcodec.models import resolve
 
     monkeypatch.setitem(sys.modules, GEMMA3_PACKAGE, None)  # import fails as if not installed
     with pytest.raises(InvalidInputError, match=r"pip install .kvcodec\[gemma3\]."):
@@ -33,13 +33,13 @@ def test_missing_package_names_the_pip_command(monkeypatch):
 
 @pytest.fixture(scope="module")
 def gemma():
-    from kvcodec.tools.models import load_model
+    from kvcodec.models import load_model
     return load_model(GEMMA3, progress=False)
 
 
 @pytest.fixture(scope="module")
 def ids(gemma):
-    from kvcodec.tools.texts import load_text
+    from kvcodec.texts import load_text
     return gemma.tokenize(load_text(TEXT))[:TOKENS]
 
 
@@ -52,7 +52,7 @@ def small_cal(gemma):
     segment, 1023 rows: the continuation's NLL rose by 0.065 from projecting on the basis alone, 0.061 with the
     level-4 codes)."""
     from kvcodec.codecs.kvtc import register_calibration
-    from kvcodec.tools.kvtc_calibration import calibrate
+    from kvcodec.codecs.kvtc.fit import calibrate
     return register_calibration(calibrate(gemma, ["license:GFDL-1.3"], segment_tokens=1024, max_tokens=4096,
                                           text_tokens=None, loss_weights=False))
 
@@ -69,7 +69,7 @@ def _kv_at(loaded, ids: list[int], start: int) -> kvcodec.KVCache:
 
 @needs_gemma
 def test_rotary_setting_per_layer_type(gemma):
-    from kvcodec.tools.kvtc_calibration import model_layers
+    from kvcodec.codecs.kvtc.fit import model_layers
 
     cfg = gemma.model.config
     layers = model_layers(gemma.model)
@@ -85,7 +85,7 @@ def test_rotary_setting_per_layer_type(gemma):
 def test_keys_rotated_back_do_not_depend_on_position(gemma, ids):
     """Rotated back with its layer's own setting, a key is the same whether the text sat at 0.. or at 900..;
     rotating back and forth at the same positions returns the keys."""
-    from kvcodec.tools.kvtc_calibration import model_layers
+    from kvcodec.codecs.kvtc.fit import model_layers
 
     rot = [l.rotary for l in model_layers(gemma.model)]
     a, b = _kv_at(gemma, ids, 0), _kv_at(gemma, ids, 900)
@@ -118,7 +118,7 @@ def test_raw_decoded_at_new_positions_matches_the_model(gemma, ids, small_cal):
 def test_continuing_from_a_windowed_cache_matches_one_pass(gemma, ids):
     """The model reading more tokens after a kvcodec cache (windowed layers holding only their last 511 tokens)
     gives the logits of one pass over the whole text: the next tokens' positions and masks are right."""
-    from kvcodec.tools.texts import load_text
+    from kvcodec.texts import load_text
 
     more = gemma.tokenize(load_text(TEXT))[len(ids):len(ids) + 32]
     with torch.no_grad():
@@ -168,7 +168,7 @@ def test_kvtc_round_trip_selection_and_positions(gemma, ids, small_cal):
     for a, b in zip(out.layers, kv.layers):  # the sink is stored in float16
         assert torch.equal(a.keys[:, 0], b.keys[:, 0].half().float()) and torch.equal(a.values[:, 0], b.values[:, 0].half().float())
 
-    from kvcodec.tools.texts import load_text
+    from kvcodec.texts import load_text
 
     more = gemma.tokenize(load_text(TEXT))[n:n + 65]
     target = torch.tensor(more[1:])
@@ -187,7 +187,7 @@ def test_kvtc_round_trip_selection_and_positions(gemma, ids, small_cal):
 
 
 def test_equalizing_scales_make_every_layer_cost_the_same():
-    from kvcodec.tools.kvtc_sensitivity import equalizing_scales
+    from kvcodec.codecs.kvtc.sensitivity import equalizing_scales
 
     traces = torch.tensor([1e-6, 4e-4, 2.5e-3, 1e-4], dtype=torch.float64)
     scales = equalizing_scales(traces)
@@ -202,8 +202,8 @@ def test_loss_weights_equalize_keys_and_values(monkeypatch):
     """``--loss-weights`` scales keys as well as values: after it, a unit weighted-domain error costs the same loss
     in every layer of each kind, and within a layer each channel's cost has moved half-way to the layer's mean
     (Fisher diagonals made up here, with the spreads Gemma's layers have)."""
-    from kvcodec.tools import kvtc_sensitivity
-    from kvcodec.tools.kvtc_sensitivity import equalized_weights, layer_traces
+    from kvcodec.codecs.kvtc import sensitivity as kvtc_sensitivity
+    from kvcodec.codecs.kvtc.sensitivity import equalized_weights, layer_traces
 
     gen = torch.Generator().manual_seed(0)
     layers, width = 5, 8
@@ -225,8 +225,8 @@ def test_loss_weights_equalize_keys_and_values(monkeypatch):
     assert all(torch.allclose(a / a[0], b / b[0]) for kind in (0, 1) for a, b in zip(layers_only[kind], weights[kind]))
     # keys: a rotary pair (channels i and i + 2 of a 4-channel head here) shares one factor
     from kvcodec.codecs.kvtc.calibration import LayerInfo
-    from kvcodec.codecs.kvtc.rope import Rotary
-    from kvcodec.tools.kvtc_sensitivity import channel_factors
+    from kvcodec.positions import Rotary
+    from kvcodec.codecs.kvtc.sensitivity import channel_factors
 
     f = channel_factors(diagonals[0][0], weights[0][0], 0.5, LayerInfo(2, 4, 4, Rotary(np.ones(2))))
     assert torch.equal(f.reshape(2, 2, 2)[:, 0], f.reshape(2, 2, 2)[:, 1]) and len(set(f.tolist())) > 2
@@ -239,8 +239,8 @@ def test_fisher_trace_predicts_the_loss_of_noise(gemma, ids):
     """The measured sensitivity is what noise really costs: values noise of one weighted-domain variance in the
     most and the least sensitive layer raises the continuation's loss about as the Fisher trace predicts (half the
     variance times the trace summed over the layer's elements) in the first, and far less in the second."""
-    from kvcodec.tools.kvtc_sensitivity import fisher_diagonals
-    from kvcodec.tools.texts import load_text
+    from kvcodec.codecs.kvtc.sensitivity import fisher_diagonals
+    from kvcodec.texts import load_text
 
     prefix, cont = 512, 128
     text = load_text(TEXT)

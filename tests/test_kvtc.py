@@ -10,11 +10,11 @@ import torch
 
 import kvcodec
 from kvcodec.chunking import layer_context
-from kvcodec.codecs.kvtc import KVTC, Calibration, MissingCalibrationError, reposition
+from kvcodec.codecs.kvtc import KVTC, Calibration, MissingCalibrationError
 from kvcodec.codecs.kvtc import calibration as calmod
 from kvcodec.codecs.kvtc.calibration import LayerInfo
-from kvcodec.tools.kvtc_calibration import default_groups, fit_calibration
-from kvcodec.codecs.kvtc.rope import Rotary
+from kvcodec.codecs.kvtc.fit import default_groups, fit_calibration
+from kvcodec.positions import Rotary, reposition
 from kvcodec.container import Frame, write_container
 from kvcodec.errors import CorruptDataError, InvalidInputError
 
@@ -154,7 +154,7 @@ def _kv_at(model, ids: list[int], start: int, name: str) -> kvcodec.KVCache:
 
 def test_reposition_raw_float32_matches_model_at_shifted_positions(smollm2):
     """The KV of a text at positions 0..T moved to P..P+T equals the model's own KV computed at P..P+T."""
-    from kvcodec.tools.kvtc_calibration import model_layers
+    from kvcodec.codecs.kvtc.fit import model_layers
 
     model = smollm2.model
     ids = smollm2.tokenize("The quick brown fox jumps over the lazy dog. " * 6)[:48]
@@ -173,7 +173,7 @@ def test_read_chunk_moves_keys_to_new_positions(smollm2):
     """read_chunk(i, positions=) gives the model's own KV of that chunk's tokens computed at the new positions:
     float32-close from a raw container (rotary setting from the model's installed calibration), within the
     codec's error from a kvtc container (its own calibration), and nothing installed is an error."""
-    from kvcodec.tools.kvtc_calibration import model_layers
+    from kvcodec.codecs.kvtc.fit import model_layers
 
     model = smollm2.model
     ids = smollm2.tokenize("The quick brown fox jumps over the lazy dog. " * 6)[:48]
@@ -254,7 +254,7 @@ def test_fine_tokens_are_the_smallest_keys_at_finer_steps(toy_cal):
     """With fine_tokens, each chunk's rows whose key is smallest against the chunk's usual one in some layer and
     head (attention sinks) are coded at steps fine_octaves finer, on the normal part's live components with its
     tables that many octaves wider; a config without the option means none."""
-    from kvcodec.codecs.cachegen.tables import STEPS
+    from kvcodec.codecs.entropy.tables import STEPS
 
     plain = KVTC(level=2, calibration=toy_cal, fine_tokens=0)
     assert "fine_tokens" not in plain.get_config()

@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 
 import kvcodec
 from kvcodec.cli import main
-from kvcodec.codecs.cachegen.parts import SectionBytes
+from kvcodec.codecs.entropy.sections import SectionBytes
 from kvcodec.codecs.kvtc import KVTC, Calibration, register_calibration
 from kvcodec.codecs.kvtc.calibration import LayerInfo
-from kvcodec.codecs.kvtc.rope import Rotary
+from kvcodec.positions import Rotary
 from kvcodec.codecs.registry import codec_from_spec, parse_spec
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.formats.v1 import INDEX_ENTRY
 from kvcodec.store import KVStore, MemoryTier
-from kvcodec.tools.kvtc_calibration import fit_calibration
+from kvcodec.codecs.kvtc.fit import fit_calibration
 
 LAYERS = (0, 1, 15, 29)  # a slice of SmolLM2's 30 layers keeps the fit and the encodes short
 MODEL = "SmolLM2-135M-Instruct/layers-0-1-15-29"

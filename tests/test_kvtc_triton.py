@@ -225,7 +225,7 @@ def test_backend_choice(golden, monkeypatch):
 
 def test_window_grading_decodes_alike_on_the_device_path(real_kv):
     """A sliding-window layer's graded rows (their coefficients scaled by their age's factor) come out of the
-    device path as out of the CPU's (a paged decode runs the same gpu.decode_frame)."""
+    device path as out of the CPU's (a paged decode runs the same device decode)."""
     from kvcodec.tools.fuzz.seeds import fuzz_kv
 
     kv = fuzz_kv(real_kv, tokens=72, layers=3, window=40)

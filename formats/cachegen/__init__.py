@@ -1,6 +1,6 @@
 """The CacheGen section's coding constants and its frozen codebook file (``codebook-v1.u32``).
 
-``kvcodec.codecs.cachegen.tables`` builds the tables from these and the Triton kernels (``kvcodec.kernels``)
+``kvcodec.codecs.entropy.tables`` builds the tables from these and the Triton kernels (``kvcodec.kernels``)
 size their own from them, so the two cannot drift apart and neither imports the other."""
 
 RADIX = 255  # symbols are integers in [-RADIX, RADIX]

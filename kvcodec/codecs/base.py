@@ -113,6 +113,13 @@ class Codec(abc.ABC):
         that its caches' keys can be moved to new positions; None otherwise."""
         return None
 
+    @classmethod
+    def installed_rotary(cls, model: str | None) -> Sequence[Any] | None:
+        """The rotary setting of each layer of ``model`` as this codec has it installed on this machine (kvtc: its
+        calibration for the model), so that a cache of that model coded with any codec can have its keys moved to
+        new positions; None otherwise."""
+        return None
+
     def side_data_name(self) -> str | None:
         """The name of what this codec needs beyond a container's bytes to decode it (kvtc: its calibration, by
         hash), or None.  A store keeps it once beside the chunks under this name, so another machine sharing the

@@ -57,6 +57,16 @@ def list_codecs() -> list[str]:
     return sorted(_registry)
 
 
+def installed_rotary(model: str | None) -> Sequence[Any] | None:
+    """The rotary setting of ``model``'s layers that a registered codec has installed on this machine
+    (:meth:`Codec.installed_rotary`), else None."""
+    for codec_id in list_codecs():
+        rotary = codec_class(codec_id).installed_rotary(model)
+        if rotary is not None:
+            return rotary
+    return None
+
+
 def parse_spec(spec: str, sets: Sequence[str] = (), *, source: str = "codec") -> tuple[str, dict[str, Any]]:
     """The codec id and options of ``ID[:key=value,...]`` plus more ``key=value`` ``sets`` (values read as JSON
     where they parse, else as decimal numbers, else as strings), e.g. ``"kvtc:level=0"``, ``"kvtc:bits=.5"``.  An option given twice is an error (no silent

@@ -1,5 +1,5 @@
-"""The CacheGen codec: quantization and section layout (``codec``), the fixed table codebook and
-step grid (``tables``), and the lane-parallel ANS streams (``lanes``)."""
+"""The CacheGen codec: quantization and section layout (``codec``), parsed parts (``parts``) and the Triton
+engine (``device``).  Its table codebook, step grid and lanes are :mod:`kvcodec.codecs.entropy`'s."""
 
 from kvcodec.codecs.cachegen.codec import LEVELS, CacheGen
 

@@ -8,7 +8,7 @@ channel ``c = h * D + d`` of the chunk is quantized with a uniform step
 where ``mu`` is the channel's mean (float16), ``b`` a per-channel step and ``a``
 a per-token scale (values only: tokens differ in magnitude, and the most
 attended ones, like the first, are often the smallest).  Steps are stored as
-one-byte codes on a 2**(1/8) grid (:data:`tables.STEPS`).  Symbols ``q`` are
+one-byte codes on a 2**(1/8) grid (:data:`kvcodec.codecs.entropy.tables.STEPS`).  Symbols ``q`` are
 entropy coded with one table per channel, chosen from a fixed codebook of
 discretized Gaussians (one byte each), in lanes of ``lane_channels`` channels
 by ``lane_tokens`` tokens that are independent ANS streams.
@@ -46,9 +46,10 @@ import torch
 
 from kvcodec.codecs.base import Codec, LayerContext
 from kvcodec.codecs.cachegen.device import TritonEngine
-from kvcodec.codecs.cachegen.lanes import Run, decode_lane, encode_lane, table_runs
-from kvcodec.codecs.cachegen.parts import Part, SectionBytes, Side, with_sinks
-from kvcodec.codecs.cachegen.tables import NUM_TABLES, RADIX, STEPS, choose_tables, step_code
+from kvcodec.codecs.cachegen.parts import Part, Side, with_sinks
+from kvcodec.codecs.entropy.lanes import Run, decode_lane, encode_lane, table_runs
+from kvcodec.codecs.entropy.sections import SectionBytes
+from kvcodec.codecs.entropy.tables import NUM_TABLES, RADIX, STEPS, choose_tables, step_code
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 

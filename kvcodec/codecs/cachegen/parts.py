@@ -1,6 +1,5 @@
-"""A cachegen section's parts (keys, values) as parsed: their side information, their lanes, the exact sink
-tokens put back, and the reader that takes typed arrays off a section.  Shared by the CPU and Triton engines and
-by kvtc, which codes its sections the same way."""
+"""A cachegen section's parts (keys, values) as parsed: their side information, their lanes, and the exact sink
+tokens put back.  Shared by the CPU and Triton engines."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcodec.codecs.cachegen.tables import STEPS
-from kvcodec.errors import CorruptDataError
+from kvcodec.codecs.entropy.tables import STEPS
 
 
 @dataclass
@@ -39,21 +37,6 @@ class Part:
     side: Side
     lengths: np.ndarray  # int64 [lanes]
     words: np.ndarray  # '<u4' [sum of lengths]
-
-
-class SectionBytes:
-    """Reads typed arrays off the front of a section, refusing to run past its end."""
-
-    def __init__(self, view: memoryview) -> None:
-        self.view, self.pos = view, 0
-
-    def take(self, n: int, dtype: str) -> np.ndarray:
-        size = n * np.dtype(dtype).itemsize
-        if self.pos + size > len(self.view):
-            raise CorruptDataError("cachegen section is truncated")
-        arr = np.frombuffer(self.view[self.pos:self.pos + size], dtype=dtype)
-        self.pos += size
-        return arr
 
 
 def with_sinks(x: torch.Tensor, sink: np.ndarray) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcodec.codecs.cachegen.tables import STEPS
+from kvcodec.codecs.entropy.tables import STEPS
 from kvcodec.codecs.quantize import FP16_MAX, minmax_params, quantize
 from kvcodec.codecs.raw import tensor_bytes, tensor_from_bytes
 from kvcodec.errors import CorruptDataError, InvalidInputError

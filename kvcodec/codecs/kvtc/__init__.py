@@ -1,12 +1,11 @@
 """``kvtc``: cross-layer PCA transform coding of KV caches over a per-model calibration.
 
-Computing a calibration runs a model, so it is tooling: :mod:`kvcodec.tools.kvtc_calibration`."""
+Fitting a calibration to a model: :mod:`kvcodec.codecs.kvtc.fit`."""
 
 from kvcodec.codecs.kvtc.calibration import (Calibration, cache_dir, calibration_for_model, find_calibration, install,
                                              register_calibration)
 from kvcodec.codecs.kvtc.codec import KVTC
-from kvcodec.codecs.kvtc.reposition import reposition
 from kvcodec.errors import MissingCalibrationError
 
 __all__ = ["KVTC", "Calibration", "MissingCalibrationError", "cache_dir", "calibration_for_model", "find_calibration",
-           "install", "register_calibration", "reposition"]
+           "install", "register_calibration"]

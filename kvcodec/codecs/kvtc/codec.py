@@ -18,27 +18,28 @@ from __future__ import annotations
 import os
 import re
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvcodec.codecs.base import Codec, LayerContext
-from kvcodec.codecs.cachegen.lanes import decode_lane, encode_lane, table_runs
-from kvcodec.codecs.cachegen.parts import SectionBytes
-from kvcodec.codecs.cachegen.tables import NUM_TABLES, STEPS, choose_tables, step_code
+from kvcodec.codecs.entropy.lanes import decode_lane, encode_lane, table_runs
+from kvcodec.codecs.entropy.sections import SectionBytes
+from kvcodec.codecs.entropy.tables import NUM_TABLES, STEPS, choose_tables, step_code
 from kvcodec.codecs.kvtc import gpu
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, calibration_for_model, find_calibration,
                                              register_calibration)
 from kvcodec.codecs.kvtc.levels import (DEFAULT_FINE_OCTAVES, DEFAULT_FINE_TOKENS, DEFAULT_LEVEL, DEFAULT_MIN_STD,
                                         DEFAULT_WINDOW_OCTAVES, LEVELS)
+from kvcodec.codecs.kvtc.parts import CodedPart
 from kvcodec.codecs.kvtc.quantize import quantize
 from kvcodec.codecs.kvtc.rate import RETRY_FRACTION, PartPricing, PartSteps, choose_steps
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError, MissingCalibrationError
 from kvcodec.formats.v1 import INDEX_ENTRY, frame_head_size
 from kvcodec.layouts.paged import check_paged_layer, write_paged
+from kvcodec.layouts.sinks import DenseSink, PagedSink
 
 DEAD = 255  # table byte of a component whose symbols are all zero in the chunk: nothing else is stored for it
 MAX_LANE_SYMBOLS = 1 << 16
@@ -50,24 +51,6 @@ TABLES_PER_OCTAVE = 4  # a codebook table's std doubles every 4 tables
 MAX_BITS = 16.0  # float16's own rate: asking for more is a mistake, not a rate
 # keys' and values' steps keep the levels' ratio (3 at every level): the value code is the key code plus this
 VALUE_CODE_OFFSET = int(step_code(LEVELS[DEFAULT_LEVEL][1])) - int(step_code(LEVELS[DEFAULT_LEVEL][0]))
-
-
-@dataclass
-class CodedPart:
-    """A part (keys or values of a group) as parsed: per coded component its table (``DEAD``: all zero) and step
-    code, the live components, and the lanes' lengths and words."""
-
-    tokens: int
-    table: np.ndarray  # u1 [K]
-    codes: np.ndarray  # int64 [K]
-    live: np.ndarray  # int64, increasing
-    lengths: np.ndarray  # int64 [lanes]
-    words: np.ndarray  # '<u4' [sum of lengths]
-
-    @property
-    def span(self) -> int:
-        """The components up to the last live one: those a decode multiplies by the basis."""
-        return int(self.live[-1]) + 1 if len(self.live) else 0
 
 
 @register_codec
@@ -150,14 +133,20 @@ class KVTC(Codec):
         return cls.from_config({"min_std": 0.0, "fine_tokens": 0, "window_octaves": 0.0} | config)
 
     def for_cache(self, kv: Any) -> KVTC:
-        """This codec with its calibration resolved for ``kv`` (``"auto"``: the one installed for its model)."""
+        """This codec with its calibration resolved for ``kv`` (``"auto"``: the one installed for its model, found by
+        the model's identity ``kv.model_digest`` where ``kv`` has one, else by its name ``kv.model``)."""
         if self.calibration != "auto":
             return self
-        cal = calibration_for_model(kv.model)
+        digest = getattr(kv, "model_digest", None)
+        cal = calibration_for_model(digest) if digest else None
+        if cal is None:
+            cal = calibration_for_model(kv.model)
+            if cal is not None and digest and cal.model_digest not in ("", digest):
+                cal = None  # recorded for another model that has the same name
         if cal is None:
             raise InvalidInputError(
-                f"kvtc needs a calibration of model {kv.model!r}: run `kvcodec calibrate --model ... -o FILE` (or "
-                "kvcodec.tools.kvtc_calibration.calibrate) and pass calibration=FILE")
+                f"kvtc needs a calibration of model {kv.model!r}" + (f" (identity {digest})" if digest else "")
+                + ": run `kvcodec calibrate --model MODEL --install` (or -o FILE and pass calibration=FILE)")
         return KVTC(self.level, cal, self.sink_tokens, self.lane_components, self.lane_tokens, self.min_std, self.bits,
                     self.fine_tokens, self.fine_octaves, self.window_octaves)
 
@@ -167,6 +156,11 @@ class KVTC(Codec):
 
     def rotary(self) -> list[Any]:
         return [l.rotary for l in self.calibration_data().layers]
+
+    @classmethod
+    def installed_rotary(cls, model: str | None) -> list[Any] | None:
+        cal = calibration_for_model(model)
+        return None if cal is None else [l.rotary for l in cal.layers]
 
     def side_data_name(self) -> str | None:
         return None if self.calibration == "auto" else f"kvcodec-calibration@{self.calibration}"
@@ -245,7 +239,9 @@ class KVTC(Codec):
     def decode_frame(self, data: bytes, ctxs: list[LayerContext], wanted: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         blocks = self.group_blocks(data, ctxs, wanted)
         if self._on_device(ctxs[0], ctxs[0].device):
-            return gpu.decode_frame(self, blocks, wanted, gpu.ContiguousSink())
+            sink = DenseSink(device=ctxs[0].device, dtype=ctxs[0].dtype)
+            self._decode_on_device(blocks, wanted, sink)
+            return {c.layer: sink.layer(c.layer) for c in ctxs if c.layer in wanted}
         out = {}
         for g, present, block in blocks:
             out |= self._decode_group(g, present, block, wanted)
@@ -259,11 +255,15 @@ class KVTC(Codec):
         if not paged or not set(paged) <= set(by_layer) or set(slots) != set(paged):
             raise InvalidInputError("kvtc paged decode: paged tensors and slots must name the same layers of the frame")
         slots = {l: check_paged_layer(paged[l], by_layer[l].shape, slots[l], layout) for l in paged}
-        if self._on_device(ctxs[0], next(iter(paged.values())).device):
-            blocks = self.group_blocks(data, ctxs, set(paged))
-            gpu.decode_frame(self, blocks, set(paged), gpu.PagedSink(paged, slots, layout))
-            return
-        for layer, (keys, values) in self.decode_frame(data, ctxs, set(paged)).items():
+        first = next(iter(paged.values()))
+        if self._on_device(ctxs[0], first.device):
+            # decoded in the memory's dtype: each float32 row is rounded once, as on the CPU path
+            sink = DenseSink(device=first.device, dtype=first.dtype)
+            self._decode_on_device(self.group_blocks(data, ctxs, set(paged)), set(paged), sink)
+            decoded = {l: sink.layer(l) for l in paged}
+        else:
+            decoded = self.decode_frame(data, ctxs, set(paged))
+        for layer, (keys, values) in decoded.items():
             on = paged[layer].device
             write_paged(paged[layer], keys.to(on), values.to(on), slots[layer], layout)
 
@@ -274,6 +274,42 @@ class KVTC(Codec):
     def _on_device(self, ctx: LayerContext, dev: torch.device) -> bool:
         """Whether the Triton path decodes (``"auto"``: for CUDA tensors), as cachegen chooses its engine."""
         return ctx.backend == "triton" or (ctx.backend == "auto" and dev.type == "cuda")
+
+    def _decode_on_device(self, blocks: list[tuple[int, list[LayerContext], memoryview]], wanted: set[int],
+                          sink: DenseSink | PagedSink) -> None:
+        """Decode the wanted layers of the groups ``blocks`` (:meth:`group_blocks`) on ``sink``'s device
+        (:mod:`.gpu`) and write each, all its tokens at once, into ``sink``."""
+        if not blocks:
+            return
+        cal = self.calibration_data()
+        device = sink.device
+        parsed = [self.parse_group(g, present, block) for g, present, block in blocks]
+        launch = gpu.CoefficientLaunch(self, [p for parts, _, _ in parsed for p in parts], device)
+        launch.run()
+        coefficients = iter(launch.coefficients)
+        exact = gpu.sink_tokens([s for _, sinks, _ in parsed for layer in sinks for s in layer], device)
+        for (g, present, _), (parts, _, fine) in zip(blocks, parsed):
+            spans, cover = self.spans(present, wanted)
+            coded = [(next(coefficients), part) for part in parts]  # keys, values, then their fine parts
+            feats = []
+            gains = self.row_gains(present[0])
+            for side in (0, 1):
+                rows, mean, weight = gpu.BASES.get(cal, g, side, len(parts[side].table), device)
+                feats.append(self.side_features([(coeff, rows[:part.span]) for coeff, part in coded[side::2]], mean,
+                                                weight, cover[side], fine, gains))
+            keys, values = {}, {}
+            for c in present:
+                if c.layer in wanted:
+                    keys[c.layer], values[c.layer] = (
+                        f[:, span.start - at:span.stop - at].reshape(f.shape[0], c.shape.heads, d)
+                        for (f, at), span, d in zip(feats, spans[c.layer], (c.shape.key_dim, c.shape.value_dim)))
+            keys |= gpu.rotate(keys, {c.layer: (cal.layers[c.layer].rotary, c.positions[self._sinks(c):])
+                                      for c in present if c.layer in wanted and self._rotated(c)})
+            for c in present:
+                pair = (next(exact), next(exact))
+                if c.layer in wanted:  # [H, S, D] exact sink tokens, then the [T - S, H, D] decoded rows
+                    sink.write(c.layer, 0, *(torch.cat([x, rows.transpose(0, 1)], 1)
+                                             for x, rows in zip(pair, (keys[c.layer], values[c.layer]))))
 
     def group_blocks(self, data: bytes, ctxs: list[LayerContext],
                      wanted: set[int]) -> list[tuple[int, list[LayerContext], memoryview]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcodec.codecs.cachegen.tables import RADIX, STEPS, code_lengths_fixed
+from kvcodec.codecs.entropy.tables import RADIX, STEPS, code_lengths_fixed
 from kvcodec.errors import InvalidInputError
 
 CODE_LENGTH_UNIT = float(1 << 16)  # code_lengths_fixed() is in 1/2**16 bit

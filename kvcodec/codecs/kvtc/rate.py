@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvcodec.codecs.cachegen.tables import STEPS, codebook, table_scale
+from kvcodec.codecs.entropy.tables import STEPS, codebook, table_scale
 from kvcodec.codecs.kvtc.quantize import quantize, symbol_bits
 from kvcodec.formats.cachegen import NUM_TABLES, PRECISION
 

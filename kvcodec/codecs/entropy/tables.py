@@ -1,10 +1,11 @@
-"""CacheGen's fixed entropy-coding tables and step-size grid.
+"""The fixed entropy-coding tables and step-size grid, CacheGen's, which kvtc codes with too.
 
-Every (layer, K or V, channel) of a chunk picks one table from a fixed codebook
-of discretized Gaussians and stores only its index (one byte).  The codebook is
-frozen in ``formats/cachegen/codebook-v1.u32`` (checked by SHA-256 at load) so
-that every decoder, on any platform or on the GPU, uses the very same integer
-frequencies; :func:`build_codebook` is how it was made.
+Every (layer, K or V, channel) of a cachegen chunk, and every component of a kvtc
+part, picks one table from a fixed codebook of discretized Gaussians and stores
+only its index (one byte).  The codebook is frozen in
+``formats/cachegen/codebook-v1.u32`` (checked by SHA-256 at load) so that every
+decoder, on any platform or on the GPU, uses the very same integer frequencies;
+:func:`build_codebook` is how it was made.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import constriction
 
-from kvcodec.codecs.cachegen.tables import RADIX, models
+from kvcodec.codecs.entropy.tables import RADIX, models
 from kvcodec.errors import CorruptDataError
 
 

@@ -1,0 +1,79 @@
+"""Token positions in keys: the rotary position embedding (rotate-half convention, as transformers applies it),
+undone and redone (:class:`Rotary`), and a cache's keys moved to new positions (:func:`reposition`).
+
+A key at position ``p`` is stored as ``s * R(p) k`` where ``R(p)`` rotates each channel pair ``(i, i + r/2)``
+(``r`` = the rotary dimensions, the first ``r`` of the head) by the angle ``p * inv_freq[i]`` and ``s`` is the
+rotary embedding's attention scaling.  Angles are computed in float64 so that undoing and redoing at the same
+positions returns the input to within float32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvcodec.cache import KVCache
+from kvcodec.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """One layer's rotary setting: ``inv_freq`` (float64, half the rotary dimensions) and the scaling."""
+
+    inv_freq: np.ndarray
+    scaling: float = 1.0
+
+    @property
+    def dims(self) -> int:
+        return 2 * len(self.inv_freq)
+
+    def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        angle = positions.to(torch.float64)[:, None].cpu() * torch.from_numpy(self.inv_freq)[None, :]
+        return angle.cos().to(device), angle.sin().to(device)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x`` ``[..., T, D]`` rotated to ``positions`` ``[T]`` (or back from them when ``inverse``), float32."""
+        cos, sin = self._cos_sin(positions, x.device)
+        half = len(self.inv_freq)
+        xd = x.to(torch.float64)
+        a, b, rest = xd[..., :half], xd[..., half:2 * half], xd[..., 2 * half:]
+        if inverse:
+            ya, yb = (a * cos + b * sin) / self.scaling, (b * cos - a * sin) / self.scaling
+        else:
+            ya, yb = (a * cos - b * sin) * self.scaling, (b * cos + a * sin) * self.scaling
+        return torch.cat([ya, yb, rest], -1).to(torch.float32)
+
+    def move(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Keys rotated at positions ``old`` re-rotated to positions ``new`` (one rotation by the difference)."""
+        delta = Rotary(self.inv_freq, 1.0)
+        return delta.rotate(keys, new.to(torch.float64) - old.to(torch.float64))
+
+
+def reposition(kv: KVCache, positions: Sequence[int], rotary: Sequence[Rotary | None] | None, *,
+               layers: Sequence[int] | None = None) -> KVCache:
+    """``kv`` with every layer's keys rotated from their positions (``kv.positions``, else 0..T-1) to
+    ``positions`` (one per token of the longest layer; a shorter layer takes the last ones), for reusing cached
+    chunks at other positions (CacheBlend-style).  ``rotary`` is the setting of each model layer (None for a layer
+    without RoPE), e.g. a codec's :meth:`~kvcodec.codecs.Codec.rotary`; None, unknown, is an error once ``kv`` and
+    ``positions`` pass their checks.  ``layers`` names the model layers ``kv`` holds, when it holds a selection."""
+    if kv.rope != "post":
+        raise InvalidInputError(f"moving keys to new positions needs a cache with rope='post' keys, not {kv.rope!r}")
+    positions = [int(p) for p in positions]
+    if len(positions) != kv.num_tokens:
+        raise InvalidInputError(f"{len(positions)} positions for {kv.num_tokens} tokens")
+    if rotary is None:
+        raise InvalidInputError(f"no rotary setting is known for model {kv.model!r}: install a kvtc calibration "
+                                "of it (kvcodec calibrate)")
+    model_layers = list(range(kv.num_layers)) if layers is None else list(layers)
+    old = torch.tensor(kv.positions if kv.positions is not None else range(kv.num_tokens), dtype=torch.int64)
+    new = torch.tensor(positions, dtype=torch.int64)
+    out = []
+    for layer, l in zip(model_layers, kv.layers):
+        rot = rotary[layer]
+        t = l.keys.shape[1]
+        keys = l.keys if rot is None or t == 0 else rot.move(l.keys, old[-t:], new[-t:]).to(l.keys.dtype)
+        out.append((keys, l.values))
+    return KVCache(out, model=kv.model, token_ids=kv.token_ids, rope="post", positions=positions)
