@@ -24,7 +24,7 @@ from kvcodec.chunking import layer_context, make_header
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs import get_codec
 from kvcodec.codecs.kvfetcher import pictures as P
-from kvcodec.codecs.kvfetcher import resolution as R
+from kvcodec.tools import kvfetcher_resolution as R
 from kvcodec.codecs.kvfetcher import video
 from kvcodec.codecs.kvfetcher.codec import KVFetcher
 from kvcodec.codecs.kvfetcher.restore import restore_paged

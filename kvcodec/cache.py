@@ -112,6 +112,11 @@ class KVCache:
         return self.layers[0].keys.device
 
     @property
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(keys, values)`` of every layer."""
+        return [(l.keys, l.values) for l in self.layers]
+
+    @property
     def num_layers(self) -> int:
         return len(self.layers)
 
@@ -163,11 +168,11 @@ class KVCache:
 
     def to_hf(self, config: Any = None) -> Any:
         """To a transformers ``DynamicCache`` with batch size 1."""
-        return hf.to_hf(self, config=config)
+        return hf.to_hf(self.pairs, self.num_tokens, config=config)
 
     def save_safetensors(self, path: str | PathLike[str]) -> None:
         """Write a safetensors dump: ``layers.{i}.keys``, ``layers.{i}.values`` and string metadata."""
-        dump.save_safetensors(self, path)
+        dump.save_safetensors(self.pairs, self.meta, path)
 
     @classmethod
     def load_safetensors(cls, path: str | PathLike[str]) -> KVCache:
@@ -179,7 +184,7 @@ class KVCache:
                  layout: Any = "flash") -> tuple[list[torch.Tensor], torch.Tensor]:
         """To vLLM's paged layout (``"flash"``: per layer ``(2, num_blocks, block_size, H, D)``; ``"cpu"``: its CPU
         backend's, see :class:`kvcodec.layouts.paged.PagedLayout`) plus a block table."""
-        return paged.to_paged(self, block_size=block_size, num_blocks=num_blocks, layout=layout)
+        return paged.to_paged(self.pairs, block_size=block_size, num_blocks=num_blocks, layout=layout)
 
     @classmethod
     def from_paged(cls, kv_caches: Sequence[torch.Tensor], block_table: torch.Tensor, num_tokens: int,
@@ -189,7 +194,7 @@ class KVCache:
 
     def to_lmcache(self) -> torch.Tensor:
         """To LMCache's chunk layout ``[2, L, T, H*D]``."""
-        return lmcache.to_lmcache(self)
+        return lmcache.to_lmcache(self.pairs)
 
     @classmethod
     def from_lmcache(cls, chunk: torch.Tensor, num_heads: int, **meta: Any) -> KVCache:

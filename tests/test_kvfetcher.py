@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 from kvcodec.formats.v1 import LayerShape
 
 import kvcodec
-from kvcodec.adapt import BandwidthTrace
+from kvcodec.store.telemetry import LINK_PRIOR_BPS, RateEstimator
+from kvcodec.tools.adaptation import BandwidthTrace
 from kvcodec.chunking import layer_context
 from kvcodec.codecs import get_codec
 from kvcodec.codecs.base import LayerContext
 from kvcodec.codecs.kvfetcher import pictures as P
-from kvcodec.codecs.kvfetcher import resolution as R
+from kvcodec.tools import kvfetcher_resolution as R
 from kvcodec.codecs.kvfetcher import video
 from kvcodec.codecs.kvfetcher.codec import KVFetcher
 from kvcodec.codecs.kvfetcher.restore import restore_paged
@@ -282,10 +283,10 @@ def test_resolution_policy_on_traces():
     two = R.FrameModel.linear(R.DEFAULT_LADDER, bytes_per_row=90.0, header_bytes=220.0, decode_fixed_s=1e-4,
                               decode_row_s=9e-6, frames_per_block=2)
     pol2 = R.ResolutionPolicy(two)
-    assert pol2.decide(3, 4, 1024, 0.0, 0.0, kvcodec.adapt.BandwidthEstimator(prior_bps=50e6)) <= 256
-    assert pol2.decide(0, 4, 1024, 0.0, 0.0, kvcodec.adapt.BandwidthEstimator(prior_bps=1e10)) == 1024
+    assert pol2.decide(3, 4, 1024, 0.0, 0.0, RateEstimator(50e6)) <= 256
+    assert pol2.decide(0, 4, 1024, 0.0, 0.0, RateEstimator(1e10)) == 1024
     # jitter makes the policy plan with a slower link
-    est = kvcodec.adapt.BandwidthEstimator()
+    est = RateEstimator(LINK_PRIOR_BPS)
     for r in (1e6, 9e6, 1e6):
         est.observe(r, 1.0)
     assert R.ResolutionPolicy.jitter(est) > 0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
@@ -15,24 +15,23 @@ import torch
 from kvcodec.errors import CorruptDataError
 from kvcodec.files import write_atomically
 
-if TYPE_CHECKING:
-    from kvcodec.cache import KVCache
-
 FORMAT_TAG = "kvcodec-kv-dump"
 _NAME = re.compile(r"layers\.(\d+)\.(keys|values)")
 _JSON_FIELDS = ("token_ids", "positions")
 
 
-def save_safetensors(kv: KVCache, path: str | os.PathLike[str]) -> None:
-    """Write ``kv`` to ``path`` atomically (tensors made contiguous; metadata as strings, lists as JSON)."""
+def save_safetensors(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], meta: dict[str, Any],
+                     path: str | os.PathLike[str]) -> None:
+    """Write ``(keys, values)`` per layer and a cache's ``meta`` to ``path`` atomically (tensors made contiguous;
+    metadata as strings, lists as JSON)."""
     tensors = {}
-    for i, layer in enumerate(kv.layers):
-        tensors[f"layers.{i}.keys"] = layer.keys.contiguous().cpu()
-        tensors[f"layers.{i}.values"] = layer.values.contiguous().cpu()
-    meta = {"format": FORMAT_TAG}
-    for k, v in kv.meta.items():
-        meta[k] = json.dumps(v) if k in _JSON_FIELDS else str(v)
-    write_atomically(path, save(tensors, metadata=meta))
+    for i, (keys, values) in enumerate(layers):
+        tensors[f"layers.{i}.keys"] = keys.contiguous().cpu()
+        tensors[f"layers.{i}.values"] = values.contiguous().cpu()
+    out = {"format": FORMAT_TAG}
+    for k, v in meta.items():
+        out[k] = json.dumps(v) if k in _JSON_FIELDS else str(v)
+    write_atomically(path, save(tensors, metadata=out))
 
 
 def read_safetensors(path: str | os.PathLike[str]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, Any]]:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 import torch
 
 from kvcodec.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from kvcodec.cache import KVCache
 
 
 def hf_pairs(cache: Any, *, batch_index: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -28,19 +25,19 @@ def hf_pairs(cache: Any, *, batch_index: int = 0) -> list[tuple[torch.Tensor, to
     return [(k[batch_index], v[batch_index]) for k, v in pairs]
 
 
-def to_hf(kv: KVCache, config: Any = None) -> Any:
-    """A ``DynamicCache`` holding ``kv`` with batch size 1.
+def to_hf(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], num_tokens: int, config: Any = None) -> Any:
+    """A ``DynamicCache`` holding ``(keys, values)`` per layer, of a ``num_tokens`` sequence, with batch size 1.
 
     Pass the model's ``config`` so that sliding-window layers get their own layer type.
     """
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    for i, layer in enumerate(kv.layers):
-        cache.update(layer.keys.unsqueeze(0), layer.values.unsqueeze(0), i)
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys.unsqueeze(0), values.unsqueeze(0), i)
         # A sliding-window layer holds the last tokens of the sequence but counts every token it has seen: the
         # model takes the next tokens' positions and attention masks from that count (from layer 0, which is a
         # windowed one in Gemma 3), so it must be the whole sequence's, not the window's.
         if hasattr(cache.layers[i], "cumulative_length"):
-            cache.layers[i].cumulative_length = kv.num_tokens
+            cache.layers[i].cumulative_length = num_tokens
     return cache

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Sequence
 
 import torch
 
 from kvcodec.errors import InvalidInputError
 
-if TYPE_CHECKING:
-    from kvcodec.cache import KVCache
 
-
-def to_lmcache(kv: KVCache) -> torch.Tensor:
-    """Stack ``kv`` as ``[2, L, T, H*D]``; every layer must have the same shape."""
-    if len(set(kv.shapes)) != 1:
+def to_lmcache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Stack ``(keys, values)`` per layer as ``[2, L, T, H*D]``; every layer must have the same shape."""
+    if len({(tuple(k.shape), tuple(v.shape)) for k, v in layers}) != 1:
         raise InvalidInputError("LMCache's layout needs every layer to have the same shape")
-    if kv.shapes[0].key_dim != kv.shapes[0].value_dim:
+    if layers[0][0].shape[2] != layers[0][1].shape[2]:
         raise InvalidInputError("LMCache's layout needs keys and values of the same head_dim")
     def flat(x: torch.Tensor) -> torch.Tensor:
         h, t, d = x.shape
         return x.transpose(0, 1).reshape(t, h * d)
-    return torch.stack([torch.stack([flat(l.keys) for l in kv.layers]), torch.stack([flat(l.values) for l in kv.layers])])
+    return torch.stack([torch.stack([flat(k) for k, _ in layers]), torch.stack([flat(v) for _, v in layers])])
 
 
 def lmcache_pairs(chunk: torch.Tensor, num_heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from kvcodec.errors import InvalidInputError
 from kvcodec.formats.v1 import LayerShape
-
-if TYPE_CHECKING:
-    from kvcodec.cache import KVCache
 
 
 def slot_mapping(block_table: torch.Tensor, start: int, count: int, block_size: int) -> torch.Tensor:
@@ -149,13 +146,13 @@ def read_paged(paged: torch.Tensor, slots: torch.Tensor,
             value_view[blocks, offsets].transpose(0, 1).contiguous())
 
 
-def to_paged(kv: KVCache, *, block_size: int = 16, num_blocks: int | None = None,
-             layout: PagedLayout | str = FLASH) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Lay ``kv`` out in fresh paged tensors of ``layout``, using blocks ``0 .. n-1`` in order.
+def to_paged(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], *, block_size: int = 16,
+             num_blocks: int | None = None, layout: PagedLayout | str = FLASH) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Lay ``(keys, values)`` per layer out in fresh paged tensors of ``layout``, using blocks ``0 .. n-1`` in order.
 
     Every layer must have the same shape (paged memory is uniform across layers).
     """
-    shapes = set(kv.shapes)
+    shapes = {LayerShape(k.shape[0], k.shape[1], k.shape[2], v.shape[2]) for k, v in layers}
     if len(shapes) != 1:
         raise InvalidInputError("the paged layout needs every layer to have the same shape")
     (shape,) = shapes
@@ -165,13 +162,14 @@ def to_paged(kv: KVCache, *, block_size: int = 16, num_blocks: int | None = None
     num_blocks = needed if num_blocks is None else num_blocks
     if num_blocks < needed:
         raise InvalidInputError(f"{shape.tokens} tokens need {needed} blocks of {block_size}, only {num_blocks} given")
-    block_table = torch.arange(needed, dtype=torch.int32, device=kv.device)
+    device, dtype = layers[0][0].device, layers[0][0].dtype
+    block_table = torch.arange(needed, dtype=torch.int32, device=device)
     slots = slot_mapping(block_table, 0, shape.tokens, block_size)
     out = []
-    for layer in kv.layers:
-        paged = torch.zeros(empty_shape(layout, num_blocks, block_size, shape.heads, shape.key_dim), dtype=kv.dtype,
-                            device=kv.device)
-        write_paged(paged, layer.keys, layer.values, slots, layout)
+    for keys, values in layers:
+        paged = torch.zeros(empty_shape(layout, num_blocks, block_size, shape.heads, shape.key_dim), dtype=dtype,
+                            device=device)
+        write_paged(paged, keys, values, slots, layout)
         out.append(paged)
     return out, block_table
 

@@ -1,4 +1,5 @@
-"""Resolution adaptation and a pipelined fetch simulator for ``kvfetcher`` streams.
+"""Resolution adaptation and a pipelined fetch simulator for ``kvfetcher`` streams (tooling: bench and tests use
+it to choose and check a ladder; the runtime does not import it).
 
 The stream is a sequence of *GOPs* (one container chunk of ``gop_tokens`` tokens:
 every layer's K and V frames of those tokens, one closed GOP per section, so the
@@ -7,7 +8,7 @@ policy picked, from a ladder such as 1024/512/256/128 token rows (never below th
 decoder's minimum side, :data:`kvcodec.codecs.kvfetcher.video.MIN_SIDE`: a 128-row
 frame is coded as a 144-row picture).
 
-Model of time (deterministic; link model from :class:`kvcodec.adapt.BandwidthTrace`):
+Model of time (deterministic; link model from :class:`kvcodec.tools.adaptation.BandwidthTrace`):
 
 * One link sends frames back to back; a frame is usable once all its bytes arrived.
 * One decoder (NVDEC, or FFmpeg on the CPU) decodes and restores frames in order,
@@ -18,7 +19,7 @@ Model of time (deterministic; link model from :class:`kvcodec.adapt.BandwidthTra
 
 :class:`FrameModel` holds the per-height frame bytes and decode seconds (from real
 encodes and real decode timings), :class:`ResolutionPolicy` picks the height of each
-GOP from the :class:`kvcodec.adapt.BandwidthEstimator` estimate and the jitter of its
+GOP from the :class:`kvcodec.store.telemetry.RateEstimator` estimate and the jitter of its
 samples, and :func:`simulate_fetch` replays a trace.
 """
 
@@ -29,9 +30,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from kvcodec.store.telemetry import RateEstimator as BandwidthEstimator
-from kvcodec.tools.adaptation import BandwidthTrace
 from kvcodec.errors import InvalidInputError
+from kvcodec.store.telemetry import LINK_PRIOR_BPS, RateEstimator
+from kvcodec.tools.adaptation import BandwidthTrace
 
 DEFAULT_LADDER = (1024, 512, 256, 128)
 
@@ -120,7 +121,7 @@ class ResolutionPolicy:
         self.name = "adaptive ladder"
 
     @staticmethod
-    def jitter(estimator: BandwidthEstimator) -> float:
+    def jitter(estimator: RateEstimator) -> float:
         s = estimator.samples
         if len(s) < 2:
             return 0.0
@@ -136,7 +137,7 @@ class ResolutionPolicy:
         return max(first, decoder_free_s) + d + (n - 1) * max(b / rate, d)
 
     def decide(self, gop: int, gops: int, gop_tokens: int, now_s: float, decoder_free_s: float,
-               estimator: BandwidthEstimator) -> int:
+               estimator: RateEstimator) -> int:
         rate = estimator.estimate / (1.0 + self.jitter_weight * self.jitter(estimator))
         left = gops - gop
         return min(self.ladder, key=lambda h: (self.predicted_s(h, left, gop_tokens, now_s, decoder_free_s, rate), -h))
@@ -153,7 +154,7 @@ class FixedHeight:
 
 def simulate_fetch(model: FrameModel, trace: BandwidthTrace, total_tokens: int, gop_tokens: int,
                    policy: ResolutionPolicy | FixedHeight, *, pipelined: bool = True,
-                   estimator: Callable[[], BandwidthEstimator] = BandwidthEstimator) -> FetchResult:
+                   estimator: Callable[[], RateEstimator] = lambda: RateEstimator(LINK_PRIOR_BPS)) -> FetchResult:
     """Fetch ``total_tokens`` tokens (all layers) in GOPs of ``gop_tokens`` over ``trace``; heights from ``policy``."""
     if total_tokens <= 0 or gop_tokens <= 0:
         raise InvalidInputError("total_tokens and gop_tokens must be positive")
