@@ -7,11 +7,11 @@ The chunks are real: SmolLM2's float16 cache over 512 tokens of ``license:GPL-3`
 ``KVStore`` into 256-token single-chunk containers with ``raw``, ``cachegen`` and ``kvtc`` (SmolLM2's calibration
 from 4096 tokens, computed once into ``.cache/bench-kvtc``).  A writer Mooncake tier (lending a 256 MiB segment) puts each
 container ``--reps`` times under fresh keys and a reader tier in a second client (lending none) gets them back;
-"Mooncake" is ``put``/``get`` of the same bytes on two bare Mooncake clients (lending none), without kvcodec's header,
-checksum, size check and worker thread; "Redis" is kvcodec's Redis tier (one client) on the same bytes.  All clients live in this
-process and talk over loopback TCP.  Medians of the reps.  MB/s of KV are the container's MB/s times its
-compression ratio (the float16 KV it stands for); "with the codec" adds the codec's own encode (store) or decode
-(load) time on this CPU, median of 3, to the tier's put or get.  Writes ``bench/results/mooncake_tier.md``.
+"Mooncake" is ``put``/``get`` of the same bytes on two bare Mooncake clients (lending none), without kvcodec's
+header, checksum, size check and worker thread; "Redis" is kvcodec's Redis tier (one client) on the same bytes.
+All clients live in this process and talk over loopback TCP.  Medians of the reps.  MB/s of KV are the container's
+MB/s times its compression ratio (the float16 KV it stands for); "with the codec" adds the codec's own encode (store)
+or decode (load) time on this CPU, median of 3, to the tier's put or get.  Writes ``bench/results/mooncake_tier.md``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ def gpl3_dump(tokens: int) -> Path:
 
     from kvcodec.cli import main
 
-    path = FOLDER / f"license-GPL-3-{tokens}-float16-kvcodec{kvcodec.__version__}-tf{transformers.__version__}.safetensors"
+    versions = f"kvcodec{kvcodec.__version__}-tf{transformers.__version__}"
+    path = FOLDER / f"license-GPL-3-{tokens}-float16-{versions}.safetensors"
     if not path.exists():
         FOLDER.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.safetensors")  # renamed when whole, so an interrupted dump is never reused

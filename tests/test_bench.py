@@ -61,3 +61,18 @@ def test_started_redis_without_redis_server_says_what_to_install(tmp_path, monke
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(UnsupportedError, match="apt-get install -y redis-server"):
         started_redis(tmp_path)
+
+
+def test_quality_is_none_lost_from_the_reference_and_some_from_a_damaged_cache(smollm2):
+    from kvcodec.cache import KVCache
+    from kvcodec.tools.evaluate import prepare, quality
+
+    case = prepare(smollm2, "license:GPL-3", 64, 32)
+    same = quality(smollm2, case, case.kv)
+    assert same.ppl_change == pytest.approx(0, abs=1e-6) and same.kl == pytest.approx(0, abs=1e-6)
+    assert same.agreement == 1
+    # the studies' hybrids: some tensors of the cache replaced (here the values, by zeros)
+    damaged = KVCache([(l.keys, l.values * 0) for l in case.kv.layers], model=case.kv.model,
+                      token_ids=case.kv.token_ids, rope=case.kv.rope)
+    worse = quality(smollm2, case, damaged)
+    assert worse.kl > 0.01 and worse.ppl_change > 0 and worse.agreement < 1
