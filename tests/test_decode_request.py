@@ -123,3 +123,33 @@ def test_kvfetcher_codes_as_many_sections_at_once_as_the_call_says(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert workers == [2, 3]
+
+
+def test_a_registered_codec_supplies_the_rotary_setting_for_new_positions(monkeypatch):
+    """``decode(positions=)`` once knew a model's rotary setting only from kvtc's installed calibrations (chunking
+    imported kvtc); now any registered codec that has one installed for the model supplies it
+    (:meth:`Codec.installed_rotary`), through the codec interface."""
+    import numpy as np
+
+    from kvcodec.codecs import registry
+    from kvcodec.positions import Rotary
+
+    rot = Rotary(np.array([1.0, 0.25]))  # a head of 4 channels: two rotary pairs
+
+    class Rotating(Raw):
+        codec_id = "test-rotating"
+
+        @classmethod
+        def installed_rotary(cls, model):
+            return [rot] * 3 if model == "tiny" else None
+
+    kv = small_cache()
+    blob = kvcodec.encode(kv, "raw")
+    with pytest.raises(InvalidInputError, match="no rotary setting"):
+        kvcodec.decode(blob, positions=range(100, 120))
+    monkeypatch.setitem(registry._registry, Rotating.codec_id, Rotating)
+    moved = kvcodec.decode(blob, positions=range(100, 120))
+    for got, layer in zip(moved.layers, kv.layers):
+        assert torch.equal(got.keys, rot.move(layer.keys, torch.arange(20), torch.arange(100, 120)).half())
+        assert torch.equal(got.values, layer.values)
+    assert moved.positions == list(range(100, 120)) and not torch.equal(moved.layers[0].keys, kv.layers[0].keys)
