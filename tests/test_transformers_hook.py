@@ -1,17 +1,19 @@
 """The transformers hook on real SmolLM2: save the prompt's KV, continue a request that shares the prefix from
-the store, decoding layer by layer behind start_load()/wait_for_layer(i)."""
+the store, decoding layer by layer behind start_load()/wait_for_layer(i); its store serves only the model's shape
+and is keyed by the model's weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-
+import kvcodec
 from kvcodec.cache import KVCache
 from kvcodec.codecs.raw import Raw
+from kvcodec.codecs.zstd import Zstd
 from kvcodec.engines.transformers_hook import LoadError, StreamedPrefix, TransformersKVHook, streamed_cache
-from kvcodec.errors import CorruptDataError
-from kvcodec.store import KVStore, MemoryTier
+from kvcodec.errors import CorruptDataError, InvalidInputError
+from kvcodec.store import ChunkShape, KVStore, MemoryTier
 
 NEW_TOKENS = 32
 
@@ -170,19 +172,87 @@ def test_a_load_that_ends_short_keeps_what_loaded_and_recomputes_the_rest(smollm
 SMALL_CALIBRATION = {"max_tokens": 256, "segment_tokens": 128, "group_layers": 1}
 
 
+def test_a_small_value_declaring_a_huge_cache_is_refused_before_decoding_and_recomputed(smollm2, prompts,
+                                                                                         monkeypatch):
+    """A store made without the engine's shape (as a user makes one for the hook) once decoded any value up to
+    256 MiB: a few KB of zstd under a real key, declaring 8 times SmolLM2's chunk, was decoded in full.  The hook
+    gives the store the model's shape, so the value is refused before anything is decoded, evicted, and the
+    request is recomputed."""
+    first, second = prompts
+    tier = MemoryTier(None)
+    store = KVStore([tier], model=smollm2.model_id, codec="zstd")
+    hook = TransformersKVHook(smollm2, store, save=False)
+    key = store.keys_for(first)[0][0]
+    zeros = torch.zeros(24, 256, 64)  # 24 KV heads where SmolLM2 has 3; one tensor shared by every layer
+    huge = KVCache([(zeros, zeros)] * 30, model=smollm2.model_id)
+    forged = kvcodec.encode(huge, "zstd", chunk_tokens=256, meta={"store_key": key})
+    assert len(forged) < 64 << 10 and huge.nbytes >= 8 * smollm2.prefill(first).nbytes
+    tier.put(key, forged)
+    decoded = []
+    real = Zstd.decode_layer
+    monkeypatch.setattr(Zstd, "decode_layer", lambda self, data, ctx: decoded.append(ctx.layer) or real(self, data, ctx))
+    out = hook.generate(second, max_new_tokens=4)
+    assert not decoded and not tier.contains(key)
+    assert out.recomputed and out.loaded_tokens == 0
+    assert out.tokens == _in_memory(smollm2, second[:256], second[256:], 4)
+
+
+def test_the_hook_gives_a_shapeless_store_the_model_shape_and_refuses_another(smollm2):
+    store = KVStore([MemoryTier(None)], model=smollm2.model_id, codec="raw")
+    TransformersKVHook(smollm2, store, save_dtype=torch.float16)
+    assert store.shape == ChunkShape(30, 3, 64, 64, "float16")
+    with pytest.raises(InvalidInputError, match="float32"):
+        TransformersKVHook(smollm2, store)  # the model saves float32 into a store of float16 chunks
+
+
+def test_with_store_keys_pages_by_the_weights_not_the_name(smollm2, prompts, tmp_path):
+    """Two checkpoints served under one name (a fine-tune with the base model's config, or weights replaced in
+    place) never share keys: the hook's store is keyed by the model identity of its weights."""
+    from kvcodec.models import model_path
+    from kvcodec.store.identity import model_identity
+
+    first, _ = prompts
+    default = TransformersKVHook.with_store(smollm2, ["cpu"], codec="raw")
+    assert default.store.identity.model_digest == model_identity(model_path("smollm2"))
+    assert default.store.identity.kv_dtype == "float32" and default.store.shape.layers == 30
+    keys = set()
+    for weights in (b"base", b"fine-tune"):
+        folder = tmp_path / weights.decode()
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(weights)
+        hook = TransformersKVHook.with_store(smollm2, ["cpu"], codec="raw", model_path=str(folder))
+        keys.add(hook.store.keys_for(first)[0][0])
+    assert len(keys) == 2 and default.store.keys_for(first)[0][0] not in keys
+
+
+def test_with_store_settings_are_the_store_configuration(smollm2):
+    hook = TransformersKVHook.with_store(smollm2, [MemoryTier(None, name="mine")], codec="raw", chunk_tokens=64,
+                                        namespace="tenant-a")
+    assert [t.name for t in hook.store.tiers] == ["mine"] and hook.store.chunk_tokens == 64
+    assert hook.store.identity.namespace == "tenant-a"
+    with pytest.raises(InvalidInputError, match="unknown setting"):
+        TransformersKVHook.with_store(smollm2, ["cpu"], codec="raw", chunk_size=64)
+    with pytest.raises(InvalidInputError, match="secret"):
+        TransformersKVHook.with_store(smollm2, ["cpu"], secret="s" * 32)
+
+
+# a small calibration keeps the test cheap (about a second): 256 tokens, one basis per layer
+SMALL_CALIBRATION = {"max_tokens": 256, "segment_tokens": 128, "group_layers": 1}
+
+
 def test_kvtc_hook_calibrates_on_first_use_and_finds_it_after(smollm2, prompts, tmp_path, monkeypatch, caplog):
-    """codec kvtc with calibration 'auto': the first hook calibrates SmolLM2 (logged) and installs it, continues
-    a request from kvtc chunks within kvtc's error; a second hook (a new process's registry) finds the installed one."""
-    import kvcodec
+    """codec kvtc with calibration 'auto': the first hook calibrates SmolLM2 (logged) and installs it under the
+    model's identity, continues a request from kvtc chunks within kvtc's error; a second hook (a new process's
+    registry) finds the installed one."""
     from kvcodec.codecs.kvtc import calibration as calmod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(calmod.ENV_PATH, raising=False)
     monkeypatch.setattr(calmod, "_registered", {})
     first, second = prompts
-    caplog.set_level("INFO", logger="kvcodec.engines.transformers_hook")
-    hook = TransformersKVHook.with_store(smollm2, [MemoryTier(None)], codec="kvtc", calibration_options=SMALL_CALIBRATION)
-    assert "no calibration of SmolLM2-135M-Instruct installed; calibrating it now" in caplog.text
+    caplog.set_level("INFO")
+    hook = TransformersKVHook.with_store(smollm2, ["cpu"], codec="kvtc", calibration_options=SMALL_CALIBRATION)
+    assert "calibrating it now" in caplog.text
     digest = hook.store.codec.calibration
     assert (tmp_path / "kvcodec" / "calibrations" / f"{digest}.kvtc").is_file()
     assert hook.generate(first, max_new_tokens=1).saved_chunks == 1
@@ -198,6 +268,6 @@ def test_kvtc_hook_calibrates_on_first_use_and_finds_it_after(smollm2, prompts, 
 
     caplog.clear()
     monkeypatch.setattr(calmod, "_registered", {})
-    again = TransformersKVHook.with_store(smollm2, [MemoryTier(None)], codec="kvtc")
+    again = TransformersKVHook.with_store(smollm2, ["cpu"], codec="kvtc")
     assert f"using the installed calibration {digest}" in caplog.text and "calibrating" not in caplog.text
     assert again.store.codec.calibration == digest

@@ -9,28 +9,31 @@ is loaded through SGLang's ``StorageBackendFactory`` with its ``dynamic`` backen
         '{"backend_name":"kvcodec","module_path":"kvcodec.engines.sglang_hicache","class_name":"KVCodecHiCacheStorage",
           "interface_v1":1,"tiers":["disk:/var/cache/kvcodec","redis://127.0.0.1:6379/0"],"codec":"cachegen"}'
 
-Its own settings in that JSON: ``tiers`` (tier URLs of :mod:`kvcodec.store.urls`, fastest first; default
-``["cpu"]``), ``codec`` (default ``cachegen``), ``codec_options`` (the codec's settings, e.g. ``{"bits": 4}``),
-``namespace`` (keeps deployments apart) and ``model``: the name kvcodec knows the model by, which keys the pages and
-picks cachegen's and kvfetcher's profile (default SGLang's model path with ``/`` as ``-``, which names no shipped
-profile: ``"model": "SmolLM2-135M-Instruct"`` picks the one kvcodec ships; the backend warns when none is found).  ``"interface_v1": 1`` makes SGLang call the page methods
-(``batch_get_v1``/``batch_set_v1``), which read and write its host pool in place; without it SGLang copies each
-page through a flat buffer (``batch_get``/``batch_set``).  ``$KVCODEC_STORE_SECRET`` authenticates every value, as
-for the other hooks.
+The JSON holds SGLang's own keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``), this
+backend's ``model_path`` (the folder or weight file whose bytes identify the model; default SGLang's model name,
+which is its ``--model-path`` unless ``--served-model-name`` is set) and the store's settings, parsed as every
+hook's are (:class:`~kvcodec.store.config.StoreConfig`: ``tiers``, ``codec``, ``codec_options``, ``namespace``,
+``model``, ``secret_file``, ...; an unknown key stops start-up).  ``model`` is the name kvcodec knows the model by,
+which picks cachegen's and kvfetcher's profile (default SGLang's model name with ``/`` as ``-``, which names no
+shipped profile: ``"model": "SmolLM2-135M-Instruct"`` picks the one kvcodec ships; the backend warns when none is
+found).  ``"interface_v1": 1`` makes SGLang call the page methods (``batch_get_v1``/``batch_set_v1``), which read
+and write its host pool in place; without it SGLang copies each page through a flat buffer
+(``batch_get``/``batch_set``).
 
 Every page is stored as a single-chunk container of ``page_size`` tokens, of all the pool's layers and this rank's
 heads, whatever the host pool's layout (a page written from a ``layer_first`` pool loads into a ``page_first``
-one).  It is kept by a :class:`~kvcodec.store.KVStore` (its tiers, codec, identity, secret and engine shape) under a
-key derived from the store's namespace (model, codec and its settings, page size, KV dtype, TP and PP rank, namespace)
-and SGLang's page hash, so caches of another model, codec or rank never meet.  A value is only served once
-:meth:`KVStore.check_chunk` accepts it for that key and the pool's shape (checksums, the key it names, token count,
-layers, heads, dtype; bounded before anything is decoded): anything else is a miss, evicted when the value itself is
-bad, and no exception reaches SGLang.  A value is written to every tier that lacks it; a hit in a slower tier is
-copied to the fastest.
+one).  It is kept by a :class:`~kvcodec.store.KVStore` (made by :func:`~kvcodec.engines.store_setup.open_store`
+with the pool's shape and page size) under :meth:`KVStore.engine_key` of SGLang's page hash, seeded by the model
+identity (its configuration and weights: two checkpoints served under one name never share pages), the codec and
+its settings, the page size, KV dtype, TP and PP rank and namespace.  A value is only served once the store's one
+check accepts it for that key and the pool's shape (authentication, checksums, the key it names, token count,
+layers, heads, dtype; bounded before anything is decoded): anything else is a miss, evicted when the value itself
+is bad, and no exception reaches SGLang.  A page is written to the fastest tier and every tier that is not process
+memory; a hit in a slower tier is copied to the fastest.
 
 Not handled, refused at start-up with an error that says so: MLA and other rank-replicated pools, context
-parallelism, FP8 KV, keys and values of different head sizes, and codecs that need each token's position (``kvtc``:
-SGLang does not pass positions to the page calls).
+parallelism, FP8 KV, keys and values of different head sizes, a ``chunk_tokens`` other than SGLang's page size,
+and codecs that need each token's position (``kvtc``: SGLang does not pass positions to the page calls).
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvcodec.cache import KVCache
-from kvcodec.codecs import get_codec
+from kvcodec.codecs import Codec, get_codec
+from kvcodec.codecs.registry import codec_from_spec
+from kvcodec.engines.store_setup import open_store
 from kvcodec.errors import InvalidInputError
 from kvcodec.profiles import find_profile
-from kvcodec.store import CacheIdentity, ChunkShape, KVStore, PlacementPolicy, StorageTier, format_key, tier_from_url
-from kvcodec.store.auth import secret_from_env
+from kvcodec.store import CacheIdentity, ChunkShape, KVStore, StorageTier
+from kvcodec.store.config import StoreConfig
+from kvcodec.store.identity import model_identity
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -58,6 +64,10 @@ except ImportError as err:  # pragma: no cover - the backend only exists inside 
 log = logging.getLogger(__name__)
 
 KEY_CONTEXT = b"sglang-hicache/1\0"
+# The extra config's keys that are not the store's: SGLang's own (the dynamic backend's loader, the page interface)
+# and the folder or file that identifies the model.
+HOOK_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "model_path")
+WHERE = "--hicache-storage-backend-extra-config"
 # How each host pool layout's page (``get_data_page(i, flat=False)``) becomes ``(2, layers, heads, tokens, dim)``:
 # keys then values, each layer's ``[heads, tokens, dim]`` as a KVCache holds it.  All are views of the page.
 CANONICAL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -67,13 +77,6 @@ CANONICAL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "page_head": lambda p: p[:, 0].permute(0, 3, 1, 2, 4),          # (2, 1, H, T, L, D)
 }
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _tier_specs(value: Any) -> list[str]:
-    specs = [value] if isinstance(value, str) else value
-    if not (isinstance(specs, list) and specs and all(isinstance(s, str) for s in specs)):
-        raise InvalidInputError(f"'tiers' is a list of tier URLs (e.g. [\"disk:/var/cache/kvcodec\"]), not {value!r}")
-    return specs
 
 
 def _never_raises(default: Any) -> Callable:
@@ -136,24 +139,26 @@ class KVCodecHiCacheStorage(HiCacheStorage):
     page shape: until then every read misses and every write fails."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
-        extra = dict(storage_config.extra_config or {})
         if storage_config.is_mla_model:
             raise InvalidInputError("kvcodec's HiCache backend does not handle MLA (rank-replicated) KV pools")
         if storage_config.attn_cp_size > 1 or storage_config.dcp_size > 1:
             raise InvalidInputError("kvcodec's HiCache backend does not handle context-parallel KV (each rank holds "
                                     "part of every page)")
-        options = extra.get("codec_options") or {}
-        if not isinstance(options, dict):
-            raise InvalidInputError(f"'codec_options' is a JSON object of codec settings, not {options!r}")
-        self.codec = get_codec(str(extra.get("codec", "cachegen")), **options)
-        if self.codec.uses_positions:
-            raise InvalidInputError(f"codec {self.codec.codec_id} needs each token's position, which SGLang's page "
-                                    "calls do not give; use raw, cachegen, kivi or kvfetcher")
-        self.tiers: list[StorageTier] = [tier_from_url(s) for s in _tier_specs(extra.get("tiers", ["cpu"]))]
-        self.model = str(extra.get("model") or (storage_config.model_name or "").replace("/", "-") or "unnamed")
+        self.settings, own = StoreConfig.parse(storage_config.extra_config, hook_keys=HOOK_KEYS, where=WHERE)
+        for codec in _codecs(self.settings):
+            if codec.uses_positions:
+                raise InvalidInputError(f"codec {codec.codec_id} needs each token's position, which SGLang's page "
+                                        "calls do not give; use raw, cachegen, kivi or kvfetcher")
+        served = storage_config.model_name or ""
+        self.model = self.settings.model or served.replace("/", "-") or "unnamed"
+        path = own.get("model_path") or served
+        if not isinstance(path, str) or not path:
+            raise InvalidInputError(f"{WHERE}: SGLang names no model, so give \"model_path\" (the model's folder or "
+                                    "weight file), whose identity keys its pages")
+        self.model_digest = model_identity(path)
+        # made now, so that a bad tier URL stops start-up before the host pool exists
+        self.tiers: list[StorageTier] = self.settings.make_tiers()
         self.config = storage_config
-        self.namespace = str(extra.get("namespace", ""))
-        self.secret = secret_from_env()
         self.pages: PoolPages | None = None
         self.store: KVStore | None = None
         self.stats = {"hits": 0, "misses": 0, "puts": 0}
@@ -164,19 +169,22 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         start-up with an error naming it)."""
         super().register_mem_pool_host(mem_pool_host)
         pages = PoolPages(mem_pool_host)
+        if self.settings.chunk_tokens not in (None, pages.page_size):
+            raise InvalidInputError(f"{WHERE}: 'chunk_tokens' is SGLang's page size ({pages.page_size}) here, not "
+                                    f"{self.settings.chunk_tokens}: the backend stores whole pages")
         c = self.config
-        identity = CacheIdentity(kv_dtype=pages.shape().dtype, tp_rank=c.tp_rank, tp_size=c.tp_size,
-                                 pp_rank=c.pp_rank, pp_size=c.pp_size, namespace=self.namespace)
-        self.store = KVStore(self.tiers, model=self.model, codec=self.codec, chunk_tokens=pages.page_size,
-                             identity=identity, secret=self.secret, shape=pages.shape(),
-                             policy=PlacementPolicy(put_tiers=[t.name for t in self.tiers]))
+        identity = CacheIdentity(model_digest=self.model_digest, kv_dtype=pages.shape().dtype, tp_rank=c.tp_rank,
+                                 tp_size=c.tp_size, pp_rank=c.pp_rank, pp_size=c.pp_size)
+        self.store = open_store(self.settings, model=self.model, identity=identity, log=log.info,
+                                shape=pages.shape(), engine_chunk_tokens=pages.page_size, tiers=self.tiers)
         self.pages = pages
-        if getattr(self.codec, "profile", None) == "auto" and find_profile(self.model) is None:
+        codec = self.store.codec
+        if getattr(codec, "profile", None) == "auto" and find_profile(self.model) is None:
             log.warning("kvcodec HiCache backend: no %s profile of model %r; keys get steps from the data (set "
                         "\"model\" in the extra config to a profile's model name, or run `kvcodec profile`)",
-                        self.codec.codec_id, self.model)
+                        codec.codec_id, self.model)
         log.info("kvcodec HiCache backend: codec %s, tiers %s, pages of %d tokens x %d layers x %d heads x %d (%s, "
-                 "layout %s)", self.codec.codec_id, [t.name for t in self.tiers], pages.page_size, pages.layers,
+                 "layout %s)", codec.codec_id, [t.name for t in self.tiers], pages.page_size, pages.layers,
                  pages.heads, pages.dim, pages.shape().dtype, mem_pool_host.layout)
 
     # keys and the store -------------------------------------------------------------------------
@@ -207,11 +215,11 @@ class KVCodecHiCacheStorage(HiCacheStorage):
     def _save(self, page_hash: str, page: torch.Tensor) -> bool:
         """Encode the page (a canonical view) once and write it to every tier that lacks it."""
         store, key = self._store(), self.key(page_hash)
-        if store.put_chunk(key, self.pages.to_kv(page, self.model)):
+        if store.put_chunk(key, self.pages.to_kv(page, store.model)):
             self._count("puts")
             return True
-        # nothing written: every tier holds it already, or none that lacks it took it
-        return all(KVStore.call_tier(t, "contains", key, default=False) for t in store.tiers)
+        # nothing written: the put tiers hold it already, or none that lacks it took it
+        return store.holds(key)
 
     # SGLang's interface ----------------------------------------------------------------------------
     @_never_raises(None)
@@ -302,13 +310,21 @@ class KVCodecHiCacheStorage(HiCacheStorage):
     @_never_raises(False)
     def clear(self) -> bool:
         """Delete every page of this model and namespace from every tier."""
-        prefix = format_key(self.model, b"", self.namespace)
-        for tier in self.tiers:
-            for key in KVStore.call_tier(tier, "keys", default=[]):
-                if key.startswith(prefix):
-                    KVStore.call_tier(tier, "delete", key)
+        store = self._store()
+        for key in store.keys():
+            store.delete(key)
         return True
 
     def close(self) -> None:
-        for tier in self.tiers:
-            KVStore.call_tier(tier, "close")
+        if self.store is not None:
+            self.store.close()
+        else:
+            for tier in self.tiers:
+                tier.close()
+
+
+def _codecs(settings: StoreConfig) -> list[Codec]:
+    """The codecs ``settings`` name (each variant of a list), made to be checked before the host pool exists."""
+    if isinstance(settings.codec, str):
+        return [get_codec(settings.codec, **settings.codec_options)]
+    return [codec_from_spec(spec) for spec in settings.codec]

@@ -1,17 +1,22 @@
 """A transformers hook: save prompt KV through a :class:`~kvcodec.store.KVStore`, and continue later
 requests that share the prefix from the store, decoding layer by layer while the model runs.
 
->>> hook = TransformersKVHook(load_model("smollm2"), store)
+>>> hook = TransformersKVHook.with_store(load_model("smollm2"), ["cpu"], codec="cachegen")
 >>> out = hook.generate(prompt_ids, max_new_tokens=32)   # prefill, saves the prompt's KV
 >>> out = hook.generate(prompt_ids + more, max_new_tokens=32)  # loads the shared prefix, prefills only the rest
 
+The store serves only chunks of the model's own shape (:func:`model_shape`: its layers, KV heads, head size and
+the dtype the hook saves in): a value declaring any other shape is refused before anything is decoded, and
+evicted.  A request is its token ids and nothing else (the hook takes no embeddings or other inputs), so the
+token ids, the model identity and the store's namespace are all its KV depends on.
+
 How the overlap works: :class:`StreamedPrefix` loads the prefix through the store's one load path
-(:class:`~kvcodec.store.PrefixLoad`: chunk ``i+1`` is fetched while chunk ``i`` decodes, layer by layer) into
-dense tensors, and :func:`streamed_cache` is a transformers ``DynamicCache`` whose layer ``i`` waits for layer
-``i`` of the prefix the first time the model writes to it, so the model runs layer ``i`` while later layers are
-still decoding.  A load that ends short raises :class:`LoadError` inside the forward: a chunk missing or not
-decoding (the load evicted a chunk that was itself bad), or the load's planner stopping where recomputing the rest
-is sooner than loading it (the hook measures its model's prefill speed on requests it computes in full).
+(:meth:`KVStore.prefix_load`: chunk ``i+1`` is fetched while chunk ``i`` decodes, layer by layer) into dense
+tensors, and :func:`streamed_cache` is a transformers ``DynamicCache`` whose layer ``i`` waits for layer ``i`` of
+the prefix the first time the model writes to it, so the model runs layer ``i`` while later layers are still
+decoding.  A load that ends short raises :class:`LoadError` inside the forward: a chunk missing or not decoding
+(the load evicted a chunk that was itself bad), or the load's planner stopping where recomputing the rest is
+sooner than loading it (the hook measures its model's prefill speed on requests it computes in full).
 :meth:`TransformersKVHook.generate` then continues from the tokens that did load and recomputes the rest, so no
 store fault reaches the caller.
 """
@@ -19,16 +24,18 @@ store fault reaches the caller.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from kvcodec.errors import KVCodecError
-from kvcodec.engines.auto_calibration import ensure_model_calibration, wants_calibration
-from kvcodec.store import DenseSink, KVStore, LoadResult, PrefixLoad, StorageTier
-from kvcodec.store.plan import LoadPlanner
+from kvcodec.engines.store_setup import open_store
+from kvcodec.errors import InvalidInputError, KVCodecError
+from kvcodec.store import ChunkShape, DenseSink, KVStore, LoadResult, StorageTier
+from kvcodec.store.config import StoreConfig
+from kvcodec.store.identity import CacheIdentity, model_identity
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +46,17 @@ class LoadError(KVCodecError):
 
 class StreamedPrefix:
     """The first ``num_tokens`` tokens of a stored prefix, loading into dense tensors in the background
-    (:class:`~kvcodec.store.PrefixLoad`) while the model runs: what each layer of :func:`streamed_cache` waits
-    for.  ``num_layers`` is the model's."""
+    (:meth:`KVStore.prefix_load`) while the model runs: what each layer of :func:`streamed_cache` waits for.
+    ``num_layers`` is the model's; ``recompute_tps`` its prefill speed, against which the load's planner weighs
+    loading the rest (None: unknown, load it all)."""
 
     def __init__(self, store: KVStore, token_ids: Sequence[int], num_tokens: int, num_layers: int, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 planner: LoadPlanner | None = None) -> None:
+                 recompute_tps: float | None = None) -> None:
         self.num_tokens, self.num_layers = num_tokens, num_layers
         self.sink = DenseSink(device=device, dtype=dtype)
-        self.load = PrefixLoad(store, token_ids, self.sink, end=num_tokens, device=device, planner=planner)
+        self.load = store.prefix_load(token_ids, self.sink, end=num_tokens, device=device,
+                                      recompute_tps=recompute_tps)
 
     def start_load(self) -> StreamedPrefix:
         self.load.start()
@@ -138,29 +147,64 @@ class Generation:
     load: LoadResult | None = None  # the stored prefix's load, chunk by chunk
 
 
-class TransformersKVHook:
-    """Runs a transformers causal LM (or a :class:`kvcodec.tools.models.LoadedModel`) with a KV store.
+def model_shape(model: Any, dtype: torch.dtype | None = None) -> ChunkShape:
+    """What ``model`` (a transformers causal LM) holds per token: its layers of KV heads, keys and values of its
+    head size, in ``dtype`` (None: the model's)."""
+    config = getattr(model, "config", None)
+    try:
+        heads = config.num_key_value_heads or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layers = config.num_hidden_layers
+    except AttributeError as err:
+        raise InvalidInputError(f"{type(model).__name__} has no decoder configuration to size its KV by: {err}") from None
+    return ChunkShape(layers, heads, dim, dim, str(dtype or model.dtype).removeprefix("torch."))
 
-    ``save``: after each prefill the prompt's KV is put into the store (in the store's
-    codec; ``save_dtype`` converts first, None keeps the model's dtype).
+
+class TransformersKVHook:
+    """Runs a transformers causal LM (or a :class:`kvcodec.models.LoadedModel`) with a KV store.
+
+    ``save``: after each prefill the prompt's KV is put into the store (in the store's codec; ``save_dtype``
+    converts first, None keeps the model's dtype).  The store serves only chunks of :func:`model_shape` (the model
+    and ``save_dtype``): a store made without a shape is given it here, one made for another shape is refused.
     """
 
     def __init__(self, model: Any, store: KVStore, *, save: bool = True, save_dtype: torch.dtype | None = None) -> None:
         self.model = getattr(model, "model", model)
+        shape = model_shape(self.model, save_dtype)
+        if store.shape is None:
+            store.shape = shape
+        elif store.shape != shape:
+            raise InvalidInputError(f"the store serves chunks of {store.shape}; this model saves {shape}")
         self.store, self.save, self.save_dtype = store, save, save_dtype
         self.prefill_tps: float | None = None  # the model's prefill speed, from the last prompt computed in full
 
     @classmethod
-    def with_store(cls, model: Any, tiers: Sequence[StorageTier], *, codec: str = "cachegen",
-                   codec_options: dict[str, Any] | None = None, calibration_options: dict[str, Any] | None = None,
-                   save: bool = True, save_dtype: torch.dtype | None = None, **store_options: Any) -> TransformersKVHook:
-        """A hook over a new :class:`KVStore` on ``tiers`` for ``model`` (a :class:`kvcodec.tools.models.LoadedModel`),
-        keyed by its ``model_id``; ``store_options`` as for :class:`KVStore`.  With ``codec="kvtc"`` and its
-        calibration left ``"auto"``, a model with no calibration installed is calibrated now, once
-        (``calibration_options`` for :func:`kvcodec.tools.kvtc_calibration.calibrate`), and the log says so."""
-        if wants_calibration(codec, codec_options):
-            ensure_model_calibration(model.model_id, lambda: model, log.info, calibration_options)
-        store = KVStore(tiers, model=model.model_id, codec=codec, codec_options=codec_options, **store_options)
+    def with_store(cls, model: Any, tiers: Sequence[str | StorageTier] = ("cpu",), *, model_path: str | None = None,
+                   save: bool = True, save_dtype: torch.dtype | None = None, **settings: Any) -> TransformersKVHook:
+        """A hook over a new store for ``model`` (a :class:`kvcodec.models.LoadedModel`, keyed by its ``model_id``).
+
+        ``tiers``: tier URLs fastest first (or tiers already made); ``settings``: any other field of
+        :class:`~kvcodec.store.config.StoreConfig` (``codec``, ``codec_options``, ``chunk_tokens``, ``namespace``,
+        ``secret_file``, ``calibrate``, ...).  The keys and kvtc's calibration are bound to the model identity
+        (:func:`~kvcodec.store.identity.model_identity`) of ``model_path``, the folder or weight file it was loaded
+        from (None: the folder transformers records).  Unless ``calibrate="background"`` is given, a codec made
+        from the model (kvtc) with no calibration of it installed is calibrated now, once, and the log says so."""
+        made = [t for t in tiers if not isinstance(t, str)]
+        if made and len(made) != len(tiers):
+            raise InvalidInputError("'tiers' are all tier URLs or all tiers, not a mix")
+        settings.setdefault("calibrate", "now")
+        config, _ = StoreConfig.parse({**settings, **({} if made else {"tiers": list(tiers)})},
+                                      where="TransformersKVHook.with_store")
+        lm = getattr(model, "model", model)
+        path = model_path or getattr(lm.config, "_name_or_path", "") or ""
+        if not path:
+            raise InvalidInputError("the model records no folder it was loaded from: give model_path (its folder or "
+                                    "weight file), whose identity keys its caches")
+        dtype = save_dtype or lm.dtype
+        identity = CacheIdentity(model_digest=model_identity(os.fspath(path)),
+                                 kv_dtype=str(dtype).removeprefix("torch."))
+        store = open_store(config, model=model.model_id, identity=identity, log=log.info, load_model=lambda: model,
+                           shape=model_shape(lm, save_dtype), tiers=made or None)
         return cls(model, store, save=save, save_dtype=save_dtype)
 
     def load(self, token_ids: Sequence[int]) -> tuple[StreamedPrefix | None, list[str]]:
@@ -175,8 +219,7 @@ class TransformersKVHook:
         if n <= 0:
             return None, []
         prefix = StreamedPrefix(self.store, token_ids, n, self.model.config.num_hidden_layers,
-                                device=self.model.device, dtype=self.model.dtype,
-                                planner=LoadPlanner(self.store, recompute_tps=self.prefill_tps))
+                                device=self.model.device, dtype=self.model.dtype, recompute_tps=self.prefill_tps)
         return prefix.start_load(), found.where
 
     @torch.no_grad()

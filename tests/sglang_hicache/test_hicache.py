@@ -29,16 +29,17 @@ SAVED = torch.arange(PAGE, PAGE + TOKENS)              # host slots of the saved
 LOADED = torch.arange(PAGE + TOKENS, PAGE + 2 * TOKENS)  # where a prefetch lands
 
 
-def config(pool, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **extra) -> HiCacheStorageConfig:
+def config(pool, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, model_name: str = MODEL,
+           **extra) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
-                                is_page_first_layout=pool.layout == "page_first", model_name=MODEL,
+                                is_page_first_layout=pool.layout == "page_first", model_name=model_name,
                                 extra_config={**DYNAMIC, **extra})
 
 
-def attach(pool, **extra) -> KVCodecHiCacheStorage:
+def attach(pool, model_name: str = MODEL, **extra) -> KVCodecHiCacheStorage:
     """What SGLang's HiCacheController.attach_storage_backend does: the factory, then the host pool."""
-    backend = StorageBackendFactory.create_backend("dynamic", config(pool, **extra), pool)
+    backend = StorageBackendFactory.create_backend("dynamic", config(pool, model_name=model_name, **extra), pool)
     backend.register_mem_pool_host(pool)
     return backend
 
@@ -219,10 +220,51 @@ def test_bad_calls_are_misses_not_exceptions(real_pages):
     ({"codec": "no-such-codec"}, "no-such-codec"),
     ({"codec_options": [1]}, "codec_options"),
     ({"tiers": []}, "list of tier URLs"),
+    ({"tier": ["cpu"]}, "unknown setting"),
+    ({"secret": "s" * 32}, "KVCODEC_STORE_SECRET"),
+    ({"tiers": ["redis://user:pw@127.0.0.1:6379"]}, "password_file"),
 ])
 def test_bad_settings_stop_start_up_with_a_clear_error(extra, error):
     with pytest.raises(KVCodecError, match=error):
         StorageBackendFactory.create_backend("dynamic", config(make_host_pool("layer_first"), **extra), None)
+
+
+def test_a_chunk_size_other_than_the_page_is_refused():
+    with pytest.raises(InvalidInputError, match="page size"):
+        attach(make_host_pool("layer_first"), codec="raw", chunk_tokens=PAGE * 2)
+
+
+def _checkpoint(folder, weights: bytes) -> str:
+    """A model folder: one config, and weight files of these bytes (written in place when it exists)."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30}')
+    (folder / "model.safetensors").write_bytes(weights)
+    return str(folder)
+
+
+def test_two_checkpoints_of_one_name_and_config_never_share_pages(real_pages, tmp_path, monkeypatch):
+    """The backend's identity had no model digest: a fine-tune served under the base model's name and config, or
+    weights replaced in place, loaded the base model's pages.  Its keys now cover the weights' bytes."""
+    monkeypatch.setenv("KVCODEC_DIGEST_CACHE", str(tmp_path / "digests.json"))
+    kv, ids = real_pages
+    pool = make_host_pool("layer_first")
+    write_tokens(pool, SAVED, kv)
+    hashes = get_storage_hash_str(ids, None, page_size=PAGE)
+    tiers = [f"disk:{tmp_path / 'pages'}"]
+    folder = _checkpoint(tmp_path / "served", b"base weights")
+    base = attach(pool, folder, codec="raw", tiers=tiers)
+    assert save(base, pool, ids, zero_copy=True) and base.batch_exists(hashes) == 8
+    _checkpoint(tmp_path / "served", b"fine-tuned weights")  # replaced in place: same path, name and config
+    tuned = attach(pool, folder, codec="raw", tiers=tiers)
+    assert tuned.key(hashes[0]) != base.key(hashes[0])
+    assert tuned.batch_exists(hashes) == 0 and prefetch(tuned, pool, ids, zero_copy=True) == (0, 0)
+    # two folders under one served name ("model"), told apart by their weights; "model_path" names the folder
+    # when SGLang's model name is a served name, not a path
+    other = _checkpoint(tmp_path / "other", b"base weights")
+    named = attach(pool, "served-name", codec="raw", tiers=tiers, model="SmolLM2", model_path=other)
+    renamed = attach(pool, "served-name", codec="raw", tiers=tiers, model="SmolLM2",
+                     model_path=_checkpoint(tmp_path / "third", b"other weights"))
+    assert named.key(hashes[0]) != renamed.key(hashes[0])
 
 
 def test_mla_pools_are_refused():
