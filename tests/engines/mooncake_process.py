@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: test_
 
 HOLDER = """
 import sys
-from kvcodec.store.mooncake import MooncakeTier
+from kvcodec.store.tiers import MooncakeTier
 tier = MooncakeTier(sys.argv[1], segment_bytes=int(sys.argv[2]), buffer_bytes=1 << 20, timeout_s=5, name="holder")
 assert tier.available, "the segment holder could not set up with the master"
 print("ready", flush=True)
