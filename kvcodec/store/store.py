@@ -83,6 +83,11 @@ class KVStore:
     def shape(self) -> ChunkShape | None:
         return self.source.shape
 
+    @shape.setter
+    def shape(self, shape: ChunkShape | None) -> None:
+        # a hook that knows its model gives a store made without a shape that model's (the transformers hook)
+        self.source.shape = shape
+
     @property
     def policy(self) -> PlacementPolicy:
         return self.source.policy
