@@ -89,7 +89,7 @@ def _constriction_ceiling(n: int, repeat: int) -> tuple[float, float]:
     import constriction
     import numpy as np
 
-    from kvcodec.codecs.cachegen.tables import codebook, models
+    from kvcodec.codecs.entropy.tables import codebook, models
 
     table = 12  # std of one step: typical of cachegen's symbols
     symbols = np.random.default_rng(0).choice(codebook().shape[1], n, p=codebook()[table] / 2 ** 24).astype(np.int32)

@@ -255,7 +255,8 @@ def throughput(device: torch.device, timer: Timer, say: Callable[[str], None], f
 def cachegen(pairs_kv: kvcodec.KVCache, lane_channels: int, lane_tokens: int, timer: Timer,
              gbs: Callable[[float], str]) -> list[str]:
     """cachegen's bits, device decode from host bytes and staged kernel on the same chunk."""
-    from kvcodec.codecs.cachegen.device import DecodeLaunch, Target
+    from kvcodec.codecs.cachegen.device import DecodeLaunch
+    from kvcodec.codecs.entropy.device import dense_destination
 
     codec = kvcodec.get_codec("cachegen", level=ARGS.level, lane_channels=lane_channels, lane_tokens=lane_tokens)
     kv = kvcodec.KVCache([(l.keys, l.values) for l in pairs_kv.layers])  # no model: no profile fits a made-up shape
@@ -265,8 +266,7 @@ def cachegen(pairs_kv: kvcodec.KVCache, lane_channels: int, lane_tokens: int, ti
     parts = [p for s, c in zip(sections, ctxs) for p in codec.parse(s, c)[0]]
     out = torch.empty(kv.num_elements, dtype=torch.float16, device=pairs_kv.device)
     h, t, d = parts[0].shape
-    rows = torch.arange(t, device=pairs_kv.device) * d
-    launch = DecodeLaunch(codec, parts, [Target(out, i * h * t * d, t * d, rows) for i in range(len(parts))])
+    launch = DecodeLaunch(codec, parts, [dense_destination(x) for x in out.view(len(parts), h, t, d)])
     t_kernel = timer(launch.run)
     bits = 8 * sum(map(len, sections)) / kv.num_elements
     dst = torch.empty_like(out)

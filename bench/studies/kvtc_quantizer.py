@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvcodec.cli import parse_codec
-from kvcodec.codecs.cachegen.tables import RADIX, STEPS, choose_tables, code_lengths_fixed, table_scale
+from kvcodec.codecs.entropy.tables import RADIX, STEPS, choose_tables, code_lengths_fixed, table_scale
 from kvcodec.codecs.kvtc import codec as kvtc_codec
 from kvcodec.codecs.kvtc.calibration import Calibration, register_calibration
 from kvcodec.codecs.kvtc.quantize import CODE_LENGTH_UNIT
