@@ -141,7 +141,7 @@ def test_store_variants_of_known_size(calibration, held_out):
     assert all(len(set(k)) == 4 for _, _, k in keys)
     elements = kv.num_elements / 2
     for _, _, k in keys:
-        sizes = [n for n, _ in store.variant_sizes(k)]
+        sizes = [n for n, _ in store.source.value_sizes(k)]
         # a stored chunk is a whole sealed container: its header (config, shapes, the key) and seal, about 1.5 KB
         # here, come on top of the chunk's rate
         for bits, size in zip((0.5, 1.0), sizes):
