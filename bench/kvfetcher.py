@@ -11,7 +11,6 @@ import argparse
 import json
 import statistics
 from collections import Counter, defaultdict
-import sys
 import time
 import tracemalloc
 from pathlib import Path

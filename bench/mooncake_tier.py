@@ -27,7 +27,6 @@ from pathlib import Path
 
 from engine_harness import REPO  # puts tests/ on sys.path (bench/ is, when this runs as a script)
 
-import kvcodec  # noqa: E402
 from kvcodec.store import KVStore, MemoryTier, MooncakeTier, tier_from_url  # noqa: E402
 from kvcodec.tools.redis_server import RedisServer  # noqa: E402
 from real_kv import gpl3_kv  # noqa: E402

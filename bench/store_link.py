@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from kvcodec.engines.transformers_hook import TransformersKVHook

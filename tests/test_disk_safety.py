@@ -3,7 +3,6 @@ no symlink followed on read or write, and no file read whole past ``max_value_by
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 

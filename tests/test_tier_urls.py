@@ -10,15 +10,15 @@ import socket
 import stat
 import subprocess
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kvcodec.engines.lmcache_plugin as lp
-from kvcodec.engines.vllm_setup import build_store, make_tier
-from kvcodec.errors import InvalidInputError
-from kvcodec.store import DiskTier, GPUTier, MemoryTier, RedisTier
+from kvcodec.engines.vllm_connector.setup import connector_store
+from kvcodec.errors import InvalidInputError, LimitExceededError
+from kvcodec.store import CacheIdentity, DiskTier, GPUTier, MemoryTier, RedisTier
+from kvcodec.store.tiers import default_disk_folder
 from kvcodec.store.tiers import parse_size, redact, tier_from_url
 
 from kvcodec.tools.redis_server import free_port
@@ -33,6 +33,10 @@ def _pool_kwargs(tier: RedisTier) -> dict:
 
 
 # --- the grammar -------------------------------------------------------------------------------------
+
+def make_tier(spec: str, *, redis_timeout_s: float = 0.5, disk_folder: str | None = None):
+    return tier_from_url(spec, timeout_s=redis_timeout_s, disk_folder=disk_folder)
+
 
 def test_old_forms_still_work(tmp_path):
     assert isinstance(make_tier("cpu"), MemoryTier) and make_tier("cpu").capacity_bytes == 1 << 30
@@ -96,12 +100,12 @@ def test_redact():
 
 def test_engine_config_tiers_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    store = build_store({"codec": "raw"}, "m")  # the default tiers
+    store = connector_store({"codec": "raw"}, "m", CacheIdentity())  # the default tiers
     cpu, disk = store.tiers
     assert cpu.capacity_bytes == 1 << 30
     assert disk.path == str(tmp_path / "cache" / "kvcodec" / "vllm") and disk.capacity_bytes == 10 << 30
     assert stat.S_IMODE(os.stat(disk.path).st_mode) == 0o700 and not disk.shared
-    assert make_tier("disk").path == disk.path
+    assert make_tier("disk", disk_folder=default_disk_folder("vllm")).path == disk.path
     assert make_tier(f"disk:{tmp_path}/kv?capacity=1MiB").capacity_bytes == 1 << 20
     conn = lp.connector_from_url(f"kvcodec://local/?backend=memory&codec=raw&num_heads={H}")
     assert conn.tier.capacity_bytes == 1 << 30  # was unbounded
@@ -152,13 +156,22 @@ def test_redis_auth_in_both_hooks(redis_with_password, caplog):
     wrong = make_tier(f"redis://:nope@127.0.0.1:{port}", redis_timeout_s=2)
     assert wrong.get("k") is None and wrong.failures == 1
 
-    # the LMCache plugin used to drop the credentials of its URL: every operation answered NOAUTH and missed
+    # the LMCache plugin used to drop the credentials of its URL (every operation answered NOAUTH and missed); a
+    # password now comes from the environment or a file the URL names, never from the URL, which LMCache logs
     chunk = _chunk()
-    conn = lp.connector_from_url(f"kvcodec://:{IN_URL}@127.0.0.1:{port}/?backend=redis&codec=raw&num_heads={H}")
-    assert conn.put_sync(Key("c"), chunk) and torch.equal(conn.get_sync(Key("c")).tensor, chunk)
-    assert conn.tier.failures == 0 and "s3cret" not in repr(conn)
-    conn = lp.connector_from_url(f"kvcodec://alice:{IN_URL}@127.0.0.1:{port}/0?backend=redis&codec=raw&num_heads={H}")
-    assert torch.equal(conn.get_sync(Key("c")).tensor, chunk)
+    with pytest.raises(InvalidInputError, match="password"):
+        lp.connector_from_url(f"kvcodec://:{IN_URL}@127.0.0.1:{port}/?backend=redis&codec=raw&num_heads={H}")
+    os.environ["KVCODEC_TEST_REDIS_PW"] = PASSWORD
+    try:
+        conn = lp.connector_from_url(f"kvcodec://127.0.0.1:{port}/?backend=redis&password_env=KVCODEC_TEST_REDIS_PW"
+                                     f"&codec=raw&num_heads={H}")
+        assert conn.put_sync(Key("c"), chunk) and torch.equal(conn.get_sync(Key("c")).tensor, chunk)
+        assert conn.tier.failures == 0 and "s3cret" not in repr(conn)
+        conn = lp.connector_from_url(f"kvcodec://alice@127.0.0.1:{port}/0?backend=redis&password_env=KVCODEC_TEST_REDIS_PW"
+                                     f"&codec=raw&num_heads={H}")
+        assert torch.equal(conn.get_sync(Key("c")).tensor, chunk)
+    finally:
+        del os.environ["KVCODEC_TEST_REDIS_PW"]
     conn = lp.connector_from_url(f"kvcodec://127.0.0.1:{port}/?backend=redis&codec=raw&num_heads={H}")
     assert conn.get_sync(Key("c")) is None and not conn.put_sync(Key("d"), chunk)
     assert "NOAUTH" in caplog.text or "Authentication" in caplog.text  # the miss says why ...
@@ -217,14 +230,22 @@ def tls_redis(tmp_path):
         proc.wait()
 
 
+def tls_redis_password_file(beside: str) -> str:
+    path = os.path.join(os.path.dirname(beside), "redis-password")
+    with open(path, "w") as f:
+        f.write(PASSWORD)
+    return path
+
+
 def test_rediss_against_a_tls_server(tls_redis, caplog):
     port, ca = tls_redis
     url = f"rediss://:{IN_URL}@127.0.0.1:{port}?ssl_ca_certs={ca}&timeout=5"
     tier = make_tier(url)
     assert tier.put("k", b"over tls") and tier.get("k") == b"over tls"
     chunk = _chunk()
-    conn = lp.connector_from_url(f"kvcodec://:{IN_URL}@127.0.0.1:{port}/?backend=rediss&ssl_ca_certs={ca}&timeout=5"
-                                 f"&codec=raw&num_heads={H}")
+    password = tls_redis_password_file(ca)
+    conn = lp.connector_from_url(f"kvcodec://127.0.0.1:{port}/?backend=rediss&ssl_ca_certs={ca}&timeout=5"
+                                 f"&password_file={password}&codec=raw&num_heads={H}")
     assert conn.put_sync(Key("c"), chunk) and torch.equal(conn.get_sync(Key("c")).tensor, chunk)
     # the server's certificate is checked: without the CA that signed it, no connection, a miss
     assert make_tier(f"rediss://:{IN_URL}@127.0.0.1:{port}?timeout=5").get("k") is None
@@ -264,7 +285,8 @@ def test_redis_reads_are_bounded_by_max_value_bytes(redis_server, caplog):
     assert reader.get("small") == b"s" * 100  # warms the connection and loads the script
     raw = redis.Redis(port=redis_server.port)
     sent = raw.info("stats")["total_net_output_bytes"]
-    assert reader.get("big") is None and "more than max_value_bytes" in caplog.text
+    with pytest.raises(LimitExceededError, match="more than the 1048576"):
+        reader.get("big")
     assert raw.info("stats")["total_net_output_bytes"] - sent < (1 << 20) + (64 << 10)  # not the 4 MiB payload
     assert writer.get("big") == big  # a reader with a larger limit gets it
 

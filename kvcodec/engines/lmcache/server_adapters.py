@@ -28,6 +28,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvcodec.engines.lmcache.serde import object_key_name
 from kvcodec.engines.lmcache.settings import adapter_tier_config
+from kvcodec.errors import CorruptDataError, LimitExceededError
 from kvcodec.store.tiers import redact
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,13 @@ class KVCodecTierL2Adapter(L2AdapterInterface):
         def load() -> Bitmap:
             bitmap = Bitmap(len(keys))
             for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
-                data = self.tier.get(object_key_name(key), obj.get_size())
+                name = object_key_name(key)
+                try:
+                    data = self.tier.get(name, obj.get_size())
+                except (CorruptDataError, LimitExceededError) as err:  # can never load into this buffer: gone
+                    log.warning("kvcodec L2 adapter over %s: %s (%s); evicted", self.url, name, err)
+                    self.tier.delete(name)
+                    continue
                 if data is None:
                     continue
                 if not _fits(obj, len(data)):

@@ -78,7 +78,9 @@ def redact(spec: str) -> str:
     return f"{scheme}://{user}{':***' if colon else ''}{rest[at:]}"
 
 
-_HOST_AFTER_AT = re.compile(r"(?=@(?:\[[\w:.%]*\]|[\w.\-%]+)(?::\d*)?(?:[/?#]|$))")
+# an "@" followed by a host (a name, an address or a bracketed IPv6 one; empty in a malformed spec), a port and the
+# end of the authority
+_HOST_AFTER_AT = re.compile(r"(?=@(?:\[[\w:.%]*\]|[\w.\-%]*)(?::\d*)?(?:[/?#]|$))")
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
