@@ -182,21 +182,21 @@ def test_a_local_fault_is_a_miss_that_leaves_the_shared_entry(monkeypatch):
 # --- engine configuration -------------------------------------------------------------------------
 
 def test_engine_store_takes_its_secret_from_the_environment_not_the_config(monkeypatch, tmp_path):
-    from kvcodec.engines.vllm_setup import build_store
+    from kvcodec.engines.vllm_connector.setup import connector_store
 
     extra = {"codec": "raw", "tiers": ["cpu"]}
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    assert build_store(extra, "m").secret is None
+    assert connector_store(extra, "m", CacheIdentity()).secret is None
     monkeypatch.setenv(SECRET_ENV, SECRET.decode())
-    assert build_store(extra, "m").secret == SECRET
+    assert connector_store(extra, "m", CacheIdentity()).secret == SECRET
     (tmp_path / "secret").write_bytes(b"f" * 40 + b"\n")
-    assert build_store(extra | {"secret_file": str(tmp_path / "secret")}, "m").secret == b"f" * 40
+    assert connector_store(extra | {"secret_file": str(tmp_path / "secret")}, "m", CacheIdentity()).secret == b"f" * 40
     with pytest.raises(InvalidInputError, match=SECRET_ENV):
-        build_store(extra | {"secret": "in-the-logged-config"}, "m")
+        connector_store(extra | {"secret": "in-the-logged-config"}, "m", CacheIdentity())
 
 
 def test_engine_identity_hashes_the_served_folders_config(tmp_path):
-    from kvcodec.engines.vllm_setup import cache_identity
+    from kvcodec.engines.vllm_connector.setup import cache_identity
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
     a = cache_identity(str(tmp_path), kv_dtype="bfloat16")
