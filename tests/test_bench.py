@@ -11,8 +11,6 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(BENCH.rglob("*.py"))
-# kvtc's fine-row rule has no public name yet (issue 32: the codecs' part); the study compares it with other rules
-WAITING = {("studies/kvtc_fine_tokens.py", "_fine_rows")}
 
 
 def _private_uses(path: Path) -> set[str]:
@@ -42,9 +40,8 @@ def test_the_scans_see_what_they_look_for(tmp_path):
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.relative_to(BENCH).as_posix())
 def test_bench_reaches_no_private_names(path):
-    rel = path.relative_to(BENCH).as_posix()
-    left = {name for name in _private_uses(path) if (rel, name) not in WAITING}
-    assert not left, f"bench/{rel} reaches private names {sorted(left)}: use or add a public API"
+    left = _private_uses(path)
+    assert not left, f"bench/{path.relative_to(BENCH).as_posix()} reaches private names {sorted(left)}: use or add a public API"
 
 
 @pytest.mark.parametrize("path", [p for p in SCRIPTS if p.name != "engine_harness.py"],

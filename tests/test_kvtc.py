@@ -276,7 +276,7 @@ def test_fine_tokens_are_the_smallest_keys_at_finer_steps(toy_cal):
         parts, _, fine = codec.parse_group(g, present, block)
         keys, values, _ = codec._features(g, [((kv.layers[c.layer].keys, kv.layers[c.layer].values), c)
                                               for c in present])
-        assert fine.tolist() == codec._fine_rows(keys, values, (D, D))[0].tolist()
+        assert fine.tolist() == codec.fine_rows(keys, values, (D, D))[0].tolist()
         assert (36 if g == 0 else 149) in fine  # the group's own shrunk key (row = token - 1 sink token)
         for side, (x, gb) in enumerate(zip((keys, values), (toy_cal.keys[g], toy_cal.values[g]))):
             normal, finer = parts[side], parts[2 + side]

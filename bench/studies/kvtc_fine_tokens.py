@@ -6,7 +6,7 @@ For each text (default: the three evaluation texts and the three held-out kinds)
 prefix and 512 of continuation with its attention weights out; a token's share is the attention the continuation's
 queries give it, summed over layers and heads, as a fraction of what all prefix tokens but the first (a sink
 kvtc always stores exactly) receive.  Per 256-token chunk (kvtc's default grid), each rule picks ``--fine-tokens``
-rows: kvtc's own (``KVTC._fine_rows``: smallest key and value against the chunk's median ones, in some layer and
+rows: kvtc's own (``KVTC.fine_rows``: smallest key and value against the chunk's median ones, in some layer and
 head), the smallest mean key norm, and an oracle that knows the shares.  Writes bench/studies/results/kvtc_fine_tokens-<model>.md.
 """
 
@@ -48,7 +48,7 @@ def pick(rule: str, codec: KVTC, share: np.ndarray, layers: list[tuple[torch.Ten
         keys, values = (torch.cat([x[side][:, lo:t0 + CHUNK].permute(1, 0, 2).reshape(t0 + CHUNK - lo, -1)
                                    for x in layers], 1) for side in (0, 1))
         if rule == "kvtc":
-            chosen = codec._fine_rows(keys, values, dims)[0]
+            chosen = codec.fine_rows(keys, values, dims)[0]
         elif rule == "mean key norm":
             norms = keys.reshape(keys.shape[0], -1, dims[0]).norm(dim=2).mean(1).numpy()
             chosen = np.argsort(norms, kind="stable")[:codec.fine_tokens]

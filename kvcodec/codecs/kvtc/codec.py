@@ -230,7 +230,7 @@ class KVTC(Codec):
             cal = self.calibration_data()
             blocks = []
             for g, (kx, vx, sinks) in groups:
-                fine, normal = self._fine_rows(kx, vx, self._head_dims(g))
+                fine, normal = self.fine_rows(kx, vx, self._head_dims(g))
                 parts = [self._level_part(x[normal], gb, step)
                          for x, gb, step in zip((kx, vx), (cal.keys[g], cal.values[g]), LEVELS[self.level])]
                 blocks.append(self._block(fine, (kx, vx), (cal.keys[g], cal.values[g]), parts, sinks))
@@ -433,7 +433,7 @@ class KVTC(Codec):
 
     # --- fine tokens --------------------------------------------------------------------------
 
-    def _fine_rows(self, keys: torch.Tensor, values: torch.Tensor, dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    def fine_rows(self, keys: torch.Tensor, values: torch.Tensor, dims: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """The rows (of a group's ``[T - S, F]`` key and value features; ``dims``: a head's key and value sizes)
         coded at the finer steps, and the others, both increasing.
 
@@ -498,7 +498,7 @@ class KVTC(Codec):
         parts, fine parts and sink blocks) come within the search's resolution of ``target``, unless that is out
         of reach for this frame (then the nearest the step codes allow).  A part's fine part is priced with it."""
         cal = self.calibration_data()
-        fines = [self._fine_rows(kx, vx, self._head_dims(g)) for g, (kx, vx, _) in groups]
+        fines = [self.fine_rows(kx, vx, self._head_dims(g)) for g, (kx, vx, _) in groups]
         items = [(x[normal], x[fine], gb) for (g, (kx, vx, _)), (fine, normal) in zip(groups, fines)
                  for x, gb in ((kx, cal.keys[g]), (vx, cal.values[g]))]
         shift = CODES_PER_OCTAVE * self.fine_octaves

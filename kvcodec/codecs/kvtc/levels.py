@@ -20,7 +20,7 @@ DEFAULT_LEVEL = 2
 # tokens (below) the default is 0.23: they take back more of the KL than the components between 0.2 and 0.23 steps
 # gave, for fewer bytes (bench/studies/results/kvtc_heldout-levers.md).
 DEFAULT_MIN_STD = 0.23
-# Fine tokens (see KVTC._fine_rows): per chunk, the tokens with the smallest keys and values against the chunk's
+# Fine tokens (see KVTC.fine_rows): per chunk, the tokens with the smallest keys and values against the chunk's
 # (attention sinks) are coded at steps 2**-octaves of the level's.  Measured at level 2 with the default calibration
 # on the evaluation texts and the held-out kinds (bench/studies/results/kvtc_heldout-levers.md, bits and KL):
 # none and min_std 0.2: 0.563 / 0.0118 and 0.609 / 0.0140; 3 rows a chunk at a quarter of the step and min_std
