@@ -124,9 +124,9 @@ class _ReadCounting(MemoryTier):
         super().__init__(None)
         self.read = set()  # the keys read
 
-    def get(self, key):
+    def get(self, key, max_bytes=None):
         self.read.add(key)
-        return super().get(key)
+        return super().get(key, max_bytes)
 
 
 @pytest.mark.parametrize("why", ["corrupt chunk", "planner stops"])
@@ -153,16 +153,16 @@ def test_a_load_that_ends_short_keeps_what_loaded_and_recomputes_the_rest(smollm
 
             estimate = property(lambda self: 1e12 if len(tier.read) < 2 else 1.0)
 
-        store.links[tier.name] = Dropping()
+        store.telemetry.link(tier.name).throughput = Dropping()
         # raw copies, cachegen decodes at 1000 tokens/s
-        store.decode_rate = lambda codec: _Pinned(1e6 if codec.codec_id == "raw" else 1e3)
+        store.telemetry.decode_rate = lambda codec: _Pinned(1e6 if codec.codec_id == "raw" else 1e3)
         hook.prefill_tps = 1000.0
     out = hook.generate(second, max_new_tokens=8)
     assert out.loaded_tokens == 128 and not out.recomputed
     assert [c.status for c in out.load.chunks[:3]] == ["loaded", "loaded",
                                                         "missing" if why == "corrupt chunk" else "recompute"]
     # the model continued from what loaded, in whichever variant (the planner's are cachegen: the link crawled)
-    loaded = [store.decode_chunk(store.read_chunk(c.key, c.start, c.end)) for c in out.load.chunks[:2]]
+    loaded = [store.load_chunk(c.key, c.end - c.start) for c in out.load.chunks[:2]]
     kv = KVCache([tuple(torch.cat([getattr(part.layers[i], kind) for part in loaded], 1) for kind in ("keys", "values"))
                   for i in range(len(kv.layers))], model=kv.model)
     assert out.tokens == _continued(smollm2, kv, 128, second[128:], 8)
