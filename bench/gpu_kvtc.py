@@ -65,8 +65,7 @@ from kvcodec.container import ContainerFile  # noqa: E402
 from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping  # noqa: E402
 from gpu_timing import Report, Timer, device_or_none  # noqa: E402
 
-import engine_harness  # noqa: E402,F401  (puts tests/ on sys.path for the tolerance the tests check)
-from test_golden import assert_within_kvtc_tolerance  # noqa: E402  (spec/kvtc.md's tolerance, as the tests check it)
+from kvcodec.tools.kvtc_tolerance import assert_within_kvtc_tolerance  # noqa: E402  (as the tests check it)
 
 GOLDEN = ROOT / "formats" / "golden"
 

@@ -22,15 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_harness import REPO  # puts tests/engines and tests on sys.path (bench/ is, when this runs as a script)
+import redis as redis_py
+import torch
+from real_kv import gpl3_kv  # bench/ is on sys.path when this runs as a script
 
-import redis as redis_py  # noqa: E402
-import torch  # noqa: E402
-from lmcache_engine import CPUEngine, kvcodec_plugin_config, local_disk_config  # noqa: E402
-from real_kv import gpl3_kv  # noqa: E402
+from kvcodec.tools.harness.lmcache_engine import CPUEngine, kvcodec_plugin_config, local_disk_config
+from kvcodec.tools.redis_server import started_redis
 
-from kvcodec.tools.redis_server import started_redis  # noqa: E402
-
+REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "lmcache_io"
 
 

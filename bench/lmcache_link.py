@@ -19,14 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_harness import REPO  # puts tests/engines and tests on sys.path (bench/ is, when this runs as a script)
+from lmcache_io import real_kv  # bench/ is on sys.path when this runs as a script
 
-from lmcache_engine import CPUEngine, kvcodec_plugin_config  # noqa: E402
-from lmcache_io import real_kv  # noqa: E402
+from kvcodec.tools.harness.lmcache_engine import CPUEngine, kvcodec_plugin_config
+from kvcodec.tools.netlab import ShapedLink, unavailable
+from kvcodec.tools.redis_server import started_redis
 
-from kvcodec.tools.netlab import ShapedLink, unavailable  # noqa: E402
-from kvcodec.tools.redis_server import started_redis  # noqa: E402
-
+REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "lmcache_link.md"
 UNSHAPED = 100_000
 

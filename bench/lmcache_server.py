@@ -23,14 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# tests/engines/lmcache_server.py, LMCache's server harness, goes ahead of this script of the same name
-from engine_harness import REPO  # puts tests/engines on sys.path (bench/ is, when this runs as a script)
+import torch
+from mooncake_tier import ensure_kvtc_calibration  # bench/ is on sys.path when this runs as a script
+from real_kv import gpl3_kv
 
-import torch  # noqa: E402
-from lmcache_server import KVClient, LMCacheServer  # noqa: E402
-from mooncake_tier import ensure_kvtc_calibration  # noqa: E402
-from real_kv import gpl3_kv  # noqa: E402
+from kvcodec.tools.harness.lmcache_server import KVClient, LMCacheServer
 
+REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "lmcache_server.md"
 L, H, D = 30, 3, 64
 TOKENS = 512

@@ -25,13 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_harness import REPO  # puts tests/ on sys.path (bench/ is, when this runs as a script)
+from real_kv import gpl3_kv  # bench/ is on sys.path when this runs as a script
 
-from kvcodec.store import KVStore, MemoryTier, MooncakeTier, tier_from_url  # noqa: E402
-from kvcodec.tools.redis_server import RedisServer  # noqa: E402
-from real_kv import gpl3_kv  # noqa: E402
-from test_mooncake_tier import Master  # noqa: E402
+from kvcodec.store import KVStore, MemoryTier, MooncakeTier, tier_from_url
+from kvcodec.tools.harness.mooncake import Master
+from kvcodec.tools.redis_server import RedisServer
 
+REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "mooncake_tier.md"
 CODECS = ("raw", "cachegen", "kvtc")
 

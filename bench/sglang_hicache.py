@@ -21,17 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_harness import REPO  # puts tests/sglang_hicache on sys.path (bench/ is, when this runs as a script)
+import torch
+from real_kv import gpl3_kv  # bench/ is on sys.path when this runs as a script
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-from sglang_pools import PAGE, make_host_pool, read_tokens, write_tokens  # noqa: E402
+import kvcodec
+from kvcodec.store import concat
+from kvcodec.tools.harness.sglang_pools import PAGE, make_host_pool, read_tokens, write_tokens
 
-import kvcodec  # noqa: E402
-from kvcodec.store import concat  # noqa: E402
-from real_kv import gpl3_kv  # noqa: E402
-
+REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "sglang_hicache.md"
 MODEL = "SmolLM2-135M-Instruct"  # the name of the cachegen profile kvcodec ships
 

@@ -26,12 +26,13 @@ import threading
 import time
 from pathlib import Path
 
-from engine_harness import REPO, vllm_prompt  # puts tests/engines and tests on sys.path
+from prompts import vllm_prompt  # bench/ is on sys.path when this runs as a script
 
-from kvcodec.tools.netlab import ShapedLink, unavailable  # noqa: E402
-from kvcodec.tools.redis_server import started_redis  # noqa: E402
-from vllm_engine import Engine, connector_config  # noqa: E402
+from kvcodec.tools.harness.vllm_server import Engine, connector_config
+from kvcodec.tools.netlab import ShapedLink, unavailable
+from kvcodec.tools.redis_server import started_redis
 
+REPO = Path(__file__).resolve().parent.parent
 
 OUT = REPO / "bench" / "results" / "vllm_link"
 UNSHAPED = 100_000

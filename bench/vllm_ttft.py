@@ -24,11 +24,12 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from engine_harness import REPO, vllm_prompt  # puts tests/engines and tests on sys.path
+from prompts import vllm_prompt  # bench/ is on sys.path when this runs as a script
 
-from kvcodec.tools.redis_server import started_redis  # noqa: E402
-from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store  # noqa: E402
+from kvcodec.tools.harness.vllm_server import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store
+from kvcodec.tools.redis_server import started_redis
 
+REPO = Path(__file__).resolve().parent.parent
 
 OUT = REPO / "bench" / "results" / "vllm_ttft"
 CODECS = ["raw", "cachegen", "kvfetcher"]

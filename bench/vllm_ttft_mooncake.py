@@ -19,13 +19,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from engine_harness import REPO, vllm_prompt  # puts tests/engines and tests on sys.path
+from prompts import vllm_prompt  # bench/ is on sys.path when this runs as a script
+from vllm_ttft import kv_bytes_per_token
 
-from mooncake_process import SegmentHolder  # noqa: E402
-from test_mooncake_tier import Master  # noqa: E402
-from vllm_engine import DTYPE, Engine, connector_config, connector_store  # noqa: E402
-from vllm_ttft import kv_bytes_per_token  # noqa: E402
+from kvcodec.tools.harness.mooncake import Master, SegmentHolder
+from kvcodec.tools.harness.vllm_server import DTYPE, Engine, connector_config, connector_store
 
+REPO = Path(__file__).resolve().parent.parent
 
 OUT = REPO / "bench" / "results" / "vllm_ttft_mooncake.md"
 CODECS = ["raw", "cachegen"]

@@ -1,6 +1,6 @@
-"""bench/ measures kvcodec through its public API: no script reaches a private name of kvcodec's, and none but
-bench/engine_harness.py (the engine harnesses tests and benches share, until they move into kvcodec.tools) puts
-tests/ on sys.path.  The Redis server and shaped link they share are tooling (kvcodec.tools)."""
+"""bench/ measures kvcodec through its public API: no script reaches a private name of kvcodec's, and none changes
+sys.path (to reach into tests/, say).  What tests and benches share is tooling: the Redis server and shaped link, the
+engine harnesses (kvcodec.tools.harness) and kvtc's decoding tolerance (kvcodec.tools.kvtc_tolerance)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
 SCRIPTS = sorted(BENCH.rglob("*.py"))
+TEST_MODULES = {p.stem for p in (REPO / "tests").rglob("*.py")}
 
 
 def _private_uses(path: Path) -> set[str]:
@@ -44,11 +46,35 @@ def test_bench_reaches_no_private_names(path):
     assert not left, f"bench/{path.relative_to(BENCH).as_posix()} reaches private names {sorted(left)}: use or add a public API"
 
 
-@pytest.mark.parametrize("path", [p for p in SCRIPTS if p.name != "engine_harness.py"],
-                         ids=lambda p: p.relative_to(BENCH).as_posix())
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.relative_to(BENCH).as_posix())
 def test_bench_puts_nothing_on_sys_path(path):
     assert not _touches_sys_path(path), (
-        f"bench/{path.relative_to(BENCH)} changes sys.path: import kvcodec.tools, or engine_harness for tests/")
+        f"bench/{path.relative_to(BENCH)} changes sys.path: what it needs from tests/ belongs in kvcodec.tools")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.relative_to(BENCH).as_posix())
+def test_bench_imports_no_test_module(path):
+    left = _imported_modules(path) & TEST_MODULES
+    assert not left, f"bench/{path.relative_to(BENCH)} imports {sorted(left)} from tests/: move it into kvcodec.tools"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "kvcodec" / "tools").rglob("*.py")),
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_tooling_shared_with_bench_needs_no_test_framework(path):
+    """Benches run without pytest: what tests and benches share reports a missing engine as an UnsupportedError or a
+    reason, and the tests make it a skip."""
+    left = _imported_modules(path) & {"pytest", "hypothesis"}
+    assert not left, f"{path.relative_to(REPO)} imports {sorted(left)}"
 
 
 def test_started_redis_without_redis_server_says_what_to_install(tmp_path, monkeypatch):

@@ -101,9 +101,8 @@ def test_codecs_agree_across_instruction_paths(tmp_path):
     decodes under every other within spec/kvtc.md §10.8's tolerance of its decode here, and each setting's own kvtc
     encode is the default's or differs from it by a sliver of the codec's error (a coefficient on a half-step).
     At least one setting must round a float32 matrix product differently here, or this checks nothing."""
-    from test_golden import assert_within_kvtc_tolerance
-
     from kvcodec.codecs.kvtc import Calibration, register_calibration
+    from kvcodec.tools.kvtc_tolerance import assert_within_kvtc_tolerance
     from kvcodec.tools.make_golden import GOLDEN
 
     register_calibration(Calibration.from_bytes((GOLDEN / "kvtc-calibration.kvtc").read_bytes()))

@@ -215,7 +215,7 @@ def test_a_container_written_with_a_format_1_calibration_still_decodes():
     regenerated for format 2) decode as they did: within SPEC's tolerance of the decode recorded then."""
     import kvcodec
     from kvcodec.codecs.kvtc import register_calibration
-    from test_golden import assert_within_kvtc_tolerance
+    from kvcodec.tools.kvtc_tolerance import assert_within_kvtc_tolerance
 
     data = Path(__file__).parent / "data" / "kvtc-format1"
     cal = register_calibration(data / "kvtc-calibration.kvtc")

@@ -155,7 +155,7 @@ def test_a_rate_file_decodes_alike_on_the_device_path():
     """Rate mode's parts (their own step codes, leading components on another) through the Triton lane decoder
     (its interpreter here) and the device transform, against the CPU decode, on the golden real cache."""
     pytest.importorskip("triton")
-    from test_golden import assert_within_kvtc_tolerance
+    from kvcodec.tools.kvtc_tolerance import assert_within_kvtc_tolerance
     from test_kvtc_triton import GOLDEN, SMALL_LANES, _assert_lanes_equal, _frames
 
     cal = register_calibration(Calibration.from_bytes((GOLDEN / "kvtc-calibration.kvtc").read_bytes()))

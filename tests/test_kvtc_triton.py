@@ -25,7 +25,7 @@ from kvcodec.chunking import layer_context  # noqa: E402
 from kvcodec.codecs.kvtc import KVTC, Calibration, gpu, register_calibration  # noqa: E402
 from kvcodec.layouts.paged import empty_shape, paged_layout, read_paged, slot_mapping  # noqa: E402
 from kvcodec.tools.fuzz.seeds import fuzz_calibration  # noqa: E402
-from test_golden import assert_within_kvtc_tolerance  # noqa: E402
+from kvcodec.tools.kvtc_tolerance import assert_within_kvtc_tolerance  # noqa: E402
 
 GOLDEN = files("kvcodec.formats") / "golden"
 SMALL_LANES = dict(lane_components=8, lane_tokens=8)

@@ -18,6 +18,8 @@ import torch
 from kvcodec.store import DenseSink, KVStore
 from kvcodec.store.tiers.mooncake import MooncakeTier
 
+from kvcodec.tools.harness.mooncake import master_exe
+from kvcodec.tools.harness.mooncake import unavailable as mooncake_unavailable
 from kvcodec.tools.redis_server import free_port
 from kvcodec.tools.netlab import ShapedLink, unavailable
 
@@ -38,16 +40,15 @@ tier.close()
 @pytest.fixture
 def mooncake_behind_link(tmp_path):
     """A master and a segment holder behind a 50 Mbit/s link, and a tier whose client mounts no memory of its own."""
-    try:
-        from test_mooncake_tier import _master_exe
-    except Exception as e:  # noqa: BLE001 - mooncake not importable
+    why = mooncake_unavailable()
+    if why:
         if os.environ.get("CI"):
-            pytest.fail(f"Mooncake Store is unavailable ({e})", pytrace=False)
-        pytest.skip(f"Mooncake Store is unavailable ({e})")
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
     with ShapedLink(50) as link:
         port = free_port()
         log = open(tmp_path / "master.log", "wb")
-        master = subprocess.Popen(link.command(_master_exe(), f"--rpc_port={port}", f"--rpc_address={link.peer}",
+        master = subprocess.Popen(link.command(master_exe(), f"--rpc_port={port}", f"--rpc_address={link.peer}",
                                                f"--metrics_port={free_port()}", f"--metrics_host={link.peer}"),
                                   stdout=log, stderr=subprocess.STDOUT)
         holder = None

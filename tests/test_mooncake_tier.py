@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,14 +18,11 @@ import torch
 import kvcodec
 from kvcodec.errors import LimitExceededError
 from kvcodec.store import KVStore, MemoryTier, tier_from_url
-
+from kvcodec.tools.harness.mooncake import Master, unavailable
 from kvcodec.tools.redis_server import free_port
 
-try:
-    from mooncake.store import MooncakeDistributedStore  # noqa: F401  (also loads libibverbs.so.1)
-except ImportError as e:
-    why = (f"Mooncake Store is unavailable ({e}): pip install -e '.[mooncake]' and apt-get install libibverbs1 "
-           "ibverbs-providers (scripts/setup.sh does both as root)")
+why = unavailable()
+if why:
     if os.environ.get("CI"):  # CI sets up as root, so a missing Mooncake there is a broken set-up, not a skip
         pytest.fail(why, pytrace=False)
     pytest.skip(why, allow_module_level=True)
@@ -38,63 +33,6 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = "demo-model"
 TIMEOUT_S = 1.0
 SEGMENT, BUFFER = 64 << 20, 32 << 20
-
-
-def _master_exe() -> str:
-    import mooncake
-
-    for exe in (Path(sys.executable).parent / "mooncake_master", Path(mooncake.__file__).parent / "mooncake_master"):
-        if exe.exists():
-            return str(exe)
-    pytest.fail("mooncake_master is neither in the venv's bin nor in the mooncake package")
-
-
-class Master:
-    """A mooncake_master on free loopback ports (RPC and metrics/admin); can be killed and restarted."""
-
-    def __init__(self, folder: Path) -> None:
-        self.rpc_port, self.admin_port, self.log = free_port(), free_port(), folder / "master.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    @property
-    def admin(self) -> str:
-        return f"127.0.0.1:{self.admin_port}"
-
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [_master_exe(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-                 f"--metrics_port={self.admin_port}", "--metrics_host=127.0.0.1"],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mooncake_master exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.kill()
-        pytest.fail(f"mooncake_master did not listen on {self.address} within 15 s")
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
 
 
 @pytest.fixture(scope="module")

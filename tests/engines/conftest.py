@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +16,28 @@ import pytest
 ENGINES = Path(__file__).resolve().parent
 REPO = ENGINES.parent.parent
 MODEL_CACHE = Path(os.environ.get("KVCODEC_MODEL_CACHE", REPO / ".cache" / "models"))
-sys.path.insert(0, str(ENGINES))  # vllm_engine.py, lmcache_engine.py
 
 for _package in ("vllm", "lmcache"):
     if importlib.util.find_spec(_package) is None:
         raise pytest.UsageError(f"tests/engines/ needs {_package}: run them in .venv-engines "
                                 "(bash scripts/setup_engines.sh; scripts/test.sh does both)")
+
+
+@pytest.fixture()
+def mooncake_master(tmp_path):
+    """A started ``mooncake_master`` (:class:`kvcodec.tools.harness.mooncake.Master`), killed after the test; without
+    Mooncake a skip, and under CI (whose set-up installs it) a failure."""
+    from kvcodec.tools.harness.mooncake import Master, unavailable
+
+    why = unavailable()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    master = Master(tmp_path)
+    master.start()
+    yield master
+    master.kill()
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
-from lmcache_engine import CPUEngine, kvcodec_plugin_config
-from kvcodec.tools.redis_server import started_redis
 
 import kvcodec
+from kvcodec.tools.harness.lmcache_engine import CPUEngine, kvcodec_plugin_config
+from kvcodec.tools.redis_server import started_redis
 
 L, H, D = 30, 3, 64
 

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lmcache_server import KVClient, LMCacheServer
-from mooncake_process import master_class
 
 import kvcodec
 from kvcodec.store.config import StoreConfig
 from kvcodec.store.identity import CacheIdentity, model_identity
+from kvcodec.tools.harness.lmcache_server import KVClient, LMCacheServer
 
 L, H, D = 30, 3, 64
 TOKENS = 512
@@ -127,24 +126,20 @@ def test_fs_adapter_kvtc_calibrated_in_the_server(real_kv, smollm2_hf, tmp_path,
 
 
 @pytest.mark.parametrize("codec", ["raw", "cachegen"])
-def test_mooncake_tier_adapter(codec, real_kv, tmp_path):
-    master = master_class()(tmp_path)
-    master.start()
-    try:
-        url = f"mooncake://{master.address}?segment=256MiB&buffer=64MiB&admin={master.admin}"
-        adapter = {"type": "plugin", "module_path": MODULE, "class_name": "KVCodecTierL2Adapter",
-                   "adapter_params": {"url": url}, "serde": _serde(codec)}
+def test_mooncake_tier_adapter(codec, real_kv, tmp_path, mooncake_master):
+    master = mooncake_master
+    url = f"mooncake://{master.address}?segment=256MiB&buffer=64MiB&admin={master.admin}"
+    adapter = {"type": "plugin", "module_path": MODULE, "class_name": "KVCodecTierL2Adapter",
+               "adapter_params": {"url": url}, "serde": _serde(codec)}
 
-        def keys() -> list[str]:
-            with urllib.request.urlopen(f"http://{master.admin}/get_all_keys", timeout=5) as r:
-                return [k for k in r.read().decode().split() if k.startswith("kvcodec:lmcache@")]
+    def keys() -> list[str]:
+        with urllib.request.urlopen(f"http://{master.admin}/get_all_keys", timeout=5) as r:
+            return [k for k in r.read().decode().split() if k.startswith("kvcodec:lmcache@")]
 
-        with LMCacheServer(tmp_path, adapter) as server:
-            got = _through_l2(server, real_kv, lambda n: len(keys()) >= n, bench=codec == "raw")
-        expected = real_kv if codec == "raw" else _codec_round_trip(real_kv, codec)
-        assert torch.equal(got, expected)
-    finally:
-        master.kill()
+    with LMCacheServer(tmp_path, adapter) as server:
+        got = _through_l2(server, real_kv, lambda n: len(keys()) >= n, bench=codec == "raw")
+    expected = real_kv if codec == "raw" else _codec_round_trip(real_kv, codec)
+    assert torch.equal(got, expected)
 
 
 def _swapped_objects_miss(server: LMCacheServer, swap: callable) -> None:
@@ -180,29 +175,25 @@ def test_copied_object_does_not_hit_under_another_key_fs(real_kv, tmp_path):
         _swapped_objects_miss(server, swap)
 
 
-def test_copied_object_does_not_hit_under_another_key_mooncake(real_kv, tmp_path):
+def test_copied_object_does_not_hit_under_another_key_mooncake(real_kv, tmp_path, mooncake_master):
     from kvcodec.store.tiers import tier_from_url
 
-    master = master_class()(tmp_path)
-    master.start()
+    master = mooncake_master
+    url = f"mooncake://{master.address}?segment=256MiB&buffer=64MiB&admin={master.admin}"
+    adapter = {"type": "plugin", "module_path": MODULE, "class_name": "KVCodecTierL2Adapter",
+               "adapter_params": {"url": url}, "serde": _serde("raw")}
+    writer = tier_from_url(url)  # another client of the same master
     try:
-        url = f"mooncake://{master.address}?segment=256MiB&buffer=64MiB&admin={master.admin}"
-        adapter = {"type": "plugin", "module_path": MODULE, "class_name": "KVCodecTierL2Adapter",
-                   "adapter_params": {"url": url}, "serde": _serde("raw")}
-        writer = tier_from_url(url)  # another client of the same master
-        try:
-            with LMCacheServer(tmp_path, adapter) as server:
-                server.real_kv = real_kv
+        with LMCacheServer(tmp_path, adapter) as server:
+            server.real_kv = real_kv
 
-                def swap() -> None:
-                    _wait_until("the L2 store", lambda: len(writer.keys()) >= 2)
-                    _swap({k: writer.get(k) for k in writer.keys()}, writer.put)
+            def swap() -> None:
+                _wait_until("the L2 store", lambda: len(writer.keys()) >= 2)
+                _swap({k: writer.get(k) for k in writer.keys()}, writer.put)
 
-                _swapped_objects_miss(server, swap)
-        finally:
-            writer.close()
+            _swapped_objects_miss(server, swap)
     finally:
-        master.kill()
+        writer.close()
 
 
 def test_store_completion_after_a_pop_is_not_lost():

@@ -12,8 +12,8 @@ Six engine starts, shared by the tests in this file, which run in order:
 5. and 6. the connector with ``raw`` on the Mooncake tier (a real ``mooncake_master``, the engines mounting no
    segment and a process of the test's lending one): the first engine saves, a second engine process loads it.
 
-Every engine pins ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (see ``vllm_engine.ENGINE_ENV``) and runs with vLLM's own
-prefix cache off, so every hit is the connector's.
+Every engine pins ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (see :data:`kvcodec.tools.harness.vllm_server.ENGINE_ENV`) and
+runs with vLLM's own prefix cache off, so every hit is the connector's.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from mooncake_process import SegmentHolder, master_class
+
+from kvcodec.tools.harness.mooncake import SegmentHolder
+from kvcodec.tools.harness.vllm_server import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store
 from kvcodec.tools.redis_server import free_port, started_redis
-from vllm_engine import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store
 
 PROMPT = 599  # tokens: two whole 256-token chunks (512 tokens, four 128-token vLLM blocks) and a partial chunk
 HIT = 512
@@ -243,16 +244,11 @@ def test_cache_salt_keeps_tenants_apart_over_http(server, prompts, smollm2_hf):
 # --- engines 5 and 6: the Mooncake tier -----------------------------------------------------------------
 
 @pytest.fixture()
-def mooncake_segment(tmp_path):
+def mooncake_segment(mooncake_master):
     """A real ``mooncake_master`` and a process of the test's lending 256 MiB of memory to it (the engines lend none:
     a value lives in the segment of the process that put it and goes with that process); the master."""
-    master = master_class()(tmp_path)
-    master.start()
-    try:
-        with SegmentHolder(master.address):
-            yield master
-    finally:
-        master.kill()
+    with SegmentHolder(mooncake_master.address):
+        yield mooncake_master
 
 
 def test_mooncake_tier_a_second_engine_hits_what_the_first_saved(mooncake_segment, reference, prompts, smollm2_hf):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_engine import Engine, connector_config, connector_store
 
 import kvcodec
+from kvcodec.tools.harness.vllm_server import Engine, connector_config, connector_store
 
 PROMPT, HIT, MAX_TOKENS = 599, 512, 16
 SMALL_CALIBRATION = {"max_tokens": 256, "segment_tokens": 128, "group_layers": 1}

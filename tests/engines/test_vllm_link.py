@@ -17,9 +17,10 @@ import re
 import threading
 
 import pytest
-from kvcodec.tools.redis_server import started_redis
+
+from kvcodec.tools.harness.vllm_server import Engine, connector_config
 from kvcodec.tools.netlab import ShapedLink, unavailable
-from vllm_engine import Engine, connector_config
+from kvcodec.tools.redis_server import started_redis
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 

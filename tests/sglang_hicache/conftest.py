@@ -9,8 +9,6 @@ layouts the backend reads, sized for SmolLM2-135M (30 layers, 3 KV heads of 64).
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +16,7 @@ if importlib.util.find_spec("sglang") is None:
     raise pytest.UsageError("tests/sglang_hicache/ needs sglang: run them in .venv-sglang (bash scripts/setup_sglang.sh; "
                             ".venv-sglang/bin/python -m pytest -q tests/sglang_hicache)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sglang_pools.py
-
-from sglang_pools import DIM, HEADS, LAYERS, TOKENS  # noqa: E402
+from kvcodec.tools.harness.sglang_pools import DIM, HEADS, LAYERS, TOKENS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_pools import LAYOUTS, PAGE, TOKENS, make_host_pool, read_tokens, write_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
@@ -21,6 +20,7 @@ import kvcodec
 from kvcodec.cache import KVCache
 from kvcodec.engines.sglang_hicache import KVCodecHiCacheStorage
 from kvcodec.errors import InvalidInputError, KVCodecError
+from kvcodec.tools.harness.sglang_pools import LAYOUTS, PAGE, TOKENS, make_host_pool, read_tokens, write_tokens
 
 DYNAMIC = {"backend_name": "kvcodec", "module_path": "kvcodec.engines.sglang_hicache",
            "class_name": "KVCodecHiCacheStorage"}

@@ -1,5 +1,5 @@
 """SGLang's KV pools on the CPU, sized for SmolLM2-135M (30 layers, 3 KV heads of 64), and real KV in and out of
-them by token slot."""
+them by token slot (SGLang is imported when a pool is made)."""
 
 from __future__ import annotations
 

@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from kvcodec.tools.redis_server import free_port  # noqa: E402
+import kvcodec
+from kvcodec.tools.redis_server import free_port
 
+SOURCE = Path(kvcodec.__file__).resolve().parent.parent  # the folder this kvcodec is imported from
 LMCACHE = str(Path(sys.executable).parent / "lmcache")
 BLOCK = 16  # tokens per paged block; LMCache's chunk is 256 tokens (16 blocks)
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The server and bench processes import this checkout's kvcodec (the plugin adapter module) first."""
+    """The server and bench processes import this kvcodec (the plugin adapter module) first."""
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", **(extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE), env.get("PYTHONPATH", "")) if p)
     return env
 
 

@@ -1,10 +1,11 @@
 """One real vLLM engine (its CPU build) in a process of its own, driven by tests and benchmarks over pipes.
 
-``python vllm_engine.py CONFIG_JSON`` starts ``vllm.LLM`` on the config's model (with its ``kv_transfer_config``,
-when given), prints ``KVCODEC-REPLY {"ready": ...}``, then answers each JSON request read from stdin with one
-``KVCODEC-REPLY <json>`` line on stdout (vLLM's own logging shares the streams, hence the prefix).  Requests:
-``{"prompt_token_ids": [...], "max_tokens": 16, "logprobs": true}`` generates greedily and replies with the tokens,
-their log-probabilities, ``num_cached_tokens`` and the seconds it took; ``{"op": "quit"}`` stops.
+``python -m kvcodec.tools.harness.vllm_server CONFIG_JSON`` starts ``vllm.LLM`` on the config's model (with its
+``kv_transfer_config``, when given), prints ``KVCODEC-REPLY {"ready": ...}``, then answers each JSON request read
+from stdin with one ``KVCODEC-REPLY <json>`` line on stdout (vLLM's own logging shares the streams, hence the
+prefix).  Requests: ``{"prompt_token_ids": [...], "max_tokens": 16, "logprobs": true}`` generates greedily and
+replies with the tokens, their log-probabilities, ``num_cached_tokens`` and the seconds it took; ``{"op": "quit"}``
+stops.
 
 :class:`Engine` is the parent's side.  A process per engine lets tests start engines with different connector
 settings, and a "new process" really is one (nothing of the connector's memory survives).
@@ -19,10 +20,10 @@ import sys
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 PREFIX = "KVCODEC-REPLY "
+MODULE = "kvcodec.tools.harness.vllm_server"  # what the engine process runs
 # vLLM CPU reserves one more core when a kv_transfer_config is set, which changes the worker's thread count and so
 # its bfloat16 numerics: every engine here pins the reservation, so runs with and without the connector compare.
 # float32: on CPUs without native bfloat16 (AVX2 only, as here) vLLM runs a 2048-token prefill 3x sooner in float32.
@@ -46,15 +47,19 @@ def connector_store(extra: dict[str, Any], model: str | os.PathLike[str], dtype:
 
 
 class Engine:
-    """A running ``vllm_engine.py`` process: :meth:`generate` sends a prompt and waits for its reply."""
+    """A running engine process (``python``, which must have vLLM and kvcodec): :meth:`generate` sends a prompt and
+    waits for its reply."""
 
     def __init__(self, model: str | os.PathLike[str], kv_transfer_config: dict[str, Any] | None = None, *,
                  max_model_len: int = 4096, dtype: str = DTYPE, python: str = sys.executable,
                  start_timeout_s: float = 600, env: dict[str, str] | None = None) -> None:
         cfg = {"model": os.fspath(model), "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len,
                "dtype": dtype}
-        self.proc = subprocess.Popen([python, __file__, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENGINE_ENV, **(env or {})})
+        # -m, not this file's path: run as a script, its folder would come first on the child's sys.path, and this
+        # package's mooncake.py would shadow Mooncake's own package.
+        self.proc = subprocess.Popen([python, "-m", MODULE, json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **ENGINE_ENV, **(env or {})})
         self.log: deque[str] = deque(maxlen=400)  # the engine's own output, for failure messages
         self._replies: list[dict[str, Any]] = []
         self._cond = threading.Condition()
@@ -151,5 +156,4 @@ def _serve(cfg: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     _serve(json.loads(sys.argv[1]))
