@@ -286,6 +286,14 @@ class KVStore:
                           device=device)
         return sink.cache(model=self.model)
 
+    def decode_value(self, key: str, value: bytes, tokens: int | None = None, *,
+                     device: torch.device | str | None = None) -> KVCache:
+        """``value``, read by the engine itself (not from this store's tiers), checked as the chunk of ``tokens``
+        tokens stored under ``key`` (the same check as every read: authentication, key, shape, size, checksums) and
+        decoded.  Raises :class:`~kvcodec.errors.CorruptDataError` (or ``LimitExceededError``) for a value that is
+        not; the engine, which holds it, decides what to evict."""
+        return self.decode_chunk(self.source.check(key, value, tokens), device=device)
+
     def load_chunk(self, key: str, tokens: int | None = None, *,
                    device: torch.device | str | None = None) -> KVCache | None:
         """The chunk stored under ``key`` (an :meth:`engine_key`), read and checked by the store's source and

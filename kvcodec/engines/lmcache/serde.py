@@ -133,8 +133,7 @@ class KVCodecDeserializer(Deserializer):
         out = _tensor(dst)
         store, store_key = self.stores.for_object(key, self.stores.shape(out))
         value = raw[SERIALIZED_LENGTH.size: SERIALIZED_LENGTH.size + n].tobytes()
-        chunk = store.source.check(store_key, value, int(out.shape[2]))
-        out.copy_(store.decode_chunk(chunk).to_lmcache().to(out.dtype))
+        out.copy_(store.decode_value(store_key, value, int(out.shape[2])).to_lmcache().to(out.dtype))
 
 
 def make_serde(settings: dict[str, Any] | None = None) -> Any:
