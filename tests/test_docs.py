@@ -60,7 +60,9 @@ def _prose(page: Path) -> str:
 def _anchors(page: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped (inline code's text kept), spaces to hyphens,
     repeats numbered."""
-    text = re.sub(r"^(\s*)(`{3,}).*?^\1\2\s*$", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    # a fence's indent is spaces or tabs only: "\s*" would take a blank line before it too and pair the fence with
+    # the next one that follows a blank line, dropping the headings between
+    text = re.sub(r"^([ \t]*)(`{3,}).*?^\1\2[ \t]*$", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
     seen: dict[str, int] = {}
     anchors = set()
     for line in text.splitlines():
