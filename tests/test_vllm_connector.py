@@ -555,21 +555,22 @@ def test_multimodal_items_key_requests_apart():
 
 
 def test_lora_adapters_key_requests_apart(tmp_path, monkeypatch):
-    """A request through an adapter on disk is keyed by the adapter's files: another adapter's bytes (even under the
-    same name and id) and the base model miss."""
+    """A request through an adapter on disk is keyed by the adapter's files: another adapter's bytes or settings
+    (even under the same name and id) and the base model miss."""
     monkeypatch.setenv("KVCODEC_DIGEST_CACHE", str(tmp_path / "digests.json"))
     adapters = []
-    for n in range(2):
+    for n, (weights, alpha) in enumerate([(0, 16), (1, 16), (0, 32)]):
         folder = tmp_path / f"adapter{n}"
         folder.mkdir()
-        (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
-        (folder / "adapter_model.safetensors").write_bytes(bytes([n]) * 64)
+        (folder / "adapter_config.json").write_text(f'{{"r": 8, "lora_alpha": {alpha}}}')
+        (folder / "adapter_model.safetensors").write_bytes(bytes([weights]) * 64)
         adapters.append(SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=str(folder)))
     store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
     sched, worker, caches = _pair(store)
     ids = _ids(100)
     _saved_by(sched, worker, caches, "l0", ids, _kv(100), lora_request=adapters[0])
     assert _hit(sched, "l1", ids, lora_request=adapters[1]) == 0
+    assert _hit(sched, "l2", ids, lora_request=adapters[2]) == 0  # the same weights at another scale
     assert _hit(sched, "base", ids) == 0
     assert _hit(sched, "again", ids, lora_request=adapters[0]) == 96
 

@@ -50,12 +50,12 @@ def _lora(lora: Any) -> list[Any]:
     path = str(getattr(lora, "lora_path", "") or "")
     if not path or not os.path.exists(path) or not weight_files(path):
         raise UnsupportedError("a LoRA adapter whose weight files are not on this machine")
-    config = None
-    config_file = os.path.join(path, "adapter_config.json")
+    config = b""
+    config_file = os.path.join(path, "adapter_config.json")  # rank, alpha, target modules: they change the KV too
     if os.path.isfile(config_file):
         with open(config_file, "rb") as f:
-            config = json.loads(f.read(1 << 20))
-    return [str(lora.lora_name), int(lora.lora_int_id), model_identity(path, hf_config=config)]
+            config = json.dumps(json.loads(f.read(1 << 20)), sort_keys=True).encode()
+    return [str(lora.lora_name), int(lora.lora_int_id), model_identity(path), config]
 
 
 def _multimodal(feature: Any) -> list[Any]:
