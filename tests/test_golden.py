@@ -17,7 +17,7 @@ import pytest
 
 import kvcodec
 from kvcodec.cli import parse_codec
-from kvcodec.tools.kvtc_tolerance import assert_within_kvtc_tolerance
+from kvcodec.tools.kvtc_tolerance import assert_within_kvtc_tolerance, kvtc_tolerance
 from kvcodec.tools.make_golden import decoded_digest
 
 GOLDEN = files("kvcodec.formats") / "golden"
@@ -56,6 +56,18 @@ def test_golden_decodes_to_recorded_tensors(name):
         assert exp["decoded_sha256"] == exp["source_sha256"]
     else:
         assert exp["decoded_sha256"] != exp["source_sha256"]
+
+
+def test_kvtc_tolerance_refuses_a_decode_off_by_more():
+    """The check kvtc's golden decodes pass can fail: one value moved well past its bound is refused."""
+    blob = (GOLDEN / "kvtc-f16.kvc").read_bytes()
+    reference = kvcodec.decode((GOLDEN / "kvtc-f16.reference.kvc").read_bytes())
+    assert_within_kvtc_tolerance(blob, reference, reference)
+    assert float(kvtc_tolerance(blob, reference)[3][1][0, 5, 7]) < 0.05
+    moved = [(l.keys, l.values.clone()) for l in reference.layers]
+    moved[3][1][0, 5, 7] += 0.5
+    with pytest.raises(AssertionError, match="layer 3"):
+        assert_within_kvtc_tolerance(blob, kvcodec.KVCache(moved), reference)
 
 
 def _source(name: str) -> kvcodec.KVCache:
