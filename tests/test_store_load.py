@@ -296,10 +296,10 @@ def test_a_link_that_drops_mid_request_costs_at_most_the_read_under_way(monkeypa
     raw_keys = {ks[1] for _, _, ks in store.variant_keys(ids)}
     real_get_range = Link.get_range
 
-    def dropping(key, offset, length):
+    def dropping(key, offset, length, max_bytes=None):
         if key in raw_keys and len({k for k, _ in link.reads if k in raw_keys}) > 2:
             link.rate = 2e4
-        return real_get_range(link, key, offset, length)
+        return real_get_range(link, key, offset, length, max_bytes)
 
     link.get_range = dropping
     monkeypatch.setattr("kvcodec.store.load.PIECE_BYTES", (1024, 1024))  # this test's chunks are small: 50 ms a piece
