@@ -13,10 +13,10 @@ The JSON holds SGLang's own keys (``backend_name``, ``module_path``, ``class_nam
 backend's ``model_path`` (the folder or weight file whose bytes identify the model; default SGLang's model name,
 which is its ``--model-path`` unless ``--served-model-name`` is set) and the store's settings, parsed as every
 hook's are (:class:`~kvcodec.store.config.StoreConfig`: ``tiers``, ``codec``, ``codec_options``, ``namespace``,
-``model``, ``secret_file``, ...; an unknown key stops start-up).  ``model`` is the name kvcodec knows the model by,
-which picks cachegen's and kvfetcher's profile (default SGLang's model name with ``/`` as ``-``, which names no
-shipped profile: ``"model": "SmolLM2-135M-Instruct"`` picks the one kvcodec ships; the backend warns when none is
-found).  ``"interface_v1": 1`` makes SGLang call the page methods (``batch_get_v1``/``batch_set_v1``), which read
+``model``, ``secret_file``, ...; an unknown key stops start-up).  ``model`` is the name kvcodec knows the model by
+(default SGLang's model name with ``/`` as ``-``); cachegen's and kvfetcher's channel profile is the one of that
+name, else the one measured on a model of the served folder's configuration (as every hook finds it), and the log
+says which or that there is none.  ``"interface_v1": 1`` makes SGLang call the page methods (``batch_get_v1``/``batch_set_v1``), which read
 and write its host pool in place; without it SGLang copies each page through a flat buffer
 (``batch_get``/``batch_set``).
 
@@ -50,7 +50,6 @@ from kvcodec.codecs import Codec, get_codec
 from kvcodec.codecs.registry import codec_from_spec
 from kvcodec.engines.store_setup import open_store
 from kvcodec.errors import InvalidInputError
-from kvcodec.profiles import find_profile
 from kvcodec.store import CacheIdentity, ChunkShape, KVStore, StorageTier
 from kvcodec.store.config import StoreConfig
 from kvcodec.store.identity import model_identity
@@ -155,7 +154,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         if not isinstance(path, str) or not path:
             raise InvalidInputError(f"{WHERE}: SGLang names no model, so give \"model_path\" (the model's folder or "
                                     "weight file), whose identity keys its pages")
-        self.model_digest = model_identity(path)
+        self.model_path, self.model_digest = path, model_identity(path)
         # made now, so that a bad tier URL stops start-up before the host pool exists
         self.tiers: list[StorageTier] = self.settings.make_tiers()
         self.config = storage_config
@@ -176,13 +175,10 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         identity = CacheIdentity(model_digest=self.model_digest, kv_dtype=pages.shape().dtype, tp_rank=c.tp_rank,
                                  tp_size=c.tp_size, pp_rank=c.pp_rank, pp_size=c.pp_size)
         self.store = open_store(self.settings, model=self.model, identity=identity, log=log.info,
-                                shape=pages.shape(), engine_chunk_tokens=pages.page_size, tiers=self.tiers)
+                                shape=pages.shape(), engine_chunk_tokens=pages.page_size, tiers=self.tiers,
+                                model_path=self.model_path)
         self.pages = pages
         codec = self.store.codec
-        if getattr(codec, "profile", None) == "auto" and find_profile(self.model) is None:
-            log.warning("kvcodec HiCache backend: no %s profile of model %r; keys get steps from the data (set "
-                        "\"model\" in the extra config to a profile's model name, or run `kvcodec profile`)",
-                        codec.codec_id, self.model)
         log.info("kvcodec HiCache backend: codec %s, tiers %s, pages of %d tokens x %d layers x %d heads x %d (%s, "
                  "layout %s)", codec.codec_id, [t.name for t in self.tiers], pages.page_size, pages.layers,
                  pages.heads, pages.dim, pages.shape().dtype, mem_pool_host.layout)

@@ -204,7 +204,7 @@ class TransformersKVHook:
         identity = CacheIdentity(model_digest=model_identity(os.fspath(path)),
                                  kv_dtype=str(dtype).removeprefix("torch."))
         store = open_store(config, model=model.model_id, identity=identity, log=log.info, load_model=lambda: model,
-                           shape=model_shape(lm, save_dtype), tiers=made or None)
+                           shape=model_shape(lm, save_dtype), tiers=made or None, hf_config=lm.config)
         return cls(model, store, save=save, save_dtype=save_dtype)
 
     def load(self, token_ids: Sequence[int]) -> tuple[StreamedPrefix | None, list[str]]:

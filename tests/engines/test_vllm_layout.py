@@ -1,10 +1,9 @@
 """The vLLM connector's start-up decisions checked against vLLM's own code, without starting an engine: the CPU
-attention layout against vLLM's ``cpu_attn_reshape_and_cache``, layouts it must refuse, and the model profile found
-from a HuggingFace config."""
+attention layout against vLLM's ``cpu_attn_reshape_and_cache`` and layouts it must refuse (the model's profile is
+found as every hook finds it: tests/test_store_setup.py)."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -14,11 +13,10 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from kvcodec.codecs import get_codec
 from kvcodec.codecs.base import LayerContext
-from kvcodec.engines.vllm_connector.setup import detect_layout, use_profile_of_config
+from kvcodec.engines.vllm_connector.setup import detect_layout
 from kvcodec.errors import UnsupportedError
 from kvcodec.formats.v1 import LayerShape
 from kvcodec.layouts.paged import CPU, read_paged, slot_mapping, write_paged
-from kvcodec.profiles import find_profile
 
 
 def _vllm_cpu_cache(isa: str, heads: int, dim: int, block_size: int, num_blocks: int, tokens: int, seed: int):
@@ -83,15 +81,3 @@ def test_detect_layout_takes_vec_and_refuses_amx(monkeypatch):
     fp8 = {n: t.to(torch.uint8) for n, t in caches.items()}
     with pytest.raises(UnsupportedError, match="uint8"):
         detect_layout(_config_with({n: _layer("vec") for n in fp8}), fp8)
-
-
-def test_profile_found_from_the_engines_config(smollm2_hf):
-    """vLLM knows the model as a folder path; its HuggingFace config finds SmolLM2's shipped profile."""
-    from transformers import AutoConfig
-
-    model_id = str(smollm2_hf)  # what vLLM's model_config.model holds
-    assert find_profile(model_id) is None or find_profile(model_id).model == "SmolLM2-135M-Instruct"
-    assert use_profile_of_config(model_id, AutoConfig.from_pretrained(smollm2_hf)) == "SmolLM2-135M-Instruct"
-    assert torch.equal(find_profile(model_id).key_weight[0], find_profile("SmolLM2-135M-Instruct").key_weight[0])
-    other = json.loads((smollm2_hf / "config.json").read_text()) | {"num_hidden_layers": 31}
-    assert use_profile_of_config("/some/other/model", other) is None

@@ -156,4 +156,4 @@ def open_lmcache_store(config: StoreConfig, *, model_name: str | None, shape: Ch
                              tp_size=tp_size)
     return open_store(config, model=model_name or UNNAMED_MODEL, identity=identity, log=log.info,
                       load_model=lambda: load_served_model(model, log.info), shape=shape,
-                      engine_chunk_tokens=chunk_tokens)
+                      engine_chunk_tokens=chunk_tokens, model_path=model)

@@ -11,8 +11,7 @@ import torch
 from kvcodec.engines.vllm_connector.base import ConnectorBase, KVConnectorRole
 from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata
 from kvcodec.engines.vllm_connector.scheduler import SchedulerSide
-from kvcodec.engines.vllm_connector.setup import (connector_store, engine_logger, served_model, use_profile_of_config,
-                                                  vllm_identity)
+from kvcodec.engines.vllm_connector.setup import connector_store, engine_logger, served_model, vllm_identity
 from kvcodec.engines.vllm_connector.worker import WorkerSide
 from kvcodec.store import KVStore
 
@@ -27,9 +26,9 @@ class KVCodecConnector(ConnectorBase):
         super().__init__(vllm_config, role, kv_cache_config)
         is_worker = role != KVConnectorRole.SCHEDULER
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
-        self.store = store if store is not None else connector_store(extra, served_model(vllm_config),
-                                                                     vllm_identity(vllm_config, is_worker))
-        self._say_profile(getattr(getattr(vllm_config, "model_config", None), "hf_config", None))
+        hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        self.store = store if store is not None else connector_store(
+            extra, served_model(vllm_config), vllm_identity(vllm_config, is_worker), hf_config=hf_config)
         if not is_worker and getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
             log.warning("kvcodec connector: kv_load_failure_policy is 'fail', so a stored chunk that turns out missing or "
                         "damaged fails its request; set \"kv_load_failure_policy\": \"recompute\" in "
@@ -37,15 +36,6 @@ class KVCodecConnector(ConnectorBase):
         block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16)
         self.scheduler = None if is_worker else SchedulerSide(self.store, block_size)
         self.worker = WorkerSide(self.store, vllm_config, block_size) if is_worker else None
-
-    def _say_profile(self, hf_config: Any) -> None:
-        profile = use_profile_of_config(self.store.model, hf_config)
-        if profile is not None:
-            log.info("kvcodec connector: model %s uses the channel profile of %s", self.store.model, profile)
-        elif any(c.uses_profile for c in self.store.variants):
-            log.warning("kvcodec connector: no channel profile matches model %s (see `kvcodec profile`); %s fall(s) "
-                        "back to steps from the data, at lower quality", self.store.model,
-                        ", ".join(c.codec_id for c in self.store.variants if c.uses_profile))
 
     @property
     def stats(self) -> dict[str, int]:

@@ -6,7 +6,6 @@ the paged layout of the KV memory vLLM hands it.  Importable without vLLM.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import logging
 from typing import Any, Mapping
@@ -17,7 +16,6 @@ from kvcodec.engines.auto_calibration import load_served_model
 from kvcodec.engines.store_setup import open_store
 from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import CPU, FLASH, GPU, PagedLayout
-from kvcodec.profiles import find_profile, find_profile_for_config, register_profile
 from kvcodec.store import KVStore, MemoryTier
 from kvcodec.store.config import StoreConfig
 from kvcodec.store.identity import CacheIdentity, model_identity
@@ -45,7 +43,8 @@ GPU_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION
 
 # --- the store -------------------------------------------------------------------------------------
 
-def connector_store(extra: Mapping[str, Any] | None, model: str, identity: CacheIdentity) -> KVStore:
+def connector_store(extra: Mapping[str, Any] | None, model: str, identity: CacheIdentity, *,
+                    hf_config: Any = None) -> KVStore:
     """The store of a connector whose ``kv_connector_extra_config`` is ``extra``, serving ``model`` (the folder or
     name vLLM was given) with caches of ``identity`` (:func:`vllm_identity`).  Every key is a
     :class:`~kvcodec.store.config.StoreConfig` setting (``tiers`` defaults to :data:`DEFAULT_TIERS`); kvtc's
@@ -54,7 +53,7 @@ def connector_store(extra: Mapping[str, Any] | None, model: str, identity: Cache
     config, _ = StoreConfig.parse({"tiers": list(DEFAULT_TIERS), **(extra or {})}, where=WHERE)
     store = open_store(config, model=model, identity=identity, log=log.info,
                        load_model=lambda: load_served_model(model, log.info),
-                       disk_folder=default_disk_folder("vllm"))
+                       disk_folder=default_disk_folder("vllm"), hf_config=hf_config, model_path=model)
     if all(isinstance(t, MemoryTier) for t in store.tiers):
         log.warning("kvcodec connector: tiers %s are private to each process, and vLLM runs its scheduler and its "
                     "workers in different processes: the scheduler will never find what a worker saved. Add a "
@@ -106,24 +105,6 @@ def vllm_identity(vllm_config: Any, is_worker: bool) -> CacheIdentity:
 def served_model(vllm_config: Any) -> str:
     """The folder or name vLLM serves (``model_config.model``)."""
     return str(getattr(getattr(vllm_config, "model_config", None), "model", None) or "unknown-model")
-
-
-# --- the model's profile -------------------------------------------------------------------------------
-
-def use_profile_of_config(model_id: str, hf_config: Any) -> str | None:
-    """Make the profile measured on a model of ``hf_config``'s signature the one for caches of ``model_id`` (what
-    cachegen and kvfetcher look up); returns the profile's own model name, or None when there is none.
-
-    vLLM knows a model by a path or a served name, which rarely matches a shipped profile's file name, but it
-    always has the HuggingFace config (:func:`kvcodec.profiles.model_signature`)."""
-    own = find_profile(model_id)
-    if own is not None:
-        return own.model
-    prof = find_profile_for_config(hf_config) if hf_config is not None else None
-    if prof is None:
-        return None
-    register_profile(dataclasses.replace(prof, model=model_id))
-    return prof.model
 
 
 # --- the paged layout --------------------------------------------------------------------------------
