@@ -4,8 +4,10 @@
 ``kv_transfer_config``, when given), prints ``KVCODEC-REPLY {"ready": ...}``, then answers each JSON request read
 from stdin with one ``KVCODEC-REPLY <json>`` line on stdout (vLLM's own logging shares the streams, hence the
 prefix).  Requests: ``{"prompt_token_ids": [...], "max_tokens": 16, "logprobs": true}`` generates greedily and
-replies with the tokens, their log-probabilities, ``num_cached_tokens`` and the seconds it took; ``{"op": "quit"}``
-stops.
+replies with the tokens, their log-probabilities, ``num_cached_tokens`` and the seconds it took; with
+``"prompt_embeds"`` (base64 of ``torch.save`` bytes, as vLLM's own API takes them) and ``"prompt_is_token_ids"`` the
+prompt is vLLM's mixed one, whose ids at the positions marked False are placeholders for embedding rows (an engine
+started with ``enable_prompt_embeds``); ``{"op": "quit"}`` stops.
 
 :class:`Engine` is the parent's side.  A process per engine lets tests start engines with different connector
 settings, and a "new process" really is one (nothing of the connector's memory survives).
@@ -13,6 +15,8 @@ settings, and a "new process" really is one (nothing of the connector's memory s
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import subprocess
@@ -52,9 +56,10 @@ class Engine:
 
     def __init__(self, model: str | os.PathLike[str], kv_transfer_config: dict[str, Any] | None = None, *,
                  max_model_len: int = 4096, dtype: str = DTYPE, python: str = sys.executable,
-                 start_timeout_s: float = 600, env: dict[str, str] | None = None) -> None:
+                 start_timeout_s: float = 600, env: dict[str, str] | None = None,
+                 enable_prompt_embeds: bool = False) -> None:
         cfg = {"model": os.fspath(model), "kv_transfer_config": kv_transfer_config, "max_model_len": max_model_len,
-               "dtype": dtype}
+               "dtype": dtype, "enable_prompt_embeds": enable_prompt_embeds}
         # -m, not this file's path: run as a script, its folder would come first on the child's sys.path, and this
         # package's mooncake.py would shadow Mooncake's own package.
         self.proc = subprocess.Popen([python, "-m", MODULE, json.dumps(cfg)], stdin=subprocess.PIPE,
@@ -97,9 +102,20 @@ class Engine:
         """The engine's log lines containing ``text``."""
         return [line for line in self.log if text in line]
 
-    def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, *, timeout_s: float = 600) -> dict[str, Any]:
+    def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, *, prompt_embeds: Any = None,
+                 prompt_is_token_ids: list[bool] | None = None, timeout_s: float = 600) -> dict[str, Any]:
+        """Greedy tokens for ``prompt_token_ids``; with ``prompt_embeds`` (a ``(len, hidden)`` tensor) and
+        ``prompt_is_token_ids``, the ids marked False are placeholders whose inputs are those rows."""
+        req: dict[str, Any] = {"prompt_token_ids": prompt_token_ids, "max_tokens": max_tokens}
+        if prompt_embeds is not None:
+            import torch
+
+            buf = io.BytesIO()
+            torch.save(prompt_embeds.detach().cpu().contiguous(), buf)
+            req["prompt_embeds"] = base64.b64encode(buf.getvalue()).decode()
+            req["prompt_is_token_ids"] = prompt_is_token_ids
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt_token_ids": prompt_token_ids, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         reply = self._reply(timeout_s)
         if "error" in reply:
@@ -131,12 +147,24 @@ def _reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _prompt(req: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's prompt for ``req``: its token ids, and its embeddings with the mask of real ids when it has them."""
+    if "prompt_embeds" not in req:
+        return {"prompt_token_ids": req["prompt_token_ids"]}
+    import torch
+
+    embeds = torch.load(io.BytesIO(base64.b64decode(req["prompt_embeds"])), weights_only=True)
+    return {"prompt_embeds": embeds, "prompt_token_ids": req["prompt_token_ids"],
+            "prompt_is_token_ids": req["prompt_is_token_ids"]}
+
+
 def _serve(cfg: dict[str, Any]) -> None:
     from vllm import LLM, SamplingParams
 
     # vLLM's own prefix cache is off, so every hit a test sees comes through the connector.
     llm = LLM(model=cfg["model"], max_model_len=cfg["max_model_len"], enforce_eager=True, dtype=cfg["dtype"],
-              enable_prefix_caching=False, kv_transfer_config=cfg["kv_transfer_config"], seed=0)
+              enable_prefix_caching=False, kv_transfer_config=cfg["kv_transfer_config"], seed=0,
+              enable_prompt_embeds=cfg["enable_prompt_embeds"])
     _reply({"ready": True})
     for line in sys.stdin:
         req = json.loads(line)
@@ -145,7 +173,7 @@ def _serve(cfg: dict[str, Any]) -> None:
         try:
             params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]), logprobs=0)
             start = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], params, use_tqdm=False)[0]
+            out = llm.generate([_prompt(req)], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - start
             gen = out.outputs[0]
             logprobs = [float(step[t].logprob) for step, t in zip(gen.logprobs or [], gen.token_ids)]
