@@ -21,7 +21,7 @@ import torch
 
 from kvcodec.cache import KVCache
 from kvcodec.layouts.paged import empty_shape, read_paged, slot_mapping
-from kvcodec.store import KVStore, MemoryTier, PagedSink, PrefixLoad
+from kvcodec.store import KVStore, MemoryTier, PagedSink
 
 OUT = Path(__file__).parent / "results" / "gpu_load.md"
 BLOCK = 16
@@ -51,7 +51,7 @@ def check_and_time(codec: str, kv: KVCache, layout: str, device: str, reps: int)
 
     start = BLOCK  # inside the first chunk: its first block must stay as it was
     layers = fresh()
-    result = PrefixLoad(store, ids, PagedSink(layers, table.tolist(), BLOCK, layout), start=start).start().finish()
+    result = store.prefix_load(ids, PagedSink(layers, table.tolist(), BLOCK, layout), start=start).start().finish()
     assert result.complete, [c.status for c in result.chunks]
     slots = slot_mapping(table.to(device), 0, kv.num_tokens, BLOCK)
     for i, (paged, layer) in enumerate(zip(layers, want.layers)):
@@ -65,7 +65,7 @@ def check_and_time(codec: str, kv: KVCache, layout: str, device: str, reps: int)
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        PrefixLoad(store, ids, PagedSink(layers, table.tolist(), BLOCK, layout)).start().finish()
+        store.prefix_load(ids, PagedSink(layers, table.tolist(), BLOCK, layout)).start().finish()
         if device == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)

@@ -5,7 +5,7 @@ real ``redis-server`` on loopback (unshaped).  Per codec, the median of ``--reps
 
 - fetch: ``KVStore.fetch`` of every chunk (reads and checks, nothing decoded);
 - decode: every fetched chunk decoded into vLLM's CPU paged layout, one after the other, nothing fetched;
-- load: :class:`~kvcodec.store.PrefixLoad` into the same paged memory: fetch of chunk ``i+1`` overlapping the
+- load: :meth:`~kvcodec.store.KVStore.prefix_load` into the same paged memory: fetch of chunk ``i+1`` overlapping the
   decode of chunk ``i``.
 
 The target (issue 18): a load takes at most max(fetch, decode) + 20%.  Beside each compressed codec, "raw fetch
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from kvcodec.layouts.paged import empty_shape
-from kvcodec.store import KVStore, PagedSink, PrefixLoad, RedisTier
+from kvcodec.store import KVStore, PagedSink, RedisTier
 from kvcodec.store.load import decode_chunk_into
 from kvcodec.models import load_model
 from kvcodec.tools.redis_server import started_redis
@@ -108,7 +108,7 @@ def main() -> None:
                     sink = paged_sink(kv, len(ids))
                     decode.append(timed(lambda: [decode_chunk_into(store, c, sink, 0, len(ids)) for c in chunks]))
                     sink = paged_sink(kv, len(ids))
-                    load.append(timed(lambda: PrefixLoad(store, ids, sink).start().finish()))
+                    load.append(timed(lambda: store.prefix_load(ids, sink).start().finish()))
                 f, d, l = (statistics.median(x) for x in (fetch, decode, load))
                 beside = raw_fetch_beside(raw_store, store, ids, args.reps) if raw_store and codec != "raw" else None
                 rows.append((codec, nbytes, f, d, l, beside))
