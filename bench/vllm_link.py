@@ -101,7 +101,7 @@ def main() -> None:
         try:
             for name in args.strategies.split(","):
                 extra = None if name == "recompute" else {
-                    "codec": STRATEGIES[name], "tiers": [redis.url], "redis_timeout_s": 120,
+                    "codec": STRATEGIES[name], "tiers": [f"{redis.url}?timeout=120"],
                     "calibration_options": CALIBRATION}
                 print(f"vllm_link: starting vLLM, {name}", flush=True)
                 # kvtc's calibration is made for this run, in a cache folder of its own
