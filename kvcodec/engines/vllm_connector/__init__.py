@@ -2,7 +2,7 @@
 
 Load it with::
 
-    vllm serve <model> --kv-transfer-config '{"kv_connector": "KVCodecConnector",
+    python -m vllm.entrypoints.openai.api_server --model <model> --kv-transfer-config '{"kv_connector": "KVCodecConnector",
         "kv_connector_module_path": "kvcodec.engines.vllm_connector", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"codec": "cachegen", "tiers": ["cpu", "disk:/var/cache/kvcodec",
