@@ -107,3 +107,21 @@ def test_python_example_runs(page: Path, line: int, code: str, reason: str | Non
     monkeypatch.chdir(tmp_path)
     # padded so that a traceback's line numbers are the page's
     exec(compile("\n" * (line - 1) + code, _rel(page), "exec"), {"__name__": "__docs__"})  # noqa: S102
+
+
+def test_the_package_docstring_example_runs():
+    """``help(kvcodec)`` opens with an example; it runs as written."""
+    import doctest
+
+    import kvcodec
+
+    result = doctest.testmod(kvcodec)
+    assert result.attempted and not result.failed
+
+
+def test_the_package_ships_its_license_and_type_marker():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert (ROOT / "LICENSE").read_text().startswith("\n                                 Apache License")
+    assert project["project"]["license-files"] == ["LICENSE"]
+    assert (ROOT / "kvcodec" / "py.typed").exists() and "py.typed" in project["tool"]["setuptools"]["package-data"]["kvcodec"]
