@@ -3,6 +3,7 @@ carrying only the attributes the connector reads, real paged tensors and a real 
 
 from __future__ import annotations
 
+import itertools
 import time
 from types import SimpleNamespace
 from typing import Callable
@@ -443,7 +444,7 @@ def test_the_worker_times_prefill_and_leaves_a_load_to_vllm_when_recomputing_is_
     store = KVStore([MemoryTier(None)], model="m", codec=["cachegen", "raw"], chunk_tokens=CHUNK)
     sched, worker, caches = _pair(store)
     ids, kv = _ids(100), _kv(100)
-    clock = iter([0.0, 0.001])  # the prefill step: 100 tokens in 1 ms
+    clock = itertools.chain([0.0, 0.001], itertools.repeat(0.002))  # the prefill step: 100 tokens in 1 ms
     monkeypatch.setattr(worker_module.time, "perf_counter", lambda: next(clock))
     _prefill(sched, worker, caches, "a", ids, kv, _table(100, seed=1))
     monkeypatch.undo()
@@ -669,3 +670,17 @@ def test_a_load_that_fails_to_finish_is_reported_and_the_others_still_finish(mon
     errors = _forward(worker, meta, fresh)
     assert errors == set(tables["x"][: 96 // BS])
     assert worker.stats["loaded_tokens"] == 96 and len(calls) == 2
+
+
+def test_a_save_logs_one_line_as_a_load_does(caplog):
+    """A save logged nothing while a hit logged one line: each saved prompt now says its new chunks, bytes, variants
+    and time, at the load's level."""
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    with caplog.at_level("INFO"):
+        _saved_by(sched, worker, caches, "first", _ids(100), _kv(100))
+    saved = [r for r in caplog.records if "saved" in r.getMessage()]
+    assert len(saved) == 1 and saved[0].levelname == "INFO"
+    value_bytes = store.stats["put_bytes"]
+    assert value_bytes > 0 and "saved 4 new chunk(s) of tokens 0-100" in saved[0].getMessage()
+    assert f", {value_bytes} bytes, variants ['raw']" in saved[0].getMessage()

@@ -80,7 +80,7 @@ class ChunkSource:
     """The chunks of one store (``model``, ``namespace``) in ``tiers`` (fastest first) under ``policy``, checked
     against ``secret``, ``shape`` (:class:`ChunkShape` or None) and ``chunk_tokens``; ``max_chunk_bytes`` bounds a
     decode where there is no shape.  ``observe`` gets every read's tier, bytes and seconds.  ``stats`` counts
-    hits, misses, bad values, promotions, demotions and puts."""
+    hits, misses, bad values, promotions, demotions, puts and the bytes of the values put."""
 
     def __init__(self, tiers: Sequence[StorageTier], *, model: str, namespace: str = "", secret: bytes | None = None,
                  shape: ChunkShape | None = None, chunk_tokens: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
@@ -98,7 +98,7 @@ class ChunkSource:
         self.policy = policy or PlacementPolicy()
         self.observe: Observer = observe or (lambda tier, nbytes, seconds: None)
         self.key_prefix = format_key(model, b"", namespace)  # every key of this store starts so
-        self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "promoted": 0, "demoted": 0, "puts": 0}
+        self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "promoted": 0, "demoted": 0, "puts": 0, "put_bytes": 0}
         self._lock = threading.Lock()
         self._side_checked: set[tuple[str, str]] = set()  # (tier, name): side data found intact there
         for i, tier in enumerate(self.tiers):

@@ -98,7 +98,8 @@ class KVStore:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counts of hits, misses, bad values evicted (``corrupt``), promotions, demotions and chunks put."""
+        """Counts of hits, misses, bad values evicted (``corrupt``), promotions, demotions, chunks put and the bytes
+        of their values (``put_bytes``)."""
         return self.source.stats
 
     def use_codec(self, codec: str | Codec | Sequence[str | Codec], codec_options: dict[str, Any] | None = None) -> None:
@@ -228,7 +229,10 @@ class KVStore:
         if not missing:
             return 0
         value = self.encode_chunk(key, part, codec)
-        return len(value) if self.source.write(key, value, missing) else 0
+        if not self.source.write(key, value, missing):
+            return 0
+        self.source.count("put_bytes", len(value))
+        return len(value)
 
     def fetch_side_data(self) -> None:
         """Make what the variants need beyond their bytes (kvtc's calibration) available here, from the tiers if

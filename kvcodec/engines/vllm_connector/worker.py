@@ -177,6 +177,12 @@ class WorkerSide:
                 layers = [got[name] if name in got else self._gather(spec, self.kv_caches[name])
                           for name in self.layer_names]
                 kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
-                self.stats["saved_chunks"] += self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt)
+                t0, bytes_before = time.perf_counter(), self.store.stats["put_bytes"]
+                saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt)
+                self.stats["saved_chunks"] += saved
+                # one line per saved prompt, as a load logs one
+                log.info("kvcodec connector: request %s: saved %d new chunk(s) of tokens 0-%d in %.3f s, %d bytes, "
+                         "variants %s", spec.req_id, saved, len(spec.token_ids), time.perf_counter() - t0,
+                         self.store.stats["put_bytes"] - bytes_before, [c.codec_id for c in self.store.variants])
             except Exception:
                 log.warning("saving request %s failed", spec.req_id, exc_info=True)
