@@ -20,7 +20,7 @@ from kvcodec.store.chunks import ChunkShape
 from kvcodec.store.identity import CacheIdentity
 from kvcodec.store.keys import HASHES
 from kvcodec.store.store import DEFAULT_STORE_CHUNK_TOKENS, KVStore, PlacementPolicy
-from kvcodec.store.tiers import MemoryTier, StorageTier, tier_from_url
+from kvcodec.store.tiers import MemoryTier, StorageTier, has_password, redact, tier_from_url
 
 CALIBRATE_WHEN = ("background", "now")
 
@@ -69,10 +69,8 @@ class StoreConfig:
                                     f"\"disk:/var/cache/kvcodec\"]), not {self.tiers!r}")
         object.__setattr__(self, "tiers", tiers)
         for url in tiers:
-            if _has_password(url):
-                scheme, _, rest = url.partition("://")
-                host = rest[rest.rfind("@") + 1:].split("/", 1)[0].split("?", 1)[0]
-                raise InvalidInputError(f"tier {scheme}://***@{host} carries a password, and engines log their "
+            if has_password(url):
+                raise InvalidInputError(f"tier {redact(url)!r} carries a password, and engines log their "
                                         "configuration: name a file holding it (?password_file=PATH) or an "
                                         "environment variable (?password_env=NAME) instead")
         for name in ("codec_options", "calibration_options"):
@@ -147,12 +145,3 @@ class StoreConfig:
                        codec_options=options, chunk_tokens=chunk_tokens, hash=self.hash,
                        policy=PlacementPolicy(shared=shared), identity=identity, secret=self.secret(), shape=shape)
 
-
-def _has_password(url: str) -> bool:
-    """Whether ``url`` carries a password, escaped or not: its user info (before the last ``@`` that no ``/``
-    precedes, since an unescaped password may hold ``?`` or ``#``) has a ``:`` with something after it."""
-    _, sep, rest = url.partition("://")
-    at = rest.rfind("@")
-    if not sep or at < 0 or "/" in rest[:at]:
-        return False
-    return rest[:at].partition(":")[2] != ""

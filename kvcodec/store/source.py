@@ -301,19 +301,22 @@ class ChunkSource:
                         chunk.key, chunk.tier, type(reason).__name__, reason)
 
     # where values are --------------------------------------------------------------------------
-    def holders(self, keys: Sequence[str]) -> list[str | None]:
-        """For each of ``keys``, the name of the fastest tier holding it (None: none does), asking each tier once
-        for the keys no faster tier holds."""
-        holder: list[str | None] = [None] * len(keys)
+    def _fastest(self, op: str, keys: Sequence[str], answer: Callable[[StorageTier, int, Any], Any]) -> list[Any]:
+        """For each of ``keys``, ``answer(tier, i, reply)`` from the fastest tier where it is not None, asking each
+        tier once (``op`` of a list of keys) for the keys no faster tier answered."""
+        out: list[Any] = [None] * len(keys)
         for tier in self.tiers:
-            todo = [i for i, h in enumerate(holder) if h is None]
+            todo = [i for i, o in enumerate(out) if o is None]
             if not todo:
                 break
-            held = call_tier(tier, "contains_many", [keys[i] for i in todo], default=[False] * len(todo))
-            for i, yes in zip(todo, held):
-                if yes:
-                    holder[i] = tier.name
-        return holder
+            replies = call_tier(tier, op, [keys[i] for i in todo], default=[None] * len(todo))
+            for i, reply in zip(todo, replies):
+                out[i] = answer(tier, i, reply)
+        return out
+
+    def holders(self, keys: Sequence[str]) -> list[str | None]:
+        """For each of ``keys``, the name of the fastest tier holding it (None: none does)."""
+        return self._fastest("contains_many", keys, lambda tier, i, held: tier.name if held else None)
 
     def held_prefix(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, some tier holds: an engine's prefix hit, in its own chunks."""
@@ -322,24 +325,20 @@ class ChunkSource:
 
     def value_sizes(self, keys: Sequence[str], tokens: Sequence[int] | None = None) -> list[tuple[int, str] | None]:
         """For each of ``keys`` (a chunk of ``tokens[i]`` tokens; default ``chunk_tokens``), the size of its value and
-        the fastest tier holding it (None: none does), asking each tier once for the keys no faster tier holds.  A
-        value over its chunk's bound is evicted (under this store's own key) and counts as not held."""
+        the fastest tier holding it (None: none does).  A value over its chunk's bound is evicted (under this
+        store's own key) and counts as not held."""
         tokens = tokens or [self.chunk_tokens] * len(keys)
-        out: list[tuple[int, str] | None] = [None] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i, o in enumerate(out) if o is None]
-            if not todo:
-                break
-            sizes = call_tier(tier, "value_sizes", [keys[i] for i in todo], default=[None] * len(todo))
-            for i, n in zip(todo, sizes):
-                if n is None:
-                    continue
-                if n > self.max_value_bytes(tokens[i]):
-                    self.discard(FetchedChunk(keys[i], tier.name, 0, tokens[i], b""), LimitExceededError(
-                        f"{keys[i]} holds {n} bytes, more than a {tokens[i]}-token chunk may"))
-                else:
-                    out[i] = (int(n), tier.name)
-        return out
+
+        def size(tier: StorageTier, i: int, n: int | None) -> tuple[int, str] | None:
+            if n is None:
+                return None
+            if n > self.max_value_bytes(tokens[i]):
+                self.discard(FetchedChunk(keys[i], tier.name, 0, tokens[i], b""), LimitExceededError(
+                    f"{keys[i]} holds {n} bytes, more than a {tokens[i]}-token chunk may"))
+                return None
+            return int(n), tier.name
+
+        return self._fastest("value_sizes", keys, size)
 
     # management --------------------------------------------------------------------------------
     def delete(self, key: str, tiers: Sequence[StorageTier] | None = None) -> int:

@@ -67,15 +67,29 @@ def default_disk_folder(purpose: str = "tiers") -> str:
     return os.path.join(base, "kvcodec", purpose)
 
 
-def redact(spec: str) -> str:
-    """``spec`` with the password of a URL replaced by ``***``, also one holding ``@ : / ? #`` unescaped: the user
-    information ends at the last ``@`` followed by a host (so a doubtful spec hides too much, never too little)."""
+def _userinfo(spec: str) -> tuple[str, str, str] | None:
+    """``(scheme, user information, the rest from its "@")`` of a URL that has user information, else None.  The
+    user information ends at the last ``@`` followed by a host, so a password holding ``@ : / ? #`` unescaped is
+    still all inside it (a doubtful spec gets too much counted as user information, never too little)."""
     scheme, sep, rest = spec.partition("://")
     at = max((m.start() for m in _HOST_AFTER_AT.finditer(rest)), default=-1)
-    if not sep or at < 0:
+    return (scheme, rest[:at], rest[at:]) if sep and at >= 0 else None
+
+
+def redact(spec: str) -> str:
+    """``spec`` with the password of a URL replaced by ``***`` (see :func:`_userinfo` for where it ends)."""
+    parts = _userinfo(spec)
+    if parts is None:
         return spec
-    user, colon, _ = rest[:at].partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}{rest[at:]}"
+    scheme, info, rest = parts
+    user, colon, _ = info.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}{rest}"
+
+
+def has_password(spec: str) -> bool:
+    """Whether ``spec`` carries a (non-empty) password in its user information, escaped or not."""
+    parts = _userinfo(spec)
+    return parts is not None and parts[1].partition(":")[2] != ""
 
 
 # an "@" followed by a host (a name, an address or a bracketed IPv6 one; empty in a malformed spec), a port and the
