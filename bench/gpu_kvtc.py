@@ -4,7 +4,7 @@ beside cachegen's on the same chunks.
     python bench/gpu_kvtc.py [--tokens 256,2048] [--group-layers 4] [--lanes 64x256,16x64] [--repeat 20]
     python bench/gpu_kvtc.py --device cpu      # a smoke run in Triton's interpreter, tiny shapes
 
-1. Correctness on the device, on real SmolLM2 KV with its real calibration (formats/golden: 4 layers, 40 tokens):
+1. Correctness on the device, on real SmolLM2 KV with its real calibration (kvcodec/formats/golden: 4 layers, 40 tokens):
    the kernel's lanes equal the CPU lane decode bit for bit, the device decode is within spec/kvtc.md's decoding
    tolerance of the CPU decode with the sink tokens exact, and decoding into paged blocks of each layout through a
    shuffled block table gives the same.  Any failure is reported and the script exits 1.

@@ -7,7 +7,7 @@
 #                bash scripts/gpu_check.sh kvfetcher [bench options]    carry: .whl/kvfetcher, .cache/gpu-kv (real KV
 #                                                                       cut to fit; else synthetic)
 #                bash scripts/gpu_check.sh kvtc [bench options]         carry: .whl/kvtc (its correctness check reads
-#                                                                       formats/golden; its speed, synthetic 8B-shaped
+#                                                                       kvcodec/formats/golden; its speed, synthetic 8B-shaped
 #                                                                       chunks); an estimated 4-5 min at its defaults
 #                bash scripts/gpu_check.sh load [bench options]         carry: .whl/cachegen (the store's load path
 #                                                                       into GPU paged layouts, bit-exact, then GB/s)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +48,9 @@ def test_text_help_names_every_form_load_text_takes(capsys, sub):
 
 
 def test_console_script_runs():
-    exe = shutil.which("kvcodec") or pytest.fail("the kvcodec console script is not installed")
+    # beside this interpreter, so the test holds whether or not the environment is activated
+    exe = shutil.which("kvcodec", path=str(Path(sys.executable).parent)) \
+        or pytest.fail("the kvcodec console script is not installed")
     res = subprocess.run([exe, "codecs", "--json"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     ids = [c["id"] for c in json.loads(res.stdout)["codecs"]]

@@ -1,4 +1,4 @@
-"""The golden containers in formats/golden decode to the recorded tensors, and re-encoding reproduces them.
+"""The golden containers in kvcodec/formats/golden decode to the recorded tensors, and re-encoding reproduces them.
 
 What holds on every x86-64 machine (spec/kvtc.md §10.8 and SPEC.md §10 "Determinism"): every codec but kvtc decodes to the
 recorded digest and re-encodes the recorded source to the recorded bytes.  kvtc's matrix products round by the

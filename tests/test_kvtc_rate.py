@@ -38,7 +38,7 @@ def _slice(kv: kvcodec.KVCache) -> kvcodec.KVCache:
 @pytest.fixture(scope="module")
 def calibration(real_dump):
     """A calibration of the four layers fitted on a calibration text, with one weight per layer (a tenth of its
-    RMS per step, roughly what calibrated weights do), as formats/golden's is made."""
+    RMS per step, roughly what calibrated weights do), as kvcodec/formats/golden's is made."""
     src = kvcodec.KVCache.load_safetensors(real_dump(CALIBRATION_TEXT, 512))
     h, t, d = src.layers[0].keys.shape
     rot = Rotary(ROPE_THETA ** (-np.arange(0, d, 2, dtype=np.float64) / d))

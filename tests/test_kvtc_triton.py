@@ -4,7 +4,7 @@ Without a GPU the lanes run in Triton's interpreter (tests/conftest.py sets TRIT
 in torch on the CPU, so the lanes are short (8 components by 8 tokens: the interpreter's time grows with the
 symbols per lane).  The lanes must equal the CPU's bit for bit; the decoded tensors must be within spec/kvtc.md's
 decoding tolerance of the CPU decode (on a GPU the product's sums run in another order), with the sink tokens
-exact.  The golden calibration (formats/golden, fitted on real SmolLM2 KV) codes the golden file's real cache.
+exact.  The golden calibration (kvcodec/formats/golden, fitted on real SmolLM2 KV) codes the golden file's real cache.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# pyproject.toml's package-dir: kernels/ and formats/ ship inside the package
-SOURCES = {"kvcodec": REPO / "kvcodec", "kvcodec.kernels": REPO / "kernels", "kvcodec.formats": REPO / "formats"}
+SOURCES = {"kvcodec": REPO / "kvcodec"}
 TOOLS = "kvcodec.tools"
 # The tooling-facing runtime module that may import the tools inside a function, when the command that needs them
 # runs.  (Nothing that serves does: an engine hook's first-use calibration lives in the runtime.)
@@ -164,3 +163,13 @@ def test_every_package_ships():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
     assert packages <= listed, f"packages missing from pyproject.toml: {sorted(packages - listed)}"
+
+
+def test_regression_top_level_kernels_folder_shadowed_hub_kernels():
+    """Tests and commands run with the repository as the working directory, which Python puts first on ``sys.path``.
+    A top-level ``kernels/`` (once mapped into the package as ``kvcodec.kernels``) was then what transformers 5.25
+    imported as Hugging Face's ``kernels`` package, and every model load failed.  So the repository's top holds no
+    importable folder or module but ``kvcodec``."""
+    importable = sorted(path.name for path in REPO.iterdir()
+                        if (path.is_dir() and (path / "__init__.py").exists()) or path.suffix == ".py")
+    assert importable == ["kvcodec"], f"importable names at the repository's top: {importable}"

@@ -1,4 +1,4 @@
-"""Regenerate the golden containers in ``formats/golden/`` from real SmolLM2 KV.
+"""Regenerate the golden containers in ``kvcodec/formats/golden/`` from real SmolLM2 KV.
 
     python -m kvcodec.tools.make_golden KV_DUMP.safetensors
 

@@ -29,7 +29,7 @@ its reconstruction.  Measured on real KV it costs bits (see docs/codecs/cachegen
 is off by default.
 
 Two engines do the heavy passes and make the same bytes: numpy and constriction
-(:class:`CpuEngine`), and the Triton kernels in ``kernels/cachegen.py``
+(:class:`CpuEngine`), and the Triton kernels in ``kvcodec/kernels/cachegen.py``
 (:mod:`kvcodec.codecs.cachegen.device`), chosen by ``LayerContext.backend``:
 ``"auto"`` runs the kernels for CUDA tensors.  They agree because every
 statistic the encoder derives a choice from is a float64 sum that is exact for

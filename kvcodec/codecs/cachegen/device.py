@@ -1,4 +1,4 @@
-"""The cachegen codec's Triton engine: host-side tables and launches of ``kernels/cachegen.py``.
+"""The cachegen codec's Triton engine: host-side tables and launches of ``kvcodec/kernels/cachegen.py``.
 
 The host keeps what is small and branchy (the step choice, the lane plan) and
 the kernels do every pass over the KV itself, the table choice included.  One

@@ -1,4 +1,4 @@
-"""The Triton lane decoder (``kernels/cachegen.py``'s ``decode_kernel``) and the tables it reads, staged on a
+"""The Triton lane decoder (``kvcodec/kernels/cachegen.py``'s ``decode_kernel``) and the tables it reads, staged on a
 device.  cachegen decodes its parts with it, kvtc its coefficients: the kernel's part table says where each
 dequantized element goes, so one launch serves either."""
 
@@ -85,7 +85,7 @@ class LaneDecode:
     valid stream of its symbols raises :class:`CorruptDataError` naming ``what``.  Staging and running are apart
     so a caller can time the kernel alone, or stage while the previous chunk decodes.
 
-    The host arrays are the kernel's (``kernels/cachegen.py``): ``lanes`` ``[NL, 6]``, ``lengths`` (words per
+    The host arrays are the kernel's (``kvcodec/kernels/cachegen.py``): ``lanes`` ``[NL, 6]``, ``lengths`` (words per
     lane), ``words`` (each lane's words, in lane order), ``order`` (channels in lane order), per part its first
     channel (``channels``) and the offset of its token step codes (``token_codes``, -1: none), and per channel
     of the concatenated parts ``table``, ``mu`` (float16) and ``b_code``, then the token step codes ``a_code``."""

@@ -3,7 +3,7 @@
 Every (layer, K or V, channel) of a cachegen chunk, and every component of a kvtc
 part, picks one table from a fixed codebook of discretized Gaussians and stores
 only its index (one byte).  The codebook is frozen in
-``formats/cachegen/codebook-v1.u32`` (checked by SHA-256 at load) so that every
+``kvcodec/formats/cachegen/codebook-v1.u32`` (checked by SHA-256 at load) so that every
 decoder, on any platform or on the GPU, uses the very same integer frequencies;
 :func:`build_codebook` is how it was made.
 """
