@@ -17,7 +17,7 @@ from kvcodec.devices import resolve_device
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError
 from kvcodec.formats.v1 import Header, Variant
 from kvcodec.positions import reposition
-from kvcodec.threads import DEFAULT_THREADS, check_threads, torch_threads
+from kvcodec.threads import DEFAULT_THREADS, check_threads, coding
 
 DEFAULT_CHUNK_TOKENS = 256
 T = TypeVar("T")
@@ -80,13 +80,6 @@ def sections_to_read(codec: Codec, header: Header, token_start: int, token_count
         return list(layers)
     filled = filled_layers(header, token_start, token_count, layer_start)
     return filled[:1] if filled and any(l in filled for l in layers) else []
-
-
-def coding(threads: int, fn: Callable[[], T]) -> T:
-    """``fn()``, a codec's encode or decode call, with torch on ``threads`` threads (:mod:`kvcodec.threads`): the
-    one place a call's ``threads`` reaches torch; codecs get it in their :class:`LayerContext`."""
-    with torch_threads(threads):
-        return fn()
 
 
 def encode_frames(kv: KVCache, header: Header, codecs: Sequence[Codec], backend: str = "auto",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
 
 import kvcodec
+from kvcodec.codecs.registry import codec_class
 from kvcodec.threads import torch_threads
 
 
@@ -45,3 +49,51 @@ def test_bad_threads_are_invalid_input(bad):
         kvcodec.encode(kv, "raw", threads=bad)
     with pytest.raises(kvcodec.InvalidInputError, match="threads"):
         kvcodec.decode(kvcodec.encode(kv), threads=bad)
+
+
+@pytest.fixture()
+def engine_that_binds_threads(monkeypatch, caplog):
+    """torch.set_num_threads as vLLM's CPU worker leaves it once it has bound its threads (vllm/v1/worker/
+    cpu_worker.py): a warning, nothing set; the engine's own threads run torch on 3."""
+    def skip_set_num_threads(n: int) -> None:
+        logging.getLogger("engine").warning("CPU backend doesn't allow to use `torch.set_num_threads` after the "
+                                            "thread binding, skip it.")
+
+    with torch_threads(3):
+        monkeypatch.setattr(torch, "set_num_threads", skip_set_num_threads)
+        caplog.set_level(logging.WARNING)
+        yield caplog
+        monkeypatch.undo()
+
+
+def counted(monkeypatch, codec: str) -> list[tuple[str, int]]:
+    """(method, torch's thread count inside it) for each call of the codec's encode and decode methods."""
+    cls, seen = codec_class(codec), []
+    for name in ("encode_layer", "encode_layers", "decode_layer", "decode_layers"):
+        def wrapped(self, *args, _name=name, _fn=getattr(cls, name), **kwargs):
+            seen.append((_name, torch.get_num_threads()))
+            return _fn(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, wrapped)
+    return seen
+
+
+@pytest.mark.parametrize("codec", ["kivi", "cachegen", "kvfetcher"])
+def test_engine_that_binds_threads_gets_no_set_num_threads_warnings_and_threads_applied(
+        engine_that_binds_threads, monkeypatch, codec):
+    """Issue 35, item 1: inside vLLM's CPU build every codec call logged two warnings and ran on the engine's count.
+    Neither on the engine's own thread (a save) nor on a thread that is not kvcodec's (a load's)."""
+    kv = cache()
+    want = kvcodec.decode(kvcodec.encode(kv, codec, threads=1), threads=1)
+    seen = counted(monkeypatch, codec)
+    blob = kvcodec.encode(kv, codec, threads=2)
+    loaded: list[kvcodec.KVCache] = []
+    loader = threading.Thread(target=lambda: loaded.append(kvcodec.decode(blob, threads=2)))
+    loader.start()
+    loader.join()
+    assert loaded[0].equal(want)
+    assert [r.getMessage() for r in engine_that_binds_threads.records] == []
+    # kvfetcher codes 2 sections at once, each with torch on one thread; the others run torch on 2 in every call
+    section = 1 if codec == "kvfetcher" else 2
+    assert {"encode", "decode"} <= {name[:6] for name, _ in seen}
+    assert all(count == (2 if name.endswith("s") else section) for name, count in seen), seen
+    assert torch.get_num_threads() == 3  # the engine's own thread kept its count

@@ -28,7 +28,6 @@ How the encoder picks the steps (config ``scale``; the decoder only reads the sc
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import numpy as np
@@ -43,7 +42,7 @@ from kvcodec.codecs.kvfetcher.section import FLAG_DELTA, HEAD, MAGIC, codes_dige
 from kvcodec.codecs.raw import tensor_bytes
 from kvcodec.codecs.registry import register_codec
 from kvcodec.errors import CorruptDataError, InvalidInputError
-from kvcodec.threads import torch_threads
+from kvcodec.threads import section_pool, torch_threads
 
 SCALES = ("minmax", "spread")
 # Measured on SmolLM2 (bench/results/kvfetcher.md): 2.61 bits/element, perplexity +0.68%.
@@ -214,5 +213,5 @@ def _in_threads(fn: Callable[[int], Any], ctxs: list[LayerContext]) -> list[Any]
         with torch_threads(1):
             return fn(i)
 
-    with ThreadPoolExecutor(workers) as pool:
+    with section_pool(workers) as pool:
         return list(pool.map(one_thread, range(n)))
