@@ -2,32 +2,24 @@
 (:class:`Master`) and a segment holder (:class:`SegmentHolder`).
 
 Mooncake keeps a value in the memory segment of the client that put it and drops it with that process, so engines
-that come and go mount no segment (``mooncake://MASTER?segment=0``) and a :class:`SegmentHolder`, a small process
-lending its memory to the store, keeps what they save."""
+that come and go mount no segment (``mooncake://MASTER?segment=0``) and a :class:`SegmentHolder`, the segment holder
+kvcodec ships (:mod:`kvcodec.store.tiers.mooncake_segment`) lending its memory to the store, keeps what they save."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from kvcodec.errors import UnsupportedError
+from kvcodec.store.tiers.mooncake_segment import READY
 from kvcodec.tools.redis_server import free_port
-
-HOLDER = """
-import sys
-from kvcodec.store.tiers import MooncakeTier
-tier = MooncakeTier(sys.argv[1], segment_bytes=int(sys.argv[2]), buffer_bytes=1 << 20, timeout_s=5, name="holder")
-assert tier.available, "the segment holder could not set up with the master"
-print("ready", flush=True)
-sys.stdin.read()  # until the parent closes our stdin
-tier.close()
-"""
-
 
 def unavailable() -> str | None:
     """Why Mooncake Store cannot run in this environment (its client does not import, or it has no
@@ -108,25 +100,42 @@ class Master:
 
 
 class SegmentHolder:
-    """A process lending ``segment_bytes`` of its memory to the Mooncake Store of ``master`` (``HOST:PORT``)."""
+    """The segment holder kvcodec ships (``python -m kvcodec.store.tiers.mooncake_segment``) lending ``segment_bytes``
+    of its memory to the Mooncake Store of ``master`` (``HOST:PORT``), its output in ``log`` (default: a temporary
+    file); started when the constructor returns (``RuntimeError`` if it exits or has not mounted within 60 s).
+    :meth:`stop` sends SIGTERM, as a deployment would, and records the exit status in ``returncode``."""
 
-    def __init__(self, master: str, segment_bytes: int = 256 << 20) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, master, str(segment_bytes)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != "ready":
-            self.stop()
-            raise RuntimeError("the Mooncake segment holder did not start")
+    def __init__(self, master: str, segment_bytes: int = 256 << 20, log: Path | None = None) -> None:
+        if log is None:
+            fd, name = tempfile.mkstemp(prefix="kvcodec-mooncake-segment-", suffix=".log")
+            os.close(fd)
+            log, self._own_log = Path(name), True
+        else:
+            self._own_log = False
+        self.log, self.returncode = log, None
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvcodec.store.tiers.mooncake_segment",
+                                          f"mooncake://{master}?timeout=5", "--segment", str(segment_bytes)],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60  # the import and Mooncake's set-up take 2-4 s on a loaded 2-core machine
+        while READY not in log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the Mooncake segment holder did not mount its segment: "
+                                   f"{log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.returncode = self.proc.returncode
+        if self._own_log:
+            self.log.unlink(missing_ok=True)
 
     def __enter__(self) -> SegmentHolder:
         return self
