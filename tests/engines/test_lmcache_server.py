@@ -239,3 +239,99 @@ def test_tier_adapter_refuses_bad_params(params, why):
 
     with pytest.raises(InvalidInputError, match=why):
         KVCodecTierL2Adapter(params)
+
+
+def _adapter_status(server: LMCacheServer, adapter_type: str) -> dict:
+    """The server's ``GET /status`` report of its L2 adapter of ``adapter_type``."""
+    import json
+
+    def find(node):
+        if isinstance(node, dict):
+            if node.get("type") == adapter_type:
+                return node
+            node = list(node.values())
+        for child in node if isinstance(node, list) else []:
+            if (hit := find(child)) is not None:
+                return hit
+        return None
+
+    with urllib.request.urlopen(f"{server.http_url}/status", timeout=10) as r:
+        status = find(json.loads(r.read()))
+    assert status is not None, f"no {adapter_type} in the server's status"
+    return status
+
+
+def test_truncated_fs_object_is_evicted_not_reread_with_a_traceback_per_lookup(real_kv, tmp_path):
+    """Issue 35, item 9: a truncated object in the fs adapter's folder stayed there, so every lookup loaded it again
+    and LMCache logged the deserializer's ERROR traceback each time (58 per server in one run).  Now the first load
+    evicts it (one warning), later lookups are clean misses for it, and the intact chunk beside it still loads (the
+    deserializer's failure used to fail the whole load task)."""
+    folder = tmp_path / "l2"
+    folder.mkdir()
+    with LMCacheServer(tmp_path, _fs_adapter(folder, _serde("raw"))) as server:
+        with KVClient(server, layers=L, heads=H, head_dim=D, tokens=256) as client:  # the first chunk alone
+            client.store(SEQ, real_kv[:, :, :256].contiguous())
+        _wait_until("the first chunk's L2 store", lambda: len(_files(folder)) >= 1)
+        (first,) = folder.glob("*.data")
+        with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:  # and the second after it
+            client.store(SEQ, real_kv)
+        _wait_until("the second chunk's L2 store", lambda: len(_files(folder)) >= 2)
+        time.sleep(0.5)  # the last file was renamed into place; let its store task report
+        (torn,) = set(folder.glob("*.data")) - {first}
+        logged = len(server.log.read_bytes())
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+        hits = []
+        for _ in range(3):
+            server.clear_l1()
+            with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:
+                hits.append(client.lookup(SEQ, timeout_s=3))
+            assert not torn.exists(), "the truncated object is still in the folder after a lookup"
+        assert server.proc.poll() is None
+        assert _adapter_status(server, "KVCodecFSL2Adapter")["evicted"] == 1
+    log = server.log.read_bytes()[logged:].decode(errors="replace")
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    assert sum(f"{torn.name} is bad" in line for line in log.splitlines()) == 1, log[-3000:]
+    assert first.exists() and hits == [256] * 3, hits  # the intact first chunk is still served
+
+
+@pytest.mark.parametrize("adapter_class", ["KVCodecFSL2Adapter", "KVCodecTierL2Adapter"])
+def test_torn_object_is_evicted_by_its_first_load_and_an_intact_one_loads(adapter_class, tmp_path):
+    """Both adapters, driven as LMCache's serde wrapper drives them (a load into a serde buffer sized by the
+    serializer's estimate): an object shorter than the length it starts with is evicted by its first load, once,
+    and counted; an intact object of the same key loads at its own length."""
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    from kvcodec.engines.lmcache.serde import SERIALIZED_LENGTH, object_key_name
+    from kvcodec.engines.lmcache_server import KVCodecFSL2Adapter, KVCodecFSL2AdapterConfig, KVCodecTierL2Adapter
+
+    key = ObjectKey(chunk_hash=b"\2" * 16, model_name="m", kv_rank=0)
+    value = bytes(range(256)) * 8
+    stored = SERIALIZED_LENGTH.pack(len(value)) + value
+    if adapter_class == "KVCodecFSL2Adapter":
+        adapter = KVCodecFSL2Adapter(KVCodecFSL2AdapterConfig(base_path=str(tmp_path)))
+        path = adapter._key_to_path(key)
+        put, held = path.write_bytes, path.exists
+    else:
+        adapter = KVCodecTierL2Adapter({"url": "memory://"})
+        name = object_key_name(key)
+        put, held = (lambda data: adapter.tier.put(name, data)), (lambda: adapter.tier.contains(name))
+    def load() -> tuple[bool, object]:
+        size = torch.Size([len(stored) + 4096])  # the serializer's estimate: an upper bound
+        buffer = TensorMemoryObj(torch.zeros(size, dtype=torch.uint8), MemoryObjMetadata(
+            shape=size, dtype=torch.uint8, address=0, phy_size=size.numel(), ref_count=1, shapes=[size],
+            dtypes=[torch.uint8]), parent_allocator=None)
+        task = adapter.submit_load_task([key], [buffer])
+        got: list = []
+        _wait_until("the load", lambda: got.append(adapter.query_load_result(task)) or got[-1] is not None, 10)
+        return got[-1].test(0), buffer
+
+    try:
+        put(stored[: len(stored) // 2])
+        assert load()[0] is False and not held() and adapter.report_status()["evicted"] == 1
+        assert load()[0] is False and adapter.report_status()["evicted"] == 1  # gone: a plain miss
+        put(stored)
+        loaded, buffer = load()
+        assert loaded and bytes(buffer.byte_array) == stored and adapter.report_status()["evicted"] == 1
+    finally:
+        adapter.close()

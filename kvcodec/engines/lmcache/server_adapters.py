@@ -6,9 +6,12 @@ that is the point of compressing), and LMCache 0.5.6 loads an object into a buff
 ``fs`` adapter then reports the short file as an ``Incomplete read``, a miss; padding every object to the bound
 would keep the bytes on disk at the raw size.  Both adapters here store the real length and accept an object
 shorter than its load buffer when that buffer holds serialized bytes (a flat ``uint8`` buffer, the layout
-LMCache gives every serde buffer).  They move those bytes and nothing else: every value is checked when the
-serializer reads it (:mod:`kvcodec.engines.lmcache.serde`: bound to its object key, authenticated, of the
-buffer's shape), so a value moved, forged or torn here is a miss there.
+LMCache gives every serde buffer).  They move those bytes and check only their length against the length the
+serializer wrote first: a torn object is evicted, with one warning, and counted (``report_status``: ``evicted``),
+as kvcodec's own tiers evict a bad value (left, LMCache would read it again on every lookup and log the
+deserializer's traceback each time).  Everything else is checked when the serializer reads it
+(:mod:`kvcodec.engines.lmcache.serde`: bound to its object key, authenticated, of the buffer's shape), so a value
+moved or forged here is a miss there.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import FSL2Adapter, FSL2AdapterConfig
 from lmcache.v1.platform import create_event_notifier
 
-from kvcodec.engines.lmcache.serde import object_key_name
+from kvcodec.engines.lmcache.serde import SERIALIZED_LENGTH, object_key_name
 from kvcodec.engines.lmcache.settings import adapter_tier_config
 from kvcodec.errors import CorruptDataError, LimitExceededError
 from kvcodec.store.tiers import redact
@@ -41,16 +44,24 @@ def _holds_serialized(obj: Any) -> bool:
     return len(shapes) == 1 and len(shapes[0]) == 1 and dtypes[0] == torch.uint8
 
 
-def _fits(obj: Any, n: int) -> bool:
-    """Whether an ``n``-byte object loads into ``obj``: exactly its size, or shorter into a serde buffer (which is
-    then narrowed to ``n``, so what reads it sees the object's bytes only)."""
+def _fits(obj: Any, n: int, head: bytes) -> bool:
+    """Whether an ``n``-byte object starting with ``head`` loads into ``obj``: exactly its size, or shorter into a
+    serde buffer (which is then narrowed to ``n``, so what reads it sees the object's bytes only).  Only kvcodec's
+    serializer writes objects shorter than their buffers (LMCache's own fill theirs), each starting with the length
+    of what follows: one of another length is torn, and raises :class:`CorruptDataError`."""
     size = obj.get_size()
     if n == size:
         return True
-    if 0 < n < size and _holds_serialized(obj):
-        obj.set_used_size(n)
-        return True
-    return False
+    if not (0 < n < size and _holds_serialized(obj)):
+        return False
+    if n < SERIALIZED_LENGTH.size:
+        raise CorruptDataError(f"it holds {n} bytes, too few for a serialized length (torn)")
+    (length,) = SERIALIZED_LENGTH.unpack_from(head)
+    if SERIALIZED_LENGTH.size + length != n:
+        raise CorruptDataError(f"it holds {n} bytes, not the {SERIALIZED_LENGTH.size + length} its serialized "
+                               "length says (torn)")
+    obj.set_used_size(n)
+    return True
 
 
 # The plugin factory builds the adapter's config from adapter_params with the class named <class_name>Config.
@@ -64,15 +75,38 @@ class KVCodecFSL2Adapter(FSL2Adapter):
 
     def __init__(self, config: FSL2AdapterConfig, **_: Any) -> None:  # the plugin factory adds l1_memory_desc
         super().__init__(config)
+        self.evicted = 0
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
         for key, obj in zip(keys, objects, strict=True):
-            try:  # one stat on the caller's thread: the size must be known before the base adapter reads
-                n = os.stat(self._key_to_path(key)).st_size
+            path = self._key_to_path(key)
+            try:  # on the caller's thread: the size must be known before the base adapter reads
+                with open(path, "rb", buffering=0) as f:
+                    n, head = os.fstat(f.fileno()).st_size, f.read(SERIALIZED_LENGTH.size)
             except OSError:
                 continue  # missing: the base adapter reports the miss
-            _fits(obj, n)  # a file of any other size stays a miss ("Incomplete read")
+            try:
+                _fits(obj, n, head)  # a file of any other size stays a miss ("Incomplete read")
+            except CorruptDataError as err:  # gone before the base adapter reads it: a clean miss, now and later
+                self._evict(key, path, n, err)
         return super().submit_load_task(keys, objects)
+
+    def _evict(self, key: Any, path: Any, n: int, why: Exception) -> None:
+        """Remove ``key``'s damaged file (as :meth:`delete` does: LMCache's listeners learn it is gone)."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return  # another load evicted it first
+        except OSError as err:
+            log.warning("kvcodec fs L2 adapter: %s is bad (%s) but could not be evicted (%s); a miss", path, why, err)
+            return
+        with self._lock:
+            self.evicted += 1
+        log.warning("kvcodec fs L2 adapter: %s is bad (%s); evicted", path, why)
+        self._notify_keys_deleted([key], [n])
+
+    def report_status(self) -> dict:
+        return {**super().report_status(), "type": "KVCodecFSL2Adapter", "evicted": self.evicted}
 
 
 class KVCodecTierL2Adapter(L2AdapterInterface):
@@ -95,6 +129,7 @@ class KVCodecTierL2Adapter(L2AdapterInterface):
         self._pool = ThreadPoolExecutor(max_workers=own["workers"], thread_name_prefix="kvcodec-l2")
         self._lock = threading.Lock()
         self._next_id = 0
+        self.evicted = 0  # bad values deleted by loads (report_status)
         self._store_efd, self._lookup_efd, self._load_efd = (create_event_notifier() for _ in range(3))
         # Completed tasks by id.  These dicts are never replaced, only emptied under the lock: a task finishing
         # while LMCache pops the others must still be found (a lost store never releases its L1 read locks).
@@ -177,15 +212,18 @@ class KVCodecTierL2Adapter(L2AdapterInterface):
                 name = object_key_name(key)
                 try:
                     data = self.tier.get(name, obj.get_size())
+                    fits = data is not None and _fits(obj, len(data), data)
                 except (CorruptDataError, LimitExceededError) as err:  # can never load into this buffer: gone
-                    log.warning("kvcodec L2 adapter over %s: %s (%s); evicted", self.url, name, err)
+                    log.warning("kvcodec L2 adapter over %s: %s is bad (%s); evicted", self.url, name, err)
                     self.tier.delete(name)
+                    with self._lock:
+                        self.evicted += 1
                     continue
                 if data is None:
                     continue
-                if not _fits(obj, len(data)):
+                if not fits:
                     log.warning("kvcodec L2 adapter over %s: %s holds %d bytes, its %d-byte buffer another size; "
-                                "a miss", self.url, object_key_name(key), len(data), obj.get_size())
+                                "a miss", self.url, name, len(data), obj.get_size())
                     continue
                 memoryview(obj.byte_array).cast("B")[: len(data)] = data
                 bitmap.set(i)
@@ -201,7 +239,7 @@ class KVCodecTierL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict:
         return {"is_healthy": bool(getattr(self.tier, "available", True)), "type": "KVCodecTierL2Adapter",
-                "tier": repr(self.tier)}
+                "tier": repr(self.tier), "evicted": self.evicted}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
