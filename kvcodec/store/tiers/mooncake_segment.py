@@ -8,7 +8,7 @@ in the segments of holders like this one: run one on each machine that lends mem
 ``kvcodec mooncake-segment URL --segment SIZE`` or ``python -m kvcodec.store.tiers.mooncake_segment ...``
 (:func:`main`); :func:`add_arguments` and :func:`run` are what a command line wires.  The URL is the engines' own
 tier URL (:mod:`kvcodec.store.tiers.urls`), so the holder and the engines name the master, metadata server and
-protocol the same way; ``--segment`` replaces its ``segment=`` (the engines' says 0).
+protocol the same way; ``--segment`` and ``--local`` replace its ``segment=`` (the engines' says 0) and ``local=``.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from kvcodec.errors import InvalidInputError, KVCodecError, UnsupportedError
+from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.store.tiers.urls import parse_size, tier_from_url
 
 log = logging.getLogger("kvcodec.store.tiers.mooncake_segment")  # not __name__: that is __main__ under -m
@@ -36,7 +37,10 @@ HOLDER_BUFFER = "1MiB"
 POLL_S = 0.2
 READY = "mooncake-segment: lending"  # how the one line saying what is lent begins (scripts wait for it)
 
-HELP = "lend this machine's memory to a Mooncake Store (the process engines' Mooncake tier saves into)"
+EXIT_STATUSES = """\
+exit status: 0 after SIGTERM or Ctrl-C (the segment unmounted), 2 for bad arguments, 3 without Mooncake,
+4 when the master does not take the segment within --wait seconds (as the kvcodec command's)"""
+HELP = "lend memory to a Mooncake Store: where engines' Mooncake tier (segment=0) keeps what it saves"
 DESCRIPTION = """\
 Lend SIZE bytes of this machine's memory to a Mooncake Store and hold them until stopped (SIGTERM or
 Ctrl-C unmounts the segment and exits 0).
@@ -96,8 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "elsewhere (default: the URL's local=, else 127.0.0.1)")
     parser.add_argument("--protocol", choices=["tcp", "rdma"], help="transport (default: the URL's, else tcp)")
     parser.add_argument("--wait", type=_seconds, default=DEFAULT_WAIT_S, metavar="SECONDS",
-                        help="how long to wait for the master to answer before giving up with an error "
-                             f"(default: {DEFAULT_WAIT_S:g})")
+                        help="how long to wait for the master to take the segment before giving up with an error "
+                             f"(default: {DEFAULT_WAIT_S:g}); a master that accepts connections but never answers "
+                             "holds Mooncake's set-up 90 s unless the URL names its admin=HOST:PORT")
 
 
 def holder_url(args: argparse.Namespace) -> str:
@@ -225,18 +230,22 @@ def _gib(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvcodec.store.tiers.mooncake_segment``: exit 0 after a clean stop, 2 for bad arguments, 1 when
-    the master cannot be reached or Mooncake is missing (one line on stderr)."""
+    """``python -m kvcodec.store.tiers.mooncake_segment``, with the ``kvcodec`` command's exit statuses: 0 after a
+    clean stop, 2 for bad arguments, 3 without Mooncake, 4 when the master does not take the segment (one line on
+    stderr)."""
     parser = argparse.ArgumentParser(prog="python -m kvcodec.store.tiers.mooncake_segment", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=EXIT_STATUSES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     args.parser = parser
     try:
         return run(args)
-    except (KVCodecError, OSError) as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 1
+    except UnsupportedError as e:
+        code, message = 3, str(e)
+    except OSError as e:
+        code, message = 4, str(e)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
