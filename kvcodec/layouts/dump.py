@@ -14,10 +14,14 @@ import torch
 
 from kvcodec.errors import CorruptDataError
 from kvcodec.files import write_atomically
+from kvcodec.formats.v1 import MAGIC
 
 FORMAT_TAG = "kvcodec-kv-dump"
 _NAME = re.compile(r"layers\.(\d+)\.(keys|values)")
 _JSON_FIELDS = ("token_ids", "positions")
+# What a reader of a foreign file needs to know to make a dump (said in every error about the tensors)
+LAYOUT = ("a KV dump holds tensors layers.{i}.keys and layers.{i}.values for i = 0..L-1, each [heads, tokens, "
+          "head_dim], float16, bfloat16 or float32")
 
 
 def save_safetensors(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], meta: dict[str, Any],
@@ -45,12 +49,15 @@ def read_safetensors(path: str | os.PathLike[str]) -> tuple[list[tuple[torch.Ten
             for name in names:
                 m = _NAME.fullmatch(name)
                 if m is None:
-                    raise CorruptDataError(f"{path}: unexpected tensor {name!r} in a KV dump")
+                    raise CorruptDataError(f"{path}: unexpected tensor {name!r}: {LAYOUT}")
                 found.setdefault(int(m.group(1)), {})[m.group(2)] = f.get_tensor(name)
     except SafetensorError as e:
+        with open(path, "rb") as f:
+            if f.read(len(MAGIC)) == MAGIC:
+                raise CorruptDataError(f"{path} is a kvcodec container, not a KV dump; use kvcodec decode or info") from None
         raise CorruptDataError(f"{path}: not a readable safetensors file: {e}") from None
     if sorted(found) != list(range(len(found))) or any(len(v) != 2 for v in found.values()):
-        raise CorruptDataError(f"{path}: layers must be numbered 0..L-1, each with keys and values")
+        raise CorruptDataError(f"{path}: layers must be numbered 0..L-1, each with keys and values: {LAYOUT}")
     kwargs: dict[str, Any] = {}
     for k in ("model", "rope", *_JSON_FIELDS):
         if k in meta:
