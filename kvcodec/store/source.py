@@ -25,8 +25,9 @@ from typing import Any, Callable, Sequence
 from kvcodec.codecs import Codec
 from kvcodec.container import ContainerFile
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, LimitExceededError
+from kvcodec.formats.v1 import FOOTER, FOOTER_MAGIC
 from kvcodec.reader import build_codecs
-from kvcodec.store.auth import unseal
+from kvcodec.store.auth import TAG_BYTES, unseal
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
 from kvcodec.store.keys import format_key
 from kvcodec.store.tiers import StorageTier
@@ -322,6 +323,32 @@ class ChunkSource:
         """How many of ``keys``, from the first, some tier holds: an engine's prefix hit, in its own chunks."""
         held = [h is not None for h in self.holders(keys)]
         return held.index(False) if False in held else len(held)
+
+    def held_whole_prefix(self, keys: Sequence[str]) -> int:
+        """:meth:`held_prefix`, counting a value only when it also ends whole: in a container footer that gives its
+        length (then the tag, with a secret), read with one ranged read of its last bytes (the whole value where the
+        tier has none).  A truncated, extended or emptied value is discarded as a read would discard it, and the
+        next tier's copy asked; one damaged within, or written for another key, is found when read (:meth:`check`)."""
+        ends = FOOTER.size + (TAG_BYTES if self.secret is not None else 0)
+        found = self.value_sizes(keys)
+        for i, key in enumerate(keys):
+            for _ in self.tiers:  # each bad copy discarded, the next tier's asked
+                if found[i] is None:
+                    return i
+                size, tier = found[i]
+                end = self.read_range(tier, key, size - ends, ends, self.chunk_tokens) if size >= ends else b""
+                if end is None:  # gone meanwhile, or unreadable now: a load decides
+                    break
+                if len(end) == ends:
+                    index_offset, index_len, magic = FOOTER.unpack_from(end)
+                    if magic == FOOTER_MAGIC and index_offset + index_len + ends == size:
+                        break
+                self.discard(FetchedChunk(key, tier, 0, self.chunk_tokens, b""), CorruptDataError(
+                    f"{key} holds {size} bytes, not the length its container's footer gives (torn)"))
+                found[i] = self.value_sizes([key])[0]
+            else:
+                return i
+        return len(keys)
 
     def value_sizes(self, keys: Sequence[str], tokens: Sequence[int] | None = None) -> list[tuple[int, str] | None]:
         """For each of ``keys`` (a chunk of ``tokens[i]`` tokens; default ``chunk_tokens``), the size of its value and

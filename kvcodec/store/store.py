@@ -260,6 +260,11 @@ class KVStore:
         """How many of ``keys``, from the first, some tier holds: an engine's prefix hit, in its own chunks."""
         return self.source.held_prefix(keys)
 
+    def held_whole_prefix(self, keys: Sequence[str]) -> int:
+        """:meth:`held_prefix`, less values that do not end whole, which are evicted
+        (:meth:`ChunkSource.held_whole_prefix`)."""
+        return self.source.held_whole_prefix(keys)
+
     def fetch(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> list[FetchedChunk]:
         """The checked, undecoded chunks of the stored prefix of ``token_ids``, up to the first chunk no tier holds
         intact (for tools that measure or inspect stored values; engines load through :meth:`prefix_load`)."""
