@@ -4,8 +4,9 @@ A calibration is computed once per model from calibration text (never the text a
 saved as a safetensors file.  Its SHA-256 (of the file's bytes) is its name: containers record it in their
 config, and a decoder looks it up, in order, among the calibrations registered in this process
 (:func:`register_calibration`), the folders of ``$KVCODEC_CALIBRATIONS`` (``os.pathsep``-separated) and the
-cache folder (:func:`cache_dir`); never in the working directory unless a caller names it.  A file found by
-its hash is checked against it before use.  A ``KVStore`` keeps the calibrations its chunks need beside them.
+cache folder (:func:`cache_dir`); never in the working directory unless a caller names it.  A file named
+``<hash>.kvtc`` is found by its name; failing that, every other ``*.kvtc`` file there by its content (each hashed
+once per process).  A file is checked against the hash before use.  A ``KVStore`` keeps the calibrations its chunks need beside them.
 
 An encoder finds the calibration of a model by the model's identity (:func:`kvcodec.store.identity.model_identity`,
 a digest of its configuration and weights), which the file records beside the model's name for humans and under
@@ -48,6 +49,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -250,6 +252,9 @@ def _safetensors_metadata(data: bytes) -> dict[str, str]:
 _registered: dict[str, Calibration] = {}
 _pinned: set[str] = set()
 _lock = threading.Lock()
+# The SHA-256 of each calibration file of the search path hashed by content in this process, by path, with the
+# size and modification time it had then: a file is hashed once, unless it changes.
+_hashed: dict[str, tuple[int, int, str]] = {}
 
 
 def cache_dir() -> str:
@@ -314,19 +319,56 @@ def find_calibration(digest: str, paths: Sequence[str | os.PathLike[str]] = ()) 
     if cal is not None:
         return cal if digest in _pinned else _remember_found(cal)
     passed_over = []
-    for folder in search_dirs(paths):
-        path = os.path.join(folder, digest + SUFFIX)
-        if os.path.isfile(path):
-            try:
-                return _remember_found(Calibration.load(path, digest))
-            except (CorruptDataError, LimitExceededError) as e:
-                passed_over.append(f"{path}: {e}")
+    folders = search_dirs(paths)
+    named = [os.path.join(folder, digest + SUFFIX) for folder in folders]
+    for path in [p for p in named if os.path.isfile(p)] + _files_hashing_to(digest, folders):
+        try:
+            return _remember_found(Calibration.load(path, digest))
+        except (CorruptDataError, LimitExceededError) as e:
+            passed_over.append(f"{path}: {e}")
     raise MissingCalibrationError(
         f"kvtc calibration {digest} is not available. Get the file from whoever wrote the container (or run "
-        f"`kvcodec calibrate --model MODEL -o FILE` with the same model and settings) and put it in "
-        f"{cache_dir()} as {digest}{SUFFIX}, in a folder of ${ENV_PATH}, or register it with "
+        f"`kvcodec calibrate --model MODEL -o FILE` with the same model and settings) and put it (any name ending "
+        f"{SUFFIX}) in {cache_dir()} or a folder of ${ENV_PATH}, or register it with "
         f"kvcodec.codecs.kvtc.register_calibration(FILE)"
         + "".join(f"; passed over {p}" for p in passed_over))
+
+
+def _files_hashing_to(digest: str, folders: Sequence[str]) -> list[str]:
+    """The ``*.kvtc`` files of ``folders`` not named ``<digest>.kvtc`` whose bytes hash to ``digest`` (a calibration
+    copied in under the name it was made with).  Each file is hashed once per process (again only if its size or
+    modification time changes); one larger than :data:`MAX_FILE_BYTES` is never read."""
+    found = []
+    for folder in folders:
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.endswith(SUFFIX) and n != digest + SUFFIX)
+        except OSError:  # no such folder: nothing installed there
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+                    continue
+                known = _hashed.get(path)
+                if known is None or known[:2] != (st.st_size, st.st_mtime_ns):
+                    known = _hashed[path] = (st.st_size, st.st_mtime_ns, _file_sha256(path))
+            except OSError:  # removed or unreadable meanwhile: not a calibration this process can use
+                continue
+            if known[2] == digest:
+                found.append(path)
+    return found
+
+
+def _file_sha256(path: str) -> str:
+    """SHA-256 of the file's first MAX_FILE_BYTES + 1 bytes (a file grown past the limit since it was measured
+    hashes to no calibration's name, and is not read further)."""
+    h, left = hashlib.sha256(), MAX_FILE_BYTES + 1
+    with open(path, "rb") as f:
+        while left > 0 and (block := f.read(min(left, 1 << 20))):
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
 
 
 def calibration_for_model(model: str | None, paths: Sequence[str | os.PathLike[str]] = ()) -> Calibration | None:
