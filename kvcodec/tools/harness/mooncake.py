@@ -21,6 +21,7 @@ from kvcodec.errors import UnsupportedError
 from kvcodec.store.tiers.mooncake_segment import READY
 from kvcodec.tools.redis_server import free_port
 
+
 def unavailable() -> str | None:
     """Why Mooncake Store cannot run in this environment (its client does not import, or it has no
     ``mooncake_master``), or None."""
