@@ -41,6 +41,7 @@ def fresh_process(tmp_path, monkeypatch):
     """No calibration registered, an empty cache folder and no $KVCODEC_CALIBRATIONS: a new machine."""
     monkeypatch.setattr(calmod, "_registered", {})
     monkeypatch.setattr(calmod, "_pinned", set(), raising=False)
+    monkeypatch.setattr(calmod, "_hashed", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv(calmod.ENV_PATH, raising=False)
     return tmp_path
@@ -215,3 +216,37 @@ def test_damaged_side_data_is_corrupt_data(fresh_process):
     named = KVTC(calibration=calmod.hashlib.sha256(forged).hexdigest())
     with pytest.raises(CorruptDataError):
         named.install_side_data(forged)
+
+
+def test_issue35_a_calibration_installed_under_another_name_is_found_by_its_content(fresh_process, monkeypatch):
+    """A calibration copied into a folder of $KVCODEC_CALIBRATIONS under the name it was made with (not its hash)
+    is found; each file there is hashed once per process, only when no file has the name, and a file over the
+    size limit is never read."""
+    cal = _calibration(11)
+    blob = kvcodec.encode(_cache(), KVTC(calibration=cal))
+    monkeypatch.setattr(calmod, "_registered", {})
+    folder = fresh_process / "cals"
+    folder.mkdir()
+    (folder / "toy.kvtc").write_bytes(cal.to_bytes())
+    (folder / "other.kvtc").write_bytes(_calibration(12).to_bytes())
+    (folder / "notes.txt").write_bytes(cal.to_bytes())  # not a .kvtc file: not looked at
+    with open(folder / "huge.kvtc", "wb") as f:  # sparse, over the limit: never read
+        f.truncate(calmod.MAX_FILE_BYTES + 1)
+    monkeypatch.setenv(calmod.ENV_PATH, str(folder))
+    hashed = []
+    real = calmod._file_sha256
+    monkeypatch.setattr(calmod, "_file_sha256", lambda path: hashed.append(path) or real(path))
+    assert kvcodec.decode(blob).num_layers == L
+    assert sorted(map(calmod.os.path.basename, hashed)) == ["other.kvtc", "toy.kvtc"]
+    # another miss in the same process hashes nothing again; a file named by its hash is found without hashing
+    with pytest.raises(MissingCalibrationError, match="any name ending .kvtc"):
+        calmod.find_calibration("0" * 64)
+    named = _calibration(13)
+    calmod.install(named, str(folder))
+    assert calmod.find_calibration(named.digest).digest == named.digest
+    assert len(hashed) == 2
+    # a file that changes is hashed again (and the one installed since, once)
+    (folder / "other.kvtc").write_bytes(named.to_bytes() + b" ")
+    with pytest.raises(MissingCalibrationError):
+        calmod.find_calibration("1" * 64)
+    assert sorted(map(calmod.os.path.basename, hashed[2:])) == [named.digest + ".kvtc", "other.kvtc"]
