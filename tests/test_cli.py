@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kvcodec
-from kvcodec.cli import EXIT_FAILED, EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_UNSUPPORTED, build_parser, main
+from kvcodec.cli import EXIT_FAILED, EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_UNSUPPORTED, EXIT_USAGE, build_parser, main
 
 SUBCOMMANDS = ["dump", "encode", "decode", "info", "verify", "eval", "bench", "codecs", "calibrate"]
 
@@ -186,3 +188,86 @@ def test_calibrate_install_is_found_under_the_model_identity_hooks_use(capsys, r
     against = json.loads(out)["against"]
     # values are weighted by what their error does downstream, so their plain SNR is lower than the keys'
     assert code == EXIT_OK and 15 < against["keys"]["snr_db"] < 60 and 8 < against["values"]["snr_db"] < 60, against
+
+
+# --- issue 35, item 5: the calibration a kvtc container was made with ------------------------------------------
+
+
+@pytest.fixture()
+def kvtc_files(real_dump, tmp_path, monkeypatch):
+    """A fresh process's lookup state (nothing registered, an empty cache folder, no $KVCODEC_CALIBRATIONS), a
+    calibration of SmolLM2's 30 layers fitted on the real GPL-3 cache (keys as stored: the lookup, not the fit, is
+    under test) saved to a file, and the real pydoc-topics dump."""
+    from kvcodec.codecs.kvtc import calibration as calmod
+    from kvcodec.codecs.kvtc.calibration import LayerInfo
+    from kvcodec.codecs.kvtc.fit import fit_calibration
+
+    monkeypatch.setattr(calmod, "_registered", {})
+    monkeypatch.setattr(calmod, "_pinned", set())
+    monkeypatch.setattr(calmod, "_hashed", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(calmod.ENV_PATH, raising=False)
+    src = kvcodec.KVCache.load_safetensors(real_dump("license:GPL-3", 512))
+    h, t, d = src.layers[0].keys.shape
+    rows = [x.float().permute(1, 0, 2).reshape(t, -1) for l in src.layers for x in (l.keys, l.values)]
+    weights = [torch.full((h * d,), 10 / float(x.pow(2).mean().sqrt())) for x in rows]
+    cal = fit_calibration(src.model, [LayerInfo(h, d, d, None)] * src.num_layers,
+                          [list(range(i, i + 10)) for i in (0, 10, 20)], rows[0::2], rows[1::2], weights[0::2],
+                          weights[1::2], (0.2, 0.6))
+    path = tmp_path / "made-with.kvtc"
+    cal.save(path)
+    return SimpleNamespace(cal=cal, path=str(path), dump=str(real_dump("pydoc-topics", 300)), tmp=tmp_path,
+                           forget=lambda: (calmod._registered.clear(), calmod._pinned.clear()))
+
+
+def test_issue35_decode_and_verify_take_the_calibration_the_container_was_made_with(capsys, kvtc_files):
+    f = kvtc_files
+    kvc, back = str(f.tmp / "kv.kvc"), str(f.tmp / "back.safetensors")
+    assert run(capsys, "encode", f.dump, "-o", kvc, "--codec", f"kvtc:calibration={f.path}", "-q")[0] == EXIT_OK
+    f.forget()  # another process: the file is not installed anywhere
+    code, _, err = run(capsys, "decode", kvc, "-o", back, "-q")
+    assert code == EXIT_UNSUPPORTED and f.cal.digest in err and "--calibration FILE" in err
+    code, out, _ = run(capsys, "verify", kvc, "--calibration", f.path, "--against", f.dump, "-q")
+    assert code == EXIT_OK and "integrity checked" in out and "is lossy" in out, out
+    f.forget()
+    assert run(capsys, "decode", kvc, "-o", back, "--calibration", f.path, "-q")[0] == EXIT_OK
+    assert kvcodec.KVCache.load_safetensors(back).num_tokens == 300
+    code, _, err = run(capsys, "decode", kvc, "-o", back, "--calibration", f.dump)
+    assert code == EXIT_FAILED and f"--calibration {f.dump}: not a kvtc calibration" in err
+    # installed under the name it was made with, not its hash: found by its content
+    f.forget()
+    installed = f.tmp / "cals"
+    installed.mkdir()
+    shutil.copy(f.path, installed / "smollm2-mine.kvtc")
+    os.environ[calibration_env()] = str(installed)  # (monkeypatch restores it: the fixture deleted it first)
+    assert run(capsys, "verify", kvc, "-q")[0] == EXIT_OK
+
+
+def calibration_env() -> str:
+    from kvcodec.codecs.kvtc.calibration import ENV_PATH
+
+    return ENV_PATH
+
+
+def test_issue35_encode_finds_the_calibration_installed_for_the_model_a_dump_records(capsys, kvtc_files):
+    """`kvcodec dump` records the model's identity, by which `calibrate --install` installs; a dump without one
+    (another tool's) is refused in one line that says what to pass."""
+    from kvcodec.codecs.kvtc import install
+    from kvcodec.models import model_path
+    from kvcodec.store.identity import model_identity
+
+    f = kvtc_files
+    identity = model_identity(model_path("smollm2"))
+    install(f.cal.of_model(identity))
+    f.forget()
+    dump = str(f.tmp / "d.safetensors")
+    code, out, _ = run(capsys, "dump", "--text", "license:GPL-3", "--tokens", "40", "-o", dump, "-q", "--json")
+    assert code == EXIT_OK and json.loads(out)["model_identity"] == identity
+    code, out, _ = run(capsys, "encode", dump, "-o", str(f.tmp / "a.kvc"), "--codec", "kvtc", "-q", "--json")
+    assert code == EXIT_OK and json.loads(out)["config"]["calibration"] == f.cal.of_model(identity).digest
+    foreign = str(f.tmp / "foreign.safetensors")
+    kvcodec.KVCache.load_safetensors(dump).save_safetensors(foreign)  # the cache alone: no identity
+    f.forget()  # (a calibration used in this process is found by the model's name too)
+    code, _, err = run(capsys, "encode", foreign, "-o", str(f.tmp / "b.kvc"), "--codec", "kvtc")
+    assert code == EXIT_INVALID and err.count("\n") == 1 and "records no model identity" in err
+    assert "--codec kvtc:calibration=FILE" in err
