@@ -12,12 +12,13 @@ and FFmpeg) code that many sections at once instead, on a :func:`section_pool`, 
 Inside an engine that binds its threads to cores, ``torch.set_num_threads`` is not torch's: vLLM's CPU worker
 replaces it with a function that logs a warning and changes nothing, so a load logged two warnings per layer per
 chunk (360 lines for 1,408 tokens) and ran on the engine's count, not ``threads``.  torch's count is an OpenMP
-setting of each native thread, and the engine's guard is for its own threads, so kvcodec sets it, with torch's
-own setter, only on threads it owns: there, on a thread not its own, :func:`coding` runs the call on one of
-kvcodec's threads (:func:`_workers`) and waits; the caller's grad and inference modes go with it.  Measured
-here: one hand-over takes 12 us, against milliseconds for the smallest section; a load of 180 sections adds
-2 ms.  torch's setter also sets the count that a thread which has not used torch yet starts with (measured:
-set to 1 on one thread, a new thread started with 1), which is why kvcodec's threads restore it after each call.
+setting of each native thread and the engine guards its own threads, so kvcodec sets the count, with torch's own
+setter, only on threads it owns; called on another thread in such an engine, :func:`coding` runs the call on one
+of kvcodec's threads (:func:`_workers`) and waits, the caller's grad and inference modes going with it.
+Measured: one hand-over takes 12 us, against milliseconds for a section; in vLLM's server bound to 2 CPUs a
+512-token cachegen load took 0.39-0.45 s, as before (0.41-0.43 s, with 120 warnings each).  torch's setter also
+sets the count a thread starts with when it first uses torch (measured: set to 1 on one thread, a new thread
+started with 1), which is why kvcodec's threads restore it after each call, as any caller's are.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import torch
 

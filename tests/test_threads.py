@@ -69,11 +69,15 @@ def engine_that_binds_threads(monkeypatch, caplog):
 def counted(monkeypatch, codec: str) -> list[tuple[str, int]]:
     """(method, torch's thread count inside it) for each call of the codec's encode and decode methods."""
     cls, seen = codec_class(codec), []
+
+    def counting(name, fn):
+        def wrapped(self, *args, **kwargs):
+            seen.append((name, torch.get_num_threads()))
+            return fn(self, *args, **kwargs)
+        return wrapped
+
     for name in ("encode_layer", "encode_layers", "decode_layer", "decode_layers"):
-        def wrapped(self, *args, _name=name, _fn=getattr(cls, name), **kwargs):
-            seen.append((_name, torch.get_num_threads()))
-            return _fn(self, *args, **kwargs)
-        monkeypatch.setattr(cls, name, wrapped)
+        monkeypatch.setattr(cls, name, counting(name, getattr(cls, name)))
     return seen
 
 

