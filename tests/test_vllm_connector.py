@@ -508,10 +508,10 @@ def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_pat
 
 # --- one identity: what the keys cover --------------------------------------------------------------
 
-def _saved_by(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, **request) -> None:
-    """A request carrying ``request``'s inputs misses, is computed and saved."""
+def _saved_by(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, *, stored: int = 0, **request) -> None:
+    """A request carrying ``request``'s inputs finds ``stored`` tokens, is computed whole and saved."""
     req = SimpleNamespace(request_id=rid, prompt_token_ids=ids, **request)
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sched.get_num_new_matched_tokens(req, 0) == (stored, False)
     sched.update_state_after_alloc(req, None, 0)
     blocks = _table(len(ids), seed=1)
     for name, layer in zip(NAMES, kv.layers):
@@ -684,3 +684,8 @@ def test_a_save_logs_one_line_as_a_load_does(caplog):
     value_bytes = store.stats["put_bytes"]
     assert value_bytes > 0 and "saved 4 new chunk(s) of tokens 0-100" in saved[0].getMessage()
     assert f", {value_bytes} bytes, variants ['raw']" in saved[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("INFO"):  # the same prompt again: nothing new is saved, and nothing is said
+        _saved_by(sched, worker, caches, "again", _ids(100), _kv(100), stored=96)
+    assert store.stats["put_bytes"] == value_bytes
+    assert not [r for r in caplog.records if "saved" in r.getMessage()]

@@ -240,7 +240,7 @@ def test_vllm_serve_with_cachegen_over_http(server, reference, prompts, smollm2_
 def test_a_load_adds_one_line_to_the_engine_log(server, prompts, smollm2_hf):
     """Issue 35, item 1: a load of 1,408 tokens wrote 360 lines of vLLM's warning that torch.set_num_threads is not
     allowed after its thread binding (two per layer per chunk), a save 12.  Now: none in the whole log (the save and
-    load above included), and this request's load adds one line (its save of no new chunk, item 3's, another)."""
+    load above included), and this request's load adds one line (its save, of no new chunk, adds none)."""
     port, log = server
     start = log.stat().st_size
     body = {"model": str(smollm2_hf), "prompt": prompts["A"], "max_tokens": 1, "temperature": 0}
@@ -248,8 +248,7 @@ def test_a_load_adds_one_line_to_the_engine_log(server, prompts, smollm2_hf):
     with open(log, "rb") as f:
         f.seek(start)
         added = [line for line in f.read().decode(errors="replace").splitlines() if "kvcodec" in line]
-    assert [": loaded tokens" in line for line in added].count(True) == 1, added
-    assert [": saved 0 new chunk(s)" in line for line in added].count(True) == 1 and len(added) == 2, added
+    assert len(added) == 1 and ": loaded tokens" in added[0], added
     assert "set_num_threads" not in log.read_text()
 
 

@@ -11,6 +11,7 @@ Loads and saves finish within the forward pass.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -180,8 +181,9 @@ class WorkerSide:
                 t0, bytes_before = time.perf_counter(), self.store.stats["put_bytes"]
                 saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt)
                 self.stats["saved_chunks"] += saved
-                # one line per saved prompt, as a load logs one
-                log.info("kvcodec connector: request %s: saved %d new chunk(s) of tokens 0-%d in %.3f s, %d bytes, "
+                # one line per prompt that saved something, as a load logs one; a prompt loaded whole saves
+                # nothing new, and its load's line says all (issue 35: at most one line per load)
+                log.log(logging.INFO if saved else logging.DEBUG, "kvcodec connector: request %s: saved %d new chunk(s) of tokens 0-%d in %.3f s, %d bytes, "
                          "variants %s", spec.req_id, saved, len(spec.token_ids), time.perf_counter() - t0,
                          self.store.stats["put_bytes"] - bytes_before, [c.codec_id for c in self.store.variants])
             except Exception:
