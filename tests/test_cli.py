@@ -271,3 +271,64 @@ def test_issue35_encode_finds_the_calibration_installed_for_the_model_a_dump_rec
     code, _, err = run(capsys, "encode", foreign, "-o", str(f.tmp / "b.kvc"), "--codec", "kvtc")
     assert code == EXIT_INVALID and err.count("\n") == 1 and "records no model identity" in err
     assert "--codec kvtc:calibration=FILE" in err
+
+
+# --- issue 35, item 7 -------------------------------------------------------------------------------------------
+
+
+def test_issue35_codecs_is_plain_text_within_100_columns(capsys):
+    code, out, _ = run(capsys, "codecs")
+    assert code == EXIT_OK and max(map(len, out.splitlines())) <= 100
+    assert "``" not in out and ":class:" not in out and ":func:" not in out
+    summaries = {c["id"]: c["summary"] for c in json.loads(run(capsys, "codecs", "--json")[1])["codecs"]}
+    # the whole first sentence, not its first line
+    assert summaries["lmcache-cachegen"].endswith("arithmetic coding per (K/V, channel) lane of 256 tokens.")
+    assert summaries["kivi"] == "KIVI quantization: bits in 2, 4, 8; group tokens share a key scale."
+
+
+def test_issue35_verify_puts_the_distortion_beside_what_is_normal_for_the_codec(capsys, real_dump, tmp_path):
+    dump = str(real_dump("pydoc-topics", 300))
+    for spec, words in [("kivi:bits=2", ["kivi:bits=2 is lossy", "about 26% (keys) and 48% (values)"]),
+                        ("kivi:bits=2,group=64", ["is lossy: its error is expected", "kvcodec eval"]),
+                        ("zstd", ["zstd is lossless: a decode is bit-exact"])]:
+        kvc = str(tmp_path / "kv.kvc")
+        assert run(capsys, "encode", dump, "-o", kvc, "--codec", spec, "-q")[0] == EXIT_OK
+        code, out, _ = run(capsys, "verify", kvc, "--against", dump, "-q")
+        lines = out.splitlines()
+        assert code == EXIT_OK and lines[0].startswith("OK: ") and "integrity checked" in lines[0]
+        assert "error" not in lines[0] and lines[1].startswith("  distortion against")
+        assert all(w in out for w in words), (spec, out)
+
+
+@pytest.mark.parametrize("spec", ["kivi:bits=2", "kivi:bits=4", "kivi:bits=8", "fp8", "cachegen:level=4"])
+def test_the_typical_errors_verify_shows_are_still_measured(real_dump, spec):
+    from kvcodec.cli import TYPICAL_RELATIVE_ERROR, parse_codec
+    from kvcodec.tools.distortion import distortion
+
+    kv = kvcodec.KVCache.load_safetensors(real_dump("pydoc-topics", 300))
+    d = distortion(kv, kvcodec.decode(kvcodec.encode(kv, parse_codec(spec))))
+    for kind, typical in zip(("keys", "values"), TYPICAL_RELATIVE_ERROR[spec]):
+        assert 100 * d[kind].relative_error == pytest.approx(typical, rel=0.15), (spec, kind)
+
+
+def _documented_commands() -> list[tuple[str, int, str]]:
+    from test_docs import PAGES, _blocks, _rel
+
+    return [(_rel(page), line + i, text) for page in PAGES for line, lang, code, _ in _blocks(page)
+            if lang in ("bash", "sh", "shell", "")
+            for i, text in enumerate(code.splitlines()) if text.startswith("kvcodec ")]
+
+
+def test_issue35_every_documented_command_line_parses():
+    """The `kvcodec ...` lines of the docs' shell blocks are accepted by the parser as written (docs/cli.md showed
+    `decode --chunks ... --against ...`, which decode refuses)."""
+    import shlex
+
+    commands = _documented_commands()
+    assert any(page == "docs/cli.md" and "decode" in text for page, _, text in commands)
+    for page, line, text in commands:
+        argv = shlex.split(text, comments=True)[1:]
+        try:
+            build_parser().parse_args(argv)
+        except Exception as e:  # noqa: BLE001 (the parser's UsageError, with the line that caused it)
+            pytest.fail(f"{page}:{line}: {text!r}: {e}")

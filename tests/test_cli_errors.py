@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
 
 import pytest
 import torch
 
-from kvcodec.cli import EXIT_FAILED, EXIT_INVALID, EXIT_IO, EXIT_UNSUPPORTED, EXIT_USAGE, build_parser, main
+from kvcodec.cli import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_IO, EXIT_STDOUT_CLOSED, EXIT_UNSUPPORTED,
+                         EXIT_USAGE, build_parser, main)
 
 COMMANDS = sorted(next(a.choices for a in build_parser()._actions if hasattr(a, "choices") and a.choices))
 
@@ -123,3 +127,71 @@ def test_the_console_script_shows_no_traceback(files):
         res = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=120)
         assert res.returncode in (EXIT_FAILED, EXIT_UNSUPPORTED) and "Traceback" not in res.stderr
         assert res.stderr.startswith(f"kvcodec {argv[0]}: error: ")
+
+
+# --- issue 35, item 7 -------------------------------------------------------------------------------------------
+
+
+def _interrupt_default():
+    """Children get Python's own Ctrl-C handling even when this process was started with SIGINT ignored (a
+    background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_issue35_a_closed_stdout_ends_quietly(files):
+    """`kvcodec info x.kvc --json | head -c 100`: the reader goes away; no BrokenPipeError traceback, exit 141."""
+    for argv in (["info", files["kvc"], "--json"], ["info", files["missing"], "--json"], ["codecs"]):
+        p = subprocess.Popen([sys.executable, "-m", "kvcodec", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.stdout.close()  # before the child writes: its first write finds no reader
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == EXIT_STDOUT_CLOSED and err == "", (argv, err)
+
+
+def test_issue35_ctrl_c_prints_one_line(files, tmp_path):
+    """Ctrl-C while the model loads: "interrupted", exit 130, no traceback and nothing from atexit callbacks."""
+    p = subprocess.Popen([sys.executable, "-m", "kvcodec", "dump", "--tokens", "16", "-o", str(tmp_path / "d.st")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_interrupt_default)
+    first = os.read(p.stderr.fileno(), 200)  # the model's loading bar: the command is running
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    err = (first + err).decode()
+    assert p.returncode == EXIT_INTERRUPTED and err.endswith("interrupted\n") and "Traceback" not in err, err
+    assert "Exception ignored" not in err and not (tmp_path / "d.st").exists()
+
+
+def test_issue35_an_output_folder_is_refused_before_any_work(capsys, files, tmp_path):
+    for argv in (["encode", files["dump"]], ["decode", files["kvc"]], ["dump"], ["calibrate"]):
+        code, _, err = run(capsys, *argv, "-o", str(tmp_path))
+        assert code == EXIT_USAGE and "is a folder" in err and f"-o {tmp_path}/" in err, (argv, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_issue35_a_file_that_is_not_a_kv_dump_says_what_a_dump_holds(capsys, files, tmp_path):
+    """Every file that is not a dump is the same kind of error (exit 1, it was 1 or 5), and says what a dump holds;
+    a container given as a dump says to use decode or info."""
+    from safetensors.torch import save_file
+
+    bad = {"foreign": {"bias": torch.zeros(3)},
+           "shapes": {"layers.0.keys": torch.zeros(2, 10, 8, dtype=torch.float16),
+                      "layers.0.values": torch.zeros(2, 9, 8, dtype=torch.float16)},
+           "dtype": {"layers.0.keys": torch.zeros(2, 10, 8, dtype=torch.float64),
+                     "layers.0.values": torch.zeros(2, 10, 8, dtype=torch.float64)},
+           "novalues": {"layers.0.keys": torch.zeros(2, 10, 8, dtype=torch.float16)}}
+    out = str(tmp_path / "out.kvc")
+    for name, tensors in bad.items():
+        path = str(tmp_path / f"{name}.safetensors")
+        save_file(tensors, path)
+        for argv in (["encode", path, "-o", out], ["bench", path], ["decode", files["kvc"], "-o", out, "--against", path]):
+            code, _, err = run(capsys, *argv)
+            assert code == EXIT_FAILED and path in err and "layers.{i}.keys and layers.{i}.values" in err, (argv, err)
+            assert "[heads, tokens, head_dim]" in err
+    for argv in (["encode", files["kvc"], "-o", out], ["bench", files["kvc"]]):
+        code, _, err = run(capsys, *argv)
+        assert code == EXIT_FAILED and f"{files['kvc']} is a kvcodec container" in err and "kvcodec decode" in err
+        assert "header too large" not in err
+
+
+def test_issue35_python_dash_m_kvcodec_runs(files):
+    res = subprocess.run([sys.executable, "-m", "kvcodec", "info", files["text"]], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == EXIT_FAILED and res.stderr.startswith("kvcodec info: error: ")
