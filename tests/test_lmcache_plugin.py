@@ -185,6 +185,21 @@ def test_adapter_takes_the_plugin_url_of_remote_storage_plugins():
                                                  config=SimpleNamespace(extra_config={})))
 
 
+def test_regression_torn_chunk_counted_by_batched_contains():
+    """LMCache plans a load for every chunk ``batched_contains`` counts: a torn value (a put cut short) was counted
+    until a load evicted it, and LMCache then recomputed the chunk it had reserved memory for.  Now the count stops
+    before it, and it is evicted there."""
+    conn = lp.connector_from_url(f"kvcodec://local/?backend=memory&codec=raw&num_heads={H}")
+    keys = [Key("a"), Key("b")]
+    for i, key in enumerate(keys):
+        _run(conn.put(key, FakeMemoryObj(_chunk(seed=i))))
+    tier, torn = conn.tier, conn.key(keys[1])
+    tier.put(torn, tier.get(torn)[:-100])
+    assert conn.batched_contains(keys) == 1
+    assert not tier.contains(torn) and conn.store.stats["corrupt"] == 1
+    assert _run(conn.get(keys[0])) is not None
+
+
 # --- never serve the wrong KV ----------------------------------------------------------------
 
 def _connector(tier_heads: int = H):

@@ -276,7 +276,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         # 0.9-1.1 ms (raw) and 0.26-0.32 ms (cachegen), 21-40% of a raw page's whole load (2.2-5.4 ms) and every value
         # read twice; reading its end costs 0.004 ms from memory and 0.03-0.15 ms from disk (which reads it whole),
         # against 0.001-0.002 ms for holding alone.  A page damaged within is evicted by its first read.
-        return self.store.held_whole_prefix([self.key(k) for k in keys])
+        return self.store.held_prefix([self.key(k) for k in keys])
 
     def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
         ps = self.pages.page_size if self.pages is not None else 0

@@ -320,14 +320,10 @@ class ChunkSource:
         return self._fastest("contains_many", keys, lambda tier, i, held: tier.name if held else None)
 
     def held_prefix(self, keys: Sequence[str]) -> int:
-        """How many of ``keys``, from the first, some tier holds: an engine's prefix hit, in its own chunks."""
-        held = [h is not None for h in self.holders(keys)]
-        return held.index(False) if False in held else len(held)
-
-    def held_whole_prefix(self, keys: Sequence[str]) -> int:
-        """:meth:`held_prefix`, counting a value only when it also ends whole: in a container footer that gives its
-        length (then the tag, with a secret), read with one ranged read of its last bytes (the whole value where the
-        tier has none).  A truncated, extended or emptied value is discarded as a read would discard it, and the
+        """How many of ``keys``, from the first, some tier holds whole: an engine's prefix hit, in its own chunks.
+        Sizes come with one question per tier; a value counts only when it also ends in a container footer that
+        gives its length (then the tag, with a secret), read with one ranged read of its last bytes (the whole value
+        where the tier has none).  A truncated, extended or emptied value is discarded as a read would discard it, and the
         next tier's copy asked; one damaged within, or written for another key, is found when read (:meth:`check`)."""
         ends = FOOTER.size + (TAG_BYTES if self.secret is not None else 0)
         found = self.value_sizes(keys)

@@ -257,13 +257,9 @@ class KVStore:
         return self.source.holders([key])[0] is not None
 
     def held_prefix(self, keys: Sequence[str]) -> int:
-        """How many of ``keys``, from the first, some tier holds: an engine's prefix hit, in its own chunks."""
+        """How many of ``keys``, from the first, some tier holds whole: an engine's prefix hit, in its own chunks.
+        A torn value is evicted here (:meth:`ChunkSource.held_prefix`)."""
         return self.source.held_prefix(keys)
-
-    def held_whole_prefix(self, keys: Sequence[str]) -> int:
-        """:meth:`held_prefix`, less values that do not end whole, which are evicted
-        (:meth:`ChunkSource.held_whole_prefix`)."""
-        return self.source.held_whole_prefix(keys)
 
     def fetch(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> list[FetchedChunk]:
         """The checked, undecoded chunks of the stored prefix of ``token_ids``, up to the first chunk no tier holds

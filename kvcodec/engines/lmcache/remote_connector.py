@@ -156,8 +156,8 @@ class KVCodecRemoteConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: list[Any]) -> int:
-        """How many of ``keys``, from the first, are stored (LMCache's prefix hit, in chunks): one batch question
-        per tier."""
+        """How many of ``keys``, from the first, are stored whole (LMCache's prefix hit, in chunks): one batch
+        question per tier, then each value's last bytes (a torn value is evicted, so LMCache never plans its load)."""
         return self.store.held_prefix([self.key(k) for k in keys])
 
     def support_ping(self) -> bool:
