@@ -14,7 +14,6 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, NoReturn, Sequence
 
 from kvcodec.errors import CorruptDataError, InvalidInputError, KVCodecError, MissingCalibrationError, UnsupportedError
-from kvcodec.threads import DEFAULT_THREADS
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # verification failed, or an input file is corrupt or not of its kind
@@ -639,7 +638,9 @@ def _summary(doc: str | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvcodec.store.tiers import mooncake_segment
     from kvcodec.texts import DEFAULT_TEXT_TOKENS
+    from kvcodec.threads import DEFAULT_THREADS
 
     formatter = argparse.RawDescriptionHelpFormatter
     p = Parser(
@@ -828,12 +829,17 @@ def build_parser() -> argparse.ArgumentParser:
     command("codecs", cmd_codecs, "list the registered codecs",
             "List every registered codec (built in, and those other packages add through the\n"
             "'kvcodec.codecs' entry-point group) with its default options.")
+    sp = command("mooncake-segment", mooncake_segment.run, mooncake_segment.HELP, mooncake_segment.DESCRIPTION)
+    mooncake_segment.add_arguments(sp)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports what the options need, torch among them: a Ctrl-C there is one line too
+    except KeyboardInterrupt:
+        return _interrupted()
     args: argparse.Namespace | None = None
     try:
         args, unknown = parser.parse_known_args(argv)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,11 @@ def redis_server(tmp_path):
 def smollm2():
     from kvcodec.models import load_model
     return load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def kvcodec_script() -> str:
+    """The installed ``kvcodec`` console script, found beside this interpreter (so whether or not its environment
+    is activated)."""
+    return shutil.which("kvcodec", path=str(Path(sys.executable).parent)) \
+        or pytest.fail("the kvcodec console script is not installed")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -121,10 +121,9 @@ def test_a_missing_device_is_an_environment_error_not_corrupt_data(capsys, files
     assert code == EXIT_UNSUPPORTED and "cuda" in err
 
 
-def test_the_console_script_shows_no_traceback(files):
-    exe = shutil.which("kvcodec") or pytest.fail("the kvcodec console script is not installed")
+def test_the_console_script_shows_no_traceback(files, kvcodec_script):
     for argv in (["info", files["text"]], ["decode", files["kvc"], "-o", "x", "--device", "meta"]):
-        res = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([kvcodec_script, *argv], capture_output=True, text=True, timeout=120)
         assert res.returncode in (EXIT_FAILED, EXIT_UNSUPPORTED) and "Traceback" not in res.stderr
         assert res.stderr.startswith(f"kvcodec {argv[0]}: error: ")
 
@@ -157,6 +156,20 @@ def test_issue35_ctrl_c_prints_one_line(files, tmp_path):
     err = (first + err).decode()
     assert p.returncode == EXIT_INTERRUPTED and err.endswith("interrupted\n") and "Traceback" not in err, err
     assert "Exception ignored" not in err and not (tmp_path / "d.st").exists()
+
+
+def test_issue35_ctrl_c_while_torch_imports_prints_one_line(tmp_path):
+    """Ctrl-C during start-up, while torch imports: it was a KeyboardInterrupt traceback from inside torch, because
+    ``import kvcodec`` imported torch before the command's handler existed."""
+    p = subprocess.Popen([sys.executable, "-m", "kvcodec", "dump", "--tokens", "16", "-o", str(tmp_path / "d.st")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_interrupt_default)
+    maps, deadline = f"/proc/{p.pid}/maps", time.monotonic() + 60
+    while "libtorch" not in open(maps).read():  # torch's libraries are mapped at the start of its import
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == EXIT_INTERRUPTED and err.decode() == "interrupted\n", err.decode()
 
 
 def test_issue35_an_output_folder_is_refused_before_any_work(capsys, files, tmp_path):
