@@ -250,3 +250,13 @@ def test_issue35_a_calibration_installed_under_another_name_is_found_by_its_cont
     with pytest.raises(MissingCalibrationError):
         calmod.find_calibration("1" * 64)
     assert sorted(map(calmod.os.path.basename, hashed[2:])) == [named.digest + ".kvtc", "other.kvtc"]
+
+
+def test_issue35_a_missing_calibration_file_is_named_as_missing(tmp_path):
+    """``--codec kvtc:calibration=/missing.kvtc`` said the option must be 'auto', a SHA-256 or a file: now it says the
+    file does not exist."""
+    for missing in (str(tmp_path / "nope.kvtc"), "nope.kvtc", str(tmp_path / "sub" / "cal")):
+        with pytest.raises(InvalidInputError, match=f"calibration file {missing} does not exist"):
+            KVTC(calibration=missing)
+    with pytest.raises(InvalidInputError, match="must be 'auto'"):
+        KVTC(calibration="bogus")

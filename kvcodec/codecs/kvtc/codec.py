@@ -106,6 +106,9 @@ class KVTC(Codec):
             # file of that name in the working directory must not stand in for it unchecked
             self._cal = register_calibration(calibration)
             calibration = self._cal.digest
+        elif isinstance(calibration, str) and (os.sep in calibration or calibration.endswith(".kvtc")) \
+                and not DIGEST.fullmatch(calibration):
+            raise InvalidInputError(f"kvtc calibration file {calibration} does not exist")
         elif not (isinstance(calibration, str) and (calibration == "auto" or DIGEST.fullmatch(calibration))):
             raise InvalidInputError("kvtc calibration must be 'auto', a calibration's SHA-256, a calibration file "
                                     f"or a Calibration, not {calibration!r}")
