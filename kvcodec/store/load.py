@@ -20,7 +20,10 @@ tokens ``start .. end-1`` are written: a chunk reaching outside them (the engine
 
 A chunk that is missing or fails ends the load there: tokens from its first one on are the engine's to recompute
 (:attr:`LoadResult.loaded_end`), and a chunk that is itself bad (corrupt, forged, of another shape) is evicted
-(:meth:`ChunkSource.discard`).  Every chunk's outcome, tier, bytes and times are in :attr:`LoadResult.chunks`.
+(:meth:`ChunkSource.discard`).  Every chunk's outcome, tier, times and the planner's :class:`Decision` are in
+:attr:`LoadResult.chunks`, and every byte a tier served for it once: as used (the value decoded into the sink) or
+as wasted (read and not used: the small variant of a chunk that came large, a large read given up, a bad copy, a
+chunk read past where the load ended).  Each decision is logged at DEBUG.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from kvcodec.chunking import DecodeRequest, coding, decode_sections
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.layouts.sinks import DenseSink, PagedSink
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
-from kvcodec.store.plan import LoadPlanner, Option
+from kvcodec.store.plan import (BUDGET_FULL, LARGE_IN_TIME, LARGE_NOT_COMING, LARGE_TOO_LATE, ONE_VARIANT,
+                                RECOMPUTE, SMALL_PAYS, SMALL_UNMEASURED, Decision, LoadPlanner, Option)
 from kvcodec.store.source import ChunkSource
 
 log = logging.getLogger(__name__)
@@ -57,7 +61,9 @@ class ChunkOutcome:
     """What happened to one chunk of a load: ``status`` is ``loaded``, ``missing`` (no tier holds it intact),
     ``failed`` (it did not decode or write; ``error`` says why), ``recompute`` (the planner left it and the rest
     to the engine) or ``skipped`` (an earlier chunk ended the load).  ``keys``: its key in each of the store's
-    variants; ``variant``: the one fetched."""
+    variants; ``variant``: the one loaded.  Of the bytes the tiers served for it, ``nbytes`` are the value decoded
+    into the sink (0 unless loaded), ``wasted_bytes`` the rest.  ``decision``: why the planner chose as it did
+    (None for a chunk it never reached)."""
 
     keys: list[str]
     start: int
@@ -73,6 +79,8 @@ class ChunkOutcome:
     fetch_s: float = 0.0
     decode_s: float = 0.0
     error: str | None = None
+    wasted_bytes: int = 0
+    decision: Decision | None = None
 
 
 @dataclass
@@ -93,8 +101,13 @@ class LoadResult:
 
     @property
     def nbytes(self) -> int:
-        """Bytes read from the tiers (checked chunks only)."""
+        """Bytes read from the tiers and used: the values decoded into the sink."""
         return sum(c.nbytes for c in self.chunks)
+
+    @property
+    def wasted_bytes(self) -> int:
+        """Bytes read from the tiers and not used (see :class:`ChunkOutcome`)."""
+        return sum(c.wasted_bytes for c in self.chunks)
 
 
 def _decode_paged_layer(sink: PagedSink, chunk: FetchedChunk, layer: int, request: DecodeRequest) -> None:
@@ -200,6 +213,9 @@ class PrefixLoad:
         self._back: dict[int, FetchedChunk] = {}
         self._held_bytes, self._prefetch_bytes = 0, int(prefetch_bytes)
         self._options: dict[int, tuple[Option, Option | None]] = {}  # per chunk: its smallest and largest variant
+        self._value_bytes: dict[tuple[int, str], int] = {}  # (chunk, key): the size of its value read whole
+        self._upgrades: dict[int, Decision] = {}  # chunks whose large variant the fetch thread read, and why
+        self._late_from = len(self.chunks)  # the fetch judged large variants from this chunk on too late
         self._taken: set[int] = set()  # chunks the decoder took
         self._limit = len(self.chunks)  # chunks from here on are the engine's (missing, recomputed or failed)
         self._layers_done = [0] * len(self.chunks)
@@ -270,7 +286,7 @@ class PrefixLoad:
                 self._fetch_both_ends()
             else:
                 for i, outcome in enumerate(self.chunks):
-                    if self._stop.is_set() or not self._read_into(i, outcome.key, front=True):
+                    if self._stop.is_set() or i >= self._limit or not self._read_into(i, outcome.key, front=True):
                         break
         except BaseException:  # noqa: BLE001 - the load ends here; the engine recomputes the rest
             log.warning("fetching a stored prefix failed", exc_info=True)
@@ -283,13 +299,35 @@ class PrefixLoad:
         intact."""
         outcome = self.chunks[i]
         t0 = time.perf_counter()
-        chunk = self.source.read(key, outcome.start, outcome.end)
+        chunk = self._read(i, key)
         outcome.fetch_s += time.perf_counter() - t0
         if chunk is None:
             self._end_at(i, "missing")
             return False
-        outcome.nbytes += len(chunk.data)
         return self._hold(i, chunk, front) or not self._stop.is_set()
+
+    def _read(self, i: int, key: str) -> FetchedChunk | None:
+        """Chunk ``i`` under ``key`` from the fastest tier holding it intact (:meth:`ChunkSource.read`), every value
+        read counted as served."""
+        sizes: list[int] = []
+        chunk = self.source.read(key, self.chunks[i].start, self.chunks[i].end,
+                                 observe=lambda tier, nbytes, seconds: sizes.append(nbytes))
+        self._served(i, sum(sizes))
+        if chunk is not None:
+            self._value_bytes[i, key] = sizes[-1]
+        return chunk
+
+    def _served(self, i: int, nbytes: int) -> None:
+        """Tiers served ``nbytes`` for chunk ``i``: wasted until its decode uses them (:meth:`_used`)."""
+        with self._cond:
+            self.chunks[i].wasted_bytes += nbytes
+
+    def _used(self, i: int, key: str) -> None:
+        """Chunk ``i``'s value under ``key`` is in the sink: its bytes move from wasted to used."""
+        with self._cond:
+            outcome = self.chunks[i]
+            outcome.nbytes = self._value_bytes[i, key]
+            outcome.wasted_bytes -= outcome.nbytes
 
     def _fetch_both_ends(self) -> None:
         """The smallest variant of every chunk first, within the byte budget; then, and whenever the budget is
@@ -312,6 +350,7 @@ class PrefixLoad:
                 if back not in self._options:
                     self._end_at(back, "missing")
                 elif not self._worth_loading(back):
+                    self._decided(back, self.planner.decide(RECOMPUTE, None, self._weighed(back)))
                     self._end_at(back, "recompute")
                 else:
                     self._read_into(back, self.chunks[back].keys[self._options[back][0].variant], front=False)
@@ -322,10 +361,14 @@ class PrefixLoad:
                 top = min(back, self._limit)
                 while front < top and (front in self._taken or self._options[front][1] is None):
                     front += 1
-            if front < top and self._arrives_in_time(front):
+            rule = self._arrives_in_time(front) if front < top else None
+            if rule is not None:
+                self._upgrades[front] = self.planner.decide(rule, self._weighed(front)[-1].variant, self._weighed(front))
                 self._upgrade(front)
                 front += 1
             elif back >= self._limit:
+                with self._cond:
+                    self._late_from = front
                 return
             else:
                 with self._cond:  # the budget is full of small variants: the decoder makes room
@@ -345,19 +388,25 @@ class PrefixLoad:
         return self.planner.worth_loading(small, large, outcome.end - outcome.start, self.end - outcome.start,
                                           queued)
 
-    def _arrives_in_time(self, i: int) -> bool:
-        """Whether chunk ``i``'s largest variant, read from now and decoded, can be in before the decoder, working
-        backwards through the small variants of the chunks after it, has decoded this chunk's small one (always
-        True until the store has decoded the small variant: the first load that could find out does)."""
+    def _weighed(self, i: int) -> tuple[Option, ...]:
+        """The variants the planner weighs for chunk ``i``, smallest first."""
+        return tuple(o for o in self._options[i] if o is not None)
+
+    def _arrives_in_time(self, i: int) -> str | None:
+        """The rule by which chunk ``i``'s largest variant is read: it can, read from now and decoded, be in before
+        the decoder, working backwards through the small variants of the chunks after it, has decoded this chunk's
+        small one (always, until the store has decoded the small variant: the first load that could find out does);
+        None when it cannot."""
         small, large = self._options[i]
         if not self.planner.decode_known(small):
-            return True
+            return SMALL_UNMEASURED
         assert large is not None
         tokens = self.chunks[i].end - self.chunks[i].start
         with self._cond:
             ahead = sum(1 for j in self._back if j > i) * self.planner.decode_s(small, tokens) + self._decoding_left_s()
-        return self.planner.fetch_s(large) + self.planner.decode_s(large, tokens) < \
+        in_time = self.planner.fetch_s(large) + self.planner.decode_s(large, tokens) < \
             ahead + self.planner.decode_s(small, tokens)
+        return LARGE_IN_TIME if in_time else None
 
     def _decoding_left_s(self) -> float:
         """The estimated rest of the decode under way."""
@@ -380,7 +429,7 @@ class PrefixLoad:
             with self._cond:
                 self._reading = _Reading(i, large, t0, large.nbytes, 0)
                 decoding = self._decoding_small
-            chunk = self.source.read(key, outcome.start, outcome.end)
+            chunk = self._read(i, key)
             self._observe(large, large.nbytes, time.perf_counter() - t0, decoding)
         else:
             chunk = self._read_pieces(i, large, key, piece_bytes)
@@ -388,7 +437,6 @@ class PrefixLoad:
             self._reading = None
         outcome.fetch_s += time.perf_counter() - t0
         if chunk is not None:
-            outcome.nbytes += len(chunk.data)
             self._hold(i, chunk, front=True)
 
     def _read_pieces(self, i: int, large: Option, key: str, piece_bytes: int) -> FetchedChunk | None:
@@ -397,11 +445,9 @@ class PrefixLoad:
         got = 0
         while got < large.nbytes:
             length = min(piece_bytes, large.nbytes - got)
-            with self._cond:
-                if i in self._taken or self._stop.is_set():
-                    log.info("chunk %s: its small variant was decoded after %d of %d bytes of the large one",
-                             key, got, large.nbytes)
-                    outcome.nbytes += got
+            with self._cond:  # between pieces: give up what will not be used
+                if i in self._taken or i >= self._limit or self._stop.is_set():
+                    log.debug("chunk %d: the large variant given up after %d of its %d bytes", i, got, large.nbytes)
                     return None
                 self._reading = _Reading(i, large, time.perf_counter(), length, large.nbytes - got - length)
                 decoding = self._decoding_small
@@ -409,14 +455,18 @@ class PrefixLoad:
             piece = source.read_range(large.tier, key, got, length, outcome.end - outcome.start)
             seconds = time.perf_counter() - t0
             if not piece:
-                return source.read(key, outcome.start, outcome.end)  # gone here: any tier holding it
+                return self._read(i, key)  # gone here: any tier holding it
+            self._served(i, len(piece))
             self._observe(large, len(piece), seconds, decoding)
             with self._cond:
                 self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
             parts.append(piece)
             got += len(piece)
         chunk = source.accept(key, large.tier, b"".join(parts), outcome.start, outcome.end, evict=False)
-        return chunk if chunk is not None else source.read(key, outcome.start, outcome.end)
+        if chunk is None:
+            return self._read(i, key)
+        self._value_bytes[i, key] = got
+        return chunk
 
     def _observe(self, option: Option, nbytes: int, seconds: float, decoding_before: bool) -> None:
         """A large read's throughput, for :class:`~kvcodec.store.telemetry.Contention` when a small variant's decode ran
@@ -429,8 +479,9 @@ class PrefixLoad:
     def _decode(self) -> None:
         try:
             while (taken := self._take()) is not None:
-                i, chunk, small = taken
+                i, chunk, small, decision = taken
                 outcome = self.chunks[i]
+                self._decided(i, decision)
                 t0 = time.perf_counter()
                 variant = self._variant_of(i, chunk)
                 with self._cond:
@@ -453,6 +504,7 @@ class PrefixLoad:
                     with self._cond:
                         self._decoding, self._decoding_small = None, False
                 outcome.decode_s = time.perf_counter() - t0
+                self._used(i, chunk.key)
                 outcome.status, outcome.variant, outcome.tier = "loaded", variant, chunk.tier
                 self.telemetry.decode_rate(self.variants[outcome.variant]).observe(chunk.end - chunk.start,
                                                                                   outcome.decode_s)
@@ -468,11 +520,16 @@ class PrefixLoad:
     def _variant_of(self, i: int, chunk: FetchedChunk) -> int:
         return self.chunks[i].keys.index(chunk.key)
 
-    def _take(self) -> tuple[int, FetchedChunk, bool] | None:
-        """The next chunk to decode (and whether it is a small variant from the back): the lowest fetched from the
-        front, else the highest small variant, unless its large variant is arriving sooner than the small one would
-        decode, or decoding it would slow the link by more than it saves while large variants are still coming;
-        None when every chunk is done."""
+    def _decided(self, i: int, decision: Decision) -> None:
+        outcome = self.chunks[i]
+        outcome.decision = decision
+        log.debug("chunk %d (tokens %d-%d): %s", i, outcome.start, outcome.end - 1, self.planner.describe(decision))
+
+    def _take(self) -> tuple[int, FetchedChunk, bool, Decision] | None:
+        """The next chunk to decode (whether it is a small variant from the back, and why it is this variant): the
+        lowest fetched from the front, else the highest small variant, unless its large variant is arriving sooner
+        than the small one would decode, or decoding it would slow the link by more than it saves while large
+        variants are still coming; None when every chunk is done."""
         with self._cond:
             while not self._stop.is_set():
                 live = [i for i in range(self._limit) if i not in self._taken]
@@ -490,15 +547,35 @@ class PrefixLoad:
                             self.chunks[live[0]].status = "missing"
                         continue
                 if pick is not None:
-                    self._taken.add(pick)
                     small = pick not in self._front
+                    decision = self._why(pick, small)
+                    self._taken.add(pick)
                     chunk = self._front.pop(pick, None) or self._back.pop(pick)
                     for other in (self._front.pop(pick, None), self._back.pop(pick, None), chunk):
                         self._held_bytes -= 0 if other is None else len(other.data)
                     self._cond.notify_all()
-                    return pick, chunk, small
+                    return pick, chunk, small, decision
                 self._cond.wait(0.005)
             return None
+
+    def _why(self, i: int, small: bool) -> Decision:
+        """Why the decoder takes chunk ``i`` from the front (its large variant, or the only one) or the back."""
+        if i not in self._options:  # one variant stored: read in order
+            chunk = self._front[i]
+            option = Option(self._variant_of(i, chunk), self._value_bytes[i, chunk.key], chunk.tier)
+            return self.planner.decide(ONE_VARIANT, option.variant, (option,))
+        if not small:
+            return self._upgrades[i]
+        lo, hi = self._options[i]
+        if hi is None:
+            rule = ONE_VARIANT
+        elif self._reading is not None and self._reading.chunk == i:
+            rule = LARGE_TOO_LATE  # the decoder stopped waiting for it
+        elif self._fetched_all:
+            rule = LARGE_TOO_LATE if i >= self._late_from else LARGE_NOT_COMING
+        else:
+            rule = SMALL_PAYS if self._small_pays(i) else BUDGET_FULL
+        return self.planner.decide(rule, lo.variant, self._weighed(i))
 
     def _small_pays(self, i: int) -> bool:
         small, large = self._options[i]

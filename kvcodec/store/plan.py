@@ -20,6 +20,8 @@ link a decode can slow the fetch by more than it saves.  Fetching takes a varian
 throughput of the tier holding it, decoding takes its tokens at the variant's decode rate, both from the store's
 own recent reads and decodes (:class:`~kvcodec.store.telemetry.Telemetry`: the harmonic mean of the last few, which
 drops at once when the link does).
+
+Each chunk's choice is kept as a :class:`Decision`: the rule that decided and the estimates it saw then.
 """
 
 from __future__ import annotations
@@ -40,6 +42,35 @@ class Option:
     variant: int
     nbytes: int
     tier: str
+
+
+# The rules that decide a chunk (Decision.rule).
+ONE_VARIANT = "one variant"  # a single variant of the chunk is held: nothing to choose
+LARGE_IN_TIME = "large arrives in time"  # its large variant was read, as it could be in before the decoder got there
+SMALL_UNMEASURED = "small's decode unmeasured"  # ... read because the small one was never decoded here
+SMALL_PAYS = "small pays"  # its small variant's decode saves the link more than it slows it
+LARGE_TOO_LATE = "large too late"  # the large variant would not be in before the decoder reached the chunk
+LARGE_NOT_COMING = "large not coming"  # no large read was under way or to come (the fetch ended)
+BUDGET_FULL = "budget full"  # the small variant was decoded to make room for the fetch
+RECOMPUTE = "recompute sooner"  # the engine recomputing this chunk and the rest ends sooner than loading them
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why a chunk loaded as it did: the ``rule`` that decided (one of this module's rule strings), the ``variant``
+    it chose (None: the engine recomputes), and the planner's inputs then, for each of the variants it weighed
+    (``options``, smallest first): the estimated throughput of the tier holding it (``link_bps``, bytes/s) and its
+    decode rate (``decode_tps``, tokens/s; a variant never decoded here has the prior, 1e12); ``slowdown``: how many
+    times longer the largest one's reads take beside a small decode (:class:`~kvcodec.store.telemetry.Contention`);
+    ``recompute_tps``: the engine's prefill speed, or None."""
+
+    rule: str
+    variant: int | None
+    options: tuple[Option, ...]
+    link_bps: tuple[float, ...]
+    decode_tps: tuple[float, ...]
+    slowdown: float
+    recompute_tps: float | None
 
 
 class LoadPlanner:
@@ -67,9 +98,28 @@ class LoadPlanner:
     def small_pays(self, small: Option, large: Option, tokens: int) -> bool:
         """Whether decoding a chunk's small variant saves the link more time (its large variant's read) than the
         decode costs the link by slowing it (:class:`~kvcodec.store.telemetry.Contention`)."""
-        link = self.telemetry.link(large.tier)
-        slowdown = link.contention.slowdown(link.throughput.estimate)
-        return self.fetch_s(large) > self.decode_s(small, tokens) * (1 - 1 / slowdown)
+        return self.fetch_s(large) > self.decode_s(small, tokens) * (1 - 1 / self.slowdown(large))
+
+    def slowdown(self, option: Option) -> float:
+        """How many times longer reads of ``option``'s tier take beside a small variant's decode, at its speed now."""
+        link = self.telemetry.link(option.tier)
+        return link.contention.slowdown(link.throughput.estimate)
+
+    def decide(self, rule: str, variant: int | None, options: Sequence[Option]) -> Decision:
+        """A :class:`Decision` by ``rule`` for ``variant`` among ``options`` (smallest first), with the estimates now."""
+        return Decision(rule, variant, tuple(options),
+                        tuple(self.telemetry.link(o.tier).throughput.estimate for o in options),
+                        tuple(self.telemetry.decode_rate(self.variants[o.variant]).estimate for o in options),
+                        self.slowdown(options[-1]), self.recompute_tps)
+
+    def describe(self, decision: Decision) -> str:
+        """One line: the variant chosen, the rule, and each variant weighed with its estimates."""
+        chosen = "recompute" if decision.variant is None else self.variants[decision.variant].codec_id
+        weighed = ", ".join(f"{self.variants[o.variant].codec_id} {o.nbytes} B on {o.tier} at {bps / 1e6:.3g} MB/s, "
+                            f"decode {tps:.3g} tokens/s"
+                            for o, bps, tps in zip(decision.options, decision.link_bps, decision.decode_tps))
+        recompute = "" if decision.recompute_tps is None else f", recompute {decision.recompute_tps:.3g} tokens/s"
+        return f"{chosen} ({decision.rule}): {weighed}; slowdown beside a decode {decision.slowdown:.2f}{recompute}"
 
     def worth_loading(self, small: Option, large: Option | None, tokens: int, remaining_tokens: int,
                       backlog_s: float = 0.0) -> bool:

@@ -206,11 +206,12 @@ class ChunkSource:
                     call_tier(t, "delete", name, default=False)
 
     # reading -----------------------------------------------------------------------------------
-    def read(self, key: str, start: int = 0, end: int | None = None) -> FetchedChunk | None:
+    def read(self, key: str, start: int = 0, end: int | None = None, *,
+             observe: Observer | None = None) -> FetchedChunk | None:
         """The chunk of tokens ``start .. end-1`` stored under ``key`` (``end`` None: as many as were written for it),
         from the fastest tier that holds it intact (:meth:`check`); a bad value is discarded (:meth:`discard`) and
         the next tier tried.  A hit in a slower tier is promoted as the policy says.  None when no tier holds it
-        intact."""
+        intact.  ``observe``, beside the source's own observer, gets every value read (the chunk's is the last)."""
         bound = self.max_value_bytes(None if end is None else end - start)
         for tier in self.tiers:
             t0 = time.perf_counter()
@@ -221,7 +222,10 @@ class ChunkSource:
                 continue
             if value is None:
                 continue
-            self.observe(tier.name, len(value), time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.observe(tier.name, len(value), seconds)
+            if observe is not None:
+                observe(tier.name, len(value), seconds)
             chunk = self.accept(key, tier.name, value, start, end)
             if chunk is not None:
                 return chunk
