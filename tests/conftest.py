@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,11 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 CACHE_DIR = Path(os.environ.get("KVCODEC_TEST_CACHE", REPO / ".cache" / "test-kv"))
+# Engine hooks keep their stores' estimates from one process to the next (kvcodec.store.telemetry_file): a test run
+# keeps its own, so that no test plans its loads on what an earlier run measured.
+if "KVCODEC_TELEMETRY_DIR" not in os.environ:
+    os.environ["KVCODEC_TELEMETRY_DIR"] = tempfile.mkdtemp(prefix="kvcodec-test-telemetry-")
+    atexit.register(shutil.rmtree, os.environ["KVCODEC_TELEMETRY_DIR"], True)
 # tests/engines/ runs against the real vLLM (CPU build) and LMCache, which live in their own virtual environment
 # (.venv-engines, made by scripts/setup_engines.sh): scripts/test.sh runs them there with that environment's python.
 collect_ignore = [] if importlib.util.find_spec("vllm") and importlib.util.find_spec("lmcache") else ["engines"]

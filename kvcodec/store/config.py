@@ -20,6 +20,7 @@ from kvcodec.store.chunks import ChunkShape
 from kvcodec.store.identity import CacheIdentity
 from kvcodec.store.keys import HASHES
 from kvcodec.store.store import DEFAULT_STORE_CHUNK_TOKENS, KVStore, PlacementPolicy
+from kvcodec.store.telemetry_file import default_path as default_telemetry_path
 from kvcodec.store.tiers import MemoryTier, StorageTier, has_password, redact, tier_from_url
 
 CALIBRATE_WHEN = ("background", "now")
@@ -38,7 +39,9 @@ class StoreConfig:
     ``secret_file``: a file holding the secret that authenticates values (None: ``$KVCODEC_STORE_SECRET``).
     ``calibrate``: when a codec made from the model (kvtc) has no calibration of it installed, ``"background"``
     serves with ``fallback_codec`` until one is made, ``"now"`` makes it before the engine starts;
-    ``calibration_options``: the calibration's settings.
+    ``calibration_options``: the calibration's settings.  ``telemetry``: where the store keeps its estimates of
+    links and decode rates for the next process (:mod:`kvcodec.store.telemetry_file`): ``"auto"``, a file per
+    namespace and model in the per-user cache folder; ``"off"``; or a file's path.
     """
 
     codec: str | tuple[str, ...] = "cachegen"
@@ -52,6 +55,7 @@ class StoreConfig:
     calibrate: str = "background"
     calibration_options: Mapping[str, Any] = field(default_factory=dict)
     fallback_codec: str = "cachegen"
+    telemetry: str = "auto"
 
     def __post_init__(self) -> None:
         codec = self.codec
@@ -90,6 +94,8 @@ class StoreConfig:
                 raise InvalidInputError(f"'{name}' is a non-empty string, not {value!r}")
         if not isinstance(self.namespace, str) or not isinstance(self.fallback_codec, str):
             raise InvalidInputError("'namespace' and 'fallback_codec' are strings")
+        if not (isinstance(self.telemetry, str) and self.telemetry):
+            raise InvalidInputError(f"'telemetry' is \"auto\", \"off\" or a file's path, not {self.telemetry!r}")
 
     # -- parsing -----------------------------------------------------------------------------------------
     @classmethod
@@ -141,7 +147,10 @@ class StoreConfig:
         identity = dataclasses.replace(identity or CacheIdentity(), namespace=self.namespace)
         serving = self.codec if codec is None else codec
         options = (self.codec_options if codec is None else codec_options) or None
+        telemetry = {"off": None, "auto": default_telemetry_path(self.model or model, self.namespace)}.get(
+            self.telemetry, self.telemetry)
         return KVStore(made, model=self.model or model, codec=list(serving) if isinstance(serving, tuple) else serving,
                        codec_options=options, chunk_tokens=chunk_tokens, hash=self.hash,
-                       policy=PlacementPolicy(shared=shared), identity=identity, secret=self.secret(), shape=shape)
+                       policy=PlacementPolicy(shared=shared), identity=identity, secret=self.secret(), shape=shape,
+                       telemetry_file=telemetry)
 

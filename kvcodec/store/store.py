@@ -8,6 +8,7 @@ store's own measurements (:mod:`kvcodec.store.telemetry`) and the load that stre
 
 from __future__ import annotations
 
+import os
 import threading
 from types import SimpleNamespace
 from typing import Any, NamedTuple, Sequence
@@ -27,6 +28,7 @@ from kvcodec.store.load import DEFAULT_PREFETCH_BYTES, PrefixLoad, decode_chunk_
 from kvcodec.store.plan import LoadPlanner
 from kvcodec.store.source import DEFAULT_MAX_CHUNK_BYTES, STORE_KEY_META, ChunkSource, PlacementPolicy
 from kvcodec.store.telemetry import Telemetry
+from kvcodec.store.telemetry_file import TelemetryFile
 from kvcodec.store.tiers import StorageTier
 
 DEFAULT_STORE_CHUNK_TOKENS = 256
@@ -52,6 +54,8 @@ class KVStore:
     value (:mod:`kvcodec.store.auth`); without it, whoever can write a tier must be trusted like the model
     weights.  ``shape`` (:class:`ChunkShape`) is what the engine holds: chunks of any other shape are corrupt,
     and a read and a decode take at most that shape's bytes; without it at most ``max_chunk_bytes``.
+    ``telemetry_file``: a file that keeps the store's estimates of its links and decode rates from one process to
+    the next (:mod:`kvcodec.store.telemetry_file`); None (the default) keeps them in this process only.
     """
 
     def __init__(self, tiers: Sequence[StorageTier], *, model: str,
@@ -59,7 +63,8 @@ class KVStore:
                  codec_options: dict[str, Any] | None = None, chunk_tokens: int = DEFAULT_STORE_CHUNK_TOKENS,
                  hash: str = "sha256", policy: PlacementPolicy | None = None,  # noqa: A002
                  save_partial: bool = True, identity: CacheIdentity | None = None, secret: bytes | str | None = None,
-                 shape: ChunkShape | None = None, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> None:
+                 shape: ChunkShape | None = None, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+                 telemetry_file: str | os.PathLike[str] | None = None) -> None:
         if chunk_tokens <= 0:
             raise InvalidInputError("chunk_tokens must be positive")
         self.model = model
@@ -69,6 +74,8 @@ class KVStore:
         self.identity = identity or CacheIdentity()
         self.secret = check_secret(secret)
         self.telemetry = Telemetry(t.name for t in tiers)
+        self.telemetry_file = None if telemetry_file is None else TelemetryFile(
+            telemetry_file, self.telemetry, {t.name: repr(t) for t in tiers}).start()
         self.source = ChunkSource(tiers, model=model, namespace=self.identity.namespace, secret=self.secret,
                                   shape=shape, chunk_tokens=chunk_tokens, max_chunk_bytes=max_chunk_bytes,
                                   policy=policy, observe=self.telemetry.observe_read)
@@ -356,6 +363,8 @@ class KVStore:
         return n
 
     def close(self) -> None:
+        if self.telemetry_file is not None:
+            self.telemetry_file.close()
         self.source.close()
 
 

@@ -1,6 +1,7 @@
 """What a store has measured of its own loads: each tier's link (throughput, and how much a decode beside a read
 slows it) and each codec variant's decode rate.  The load planner (:mod:`kvcodec.store.plan`) plans with these;
-loads (:mod:`kvcodec.store.load`) feed them.
+loads (:mod:`kvcodec.store.load`) feed them.  :meth:`Telemetry.estimates` and :meth:`Telemetry.restore` carry them
+from one process to the next (:mod:`kvcodec.store.telemetry_file` keeps them in a file).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from kvcodec.errors import InvalidInputError
@@ -44,6 +46,7 @@ class RateEstimator:
         self.prior = float(prior)
         self.window = window
         self._samples: deque[float] = deque(maxlen=window)
+        self.measured_at: float | None = None  # the wall-clock time (time.time()) of the latest sample
 
     def observe(self, amount: float, seconds: float) -> None:
         """Record ``amount`` done in ``seconds``."""
@@ -53,6 +56,13 @@ class RateEstimator:
         if amount == 0 or seconds == 0:
             return
         self._samples.append(amount / seconds)
+        self.measured_at = time.time()
+
+    def seed(self, rate: float, measured_at: float) -> None:
+        """Take ``rate``, measured at ``measured_at`` (an earlier process's estimate), as a sample: the next
+        ``window`` measurements push it out."""
+        self._samples.append(float(rate))
+        self.measured_at = measured_at
 
     @property
     def samples(self) -> tuple[float, ...]:
@@ -62,9 +72,10 @@ class RateEstimator:
     @property
     def estimate(self) -> float:
         """The harmonic mean of the window, or the prior before any measurement."""
-        if not self._samples:
+        samples = self.samples  # a copy: another thread may be observing
+        if not samples:
             return self.prior
-        return len(self._samples) / sum(1.0 / s for s in self._samples)
+        return len(samples) / sum(1.0 / s for s in samples)
 
 
 class Contention:
@@ -83,6 +94,7 @@ class Contention:
     def __init__(self) -> None:
         self._last: dict[bool, tuple[float, float]] = {}  # beside_decode: (when, bytes/s) of the latest read
         self._pairs: deque[tuple[float, float]] = deque(maxlen=self.WINDOW)  # (bytes/s alone, ratio)
+        self.measured_at: float | None = None  # the wall-clock time of the latest pair
 
     def observe(self, nbytes: int, seconds: float, *, beside_decode: bool) -> None:
         if nbytes <= 0 or seconds <= 0:
@@ -93,10 +105,21 @@ class Contention:
         if other is not None and now - other[0] <= self.PAIR_S:
             alone, beside = (other[1], rate) if beside_decode else (rate, other[1])
             self._pairs.append((alone, alone / beside))
+            self.measured_at = time.time()
+
+    @property
+    def pairs(self) -> tuple[tuple[float, float], ...]:
+        """The pairs measured, oldest first: (bytes/s alone, how many times longer beside a decode)."""
+        return tuple(self._pairs)
+
+    def seed(self, pairs: Iterable[tuple[float, float]], measured_at: float) -> None:
+        """Take ``pairs`` (an earlier process's) as measured; new pairs push them out."""
+        self._pairs.extend((float(a), float(r)) for a, r in pairs)
+        self.measured_at = measured_at
 
     def slowdown(self, bps: float) -> float:
         """How many times longer a read takes beside a small decode than alone, on a link of ``bps`` bytes/s."""
-        ratios = [r for alone, r in self._pairs if bps / 2 <= alone <= bps * 2]
+        ratios = [r for alone, r in self.pairs if bps / 2 <= alone <= bps * 2]
         return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
@@ -106,6 +129,25 @@ class Link:
     def __init__(self, prior_bps: float = LINK_PRIOR_BPS) -> None:
         self.throughput = RateEstimator(prior_bps)
         self.contention = Contention()
+
+
+@dataclass(frozen=True)
+class Measured:
+    """An estimate (a rate, or :class:`Contention`'s pairs) and the wall-clock time (``time.time()``) of the latest
+    measurement in it."""
+
+    value: float | tuple[tuple[float, float], ...]
+    at: float
+
+
+@dataclass
+class Estimates:
+    """What a store measured, to start another process's with: each tier's throughput (bytes/s) and
+    :class:`Contention` pairs by tier name, and each variant's decode rate (tokens/s) by ``repr(codec)``."""
+
+    links: dict[str, Measured] = field(default_factory=dict)
+    contention: dict[str, Measured] = field(default_factory=dict)
+    decode: dict[str, Measured] = field(default_factory=dict)
 
 
 class Telemetry:
@@ -129,3 +171,37 @@ class Telemetry:
         """A read of ``nbytes`` from ``tier`` in ``seconds`` (a :class:`~kvcodec.store.source.ChunkSource`
         observer)."""
         self.links[tier].throughput.observe(nbytes, seconds)
+
+    def estimates(self) -> Estimates:
+        """What this store has measured (a restored decode rate or contention counts until pushed out; a restored
+        link throughput, a prior, does not)."""
+        out = Estimates()
+        for name, link in self.links.items():
+            if link.throughput.samples and link.throughput.measured_at is not None:
+                out.links[name] = Measured(link.throughput.estimate, link.throughput.measured_at)
+            pairs = link.contention.pairs
+            if pairs and link.contention.measured_at is not None:
+                out.contention[name] = Measured(pairs, link.contention.measured_at)
+        with self._lock:
+            decode = list(self._decode.items())
+        for key, rate in decode:
+            if rate.samples and rate.measured_at is not None:
+                out.decode[key] = Measured(rate.estimate, rate.measured_at)
+        return out
+
+    def restore(self, estimates: Estimates) -> None:
+        """Start from ``estimates`` (an earlier process's, for tiers of these names).  A link's throughput becomes
+        its prior, which its first read replaces whole: a link may have changed since, and a rise must show at
+        once.  A decode rate becomes a sample, which the next ``window`` decodes push out: it is this machine's,
+        and the planner trusts only a measured rate (an unmeasured variant is fetched beside its large one, to
+        find out); so are contention pairs."""
+        for name, m in estimates.links.items():
+            if name in self.links:
+                self.links[name].throughput.prior = float(m.value)  # type: ignore[arg-type]
+        for name, m in estimates.contention.items():
+            if name in self.links:
+                self.links[name].contention.seed(m.value, m.at)  # type: ignore[arg-type]
+        with self._lock:
+            for key, m in estimates.decode.items():
+                rate = self._decode.setdefault(key, RateEstimator(DECODE_PRIOR_TPS))
+                rate.seed(m.value, m.at)  # type: ignore[arg-type]
