@@ -105,13 +105,13 @@ def test_threads_reach_the_codec_in_its_context_not_through_torch(monkeypatch):
 
 def test_kvfetcher_codes_as_many_sections_at_once_as_the_call_says(monkeypatch):
     workers: list[int] = []
-    pool = kvfetcher_codec.ThreadPoolExecutor
+    pool = kvfetcher_codec.section_pool
 
     def counting(n):
         workers.append(n)
         return pool(n)
 
-    monkeypatch.setattr(kvfetcher_codec, "ThreadPoolExecutor", counting)
+    monkeypatch.setattr(kvfetcher_codec, "section_pool", counting)
     g = torch.Generator().manual_seed(3)
     kv = kvcodec.KVCache([(torch.randn(3, 64, 64, generator=g).half(), torch.randn(3, 64, 64, generator=g).half())
                           for _ in range(3)], model="SmolLM2-135M-Instruct")
