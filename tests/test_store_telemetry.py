@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
@@ -117,6 +118,14 @@ def test_a_file_that_is_not_ours_is_ignored_with_one_warning_and_left_as_it_is(t
         store.close()
     assert len(caplog.records) == 1 and str(path) in caplog.text
     assert path.read_bytes() == content
+
+
+def test_a_fifo_at_the_path_does_not_hang_the_store(tmp_path, caplog):
+    path = tmp_path / "m.json"
+    os.mkfifo(path)
+    with caplog.at_level(logging.WARNING, logger="kvcodec.store.telemetry_file"):
+        _store(path).close()
+    assert "not a regular file" in caplog.text
 
 
 def test_bad_entries_are_skipped_and_the_rest_used(tmp_path):
@@ -240,3 +249,28 @@ def test_the_setting_turns_it_off_or_names_the_file(tmp_path, monkeypatch):
         with pytest.raises(InvalidInputError, match="'telemetry'"):
             StoreConfig(telemetry=bad)
     auto.close()
+
+
+def test_a_store_dropped_without_closing_takes_its_saver_thread_with_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(tf, "SAVE_EVERY_S", 0.02)
+    store = _store(tmp_path / "m.json")
+    thread = store.telemetry_file._thread
+    assert thread.is_alive()
+    del store
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_file_that_cannot_be_written_warns_once_and_the_store_goes_on(tmp_path, caplog, monkeypatch):
+    def full(path, data):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(tf, "write_atomically", full)
+    store = _store(tmp_path / "m.json")
+    with caplog.at_level(logging.WARNING, logger="kvcodec.store.telemetry_file"):
+        for i in range(3):
+            store.telemetry.observe_read("cpu", MB * (i + 1), 1.0)
+            assert not store.telemetry_file.save()
+        store.close()
+    assert len(caplog.records) == 1 and "could not be written" in caplog.text
+    assert _plan(store)[0] == pytest.approx((1 / 1 + 1 / 2 + 1 / 3) / 3)  # measuring went on

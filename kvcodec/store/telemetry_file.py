@@ -12,8 +12,8 @@ What is kept, and for how long:
   cores this process may use, torch's and kvcodec's versions): they are the machine's, so a file shared over a
   network home folder keeps each machine's apart.  Kept for :data:`MACHINE_MAX_AGE_S`.
 
-The file is written by a background thread at most every :data:`SAVE_EVERY_S` seconds, and when the store closes,
-never by a load: a load's observations only update the estimators in memory.  Each write reads the file, keeps the
+The file is written by a background thread at most every :data:`SAVE_EVERY_S` seconds, and when the store closes
+(or the interpreter exits with it open), never by a load: a load's observations only update the estimators in memory.  Each write reads the file, keeps the
 newer of each entry, drops lapsed ones, bounds each section to :data:`MAX_ENTRIES` and :data:`MAX_MACHINES`, and
 replaces it atomically (:func:`~kvcodec.files.write_atomically`), so concurrent writers (tensor-parallel ranks,
 several engines) never leave it torn; when two write at once, the later one's view of the other's entries wins
@@ -23,6 +23,7 @@ ignored and left as it is, with one warning.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -30,8 +31,10 @@ import math
 import os
 import platform
 import re
+import stat
 import threading
 import time
+import weakref
 from typing import Any, Mapping
 
 from kvcodec.files import write_atomically
@@ -93,7 +96,6 @@ class TelemetryFile:
         self.telemetry = telemetry
         self.locations = dict(locations)
         self.machine = machine()
-        self.writes = 0
         self._saved: Estimates | None = None
         self._warned = False
         self._save_lock = threading.Lock()
@@ -119,22 +121,36 @@ class TelemetryFile:
             decode={k: m for k, m in mine["decode"].items() if _fresh(m, now, MACHINE_MAX_AGE_S)}))
 
     def _read(self) -> dict[str, Any] | None:
-        """The file's entries, checked (None: no file, or one not to read or overwrite, warned about)."""
+        """The file's entries, checked (none where there is no file yet; None for one not to read or overwrite,
+        warned about)."""
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
+            # non-blocking: a FIFO put at the path must not hang the store
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return {"links": {}, "machines": {}}
         except OSError as e:
-            return self._warn(f"cannot be read ({e})")
+            self._warn(f"cannot be read ({e})")
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self._warn("is not a regular file")
+                return None
+            try:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            except OSError as e:
+                self._warn(f"cannot be read ({e})")
+                return None
         if len(raw) > MAX_FILE_BYTES:
-            return self._warn(f"is over {MAX_FILE_BYTES} bytes")
+            self._warn(f"is over {MAX_FILE_BYTES} bytes")
+            return None
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError):
-            return self._warn("is not JSON")
+            self._warn("is not JSON")
+            return None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            return self._warn(f"is not a {FORMAT} file")
+            self._warn(f"is not a {FORMAT} file")
+            return None
         links, machines = data.get("links"), data.get("machines")
         out: dict[str, Any] = {"links": _entries(links, _rate), "machines": {}}
         for name, m in (machines.items() if isinstance(machines, dict) else ()):
@@ -144,12 +160,15 @@ class TelemetryFile:
         return out
 
     def _warn(self, why: str) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning("kvcodec: the store's estimates file %s %s: not read and left as it is, so this process "
+        self._warn_once("kvcodec: the store's estimates file %s %s: not read and left as it is, so this process "
                         "plans its first loads on priors; remove it, or name another with the store setting "
                         "'telemetry'", self.path, why)
-        return None
+
+    def _warn_once(self, message: str, *args: Any) -> None:
+        """One warning per store about its file: a fault there repeats at every save."""
+        if not self._warned:
+            self._warned = True
+            log.warning(message, *args)
 
     # -- writing -------------------------------------------------------------------------------------------
     def save(self) -> bool:
@@ -176,24 +195,21 @@ class TelemetryFile:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), mode=0o700, exist_ok=True)
                 write_atomically(self.path, text)
             except OSError as e:
-                log.warning("kvcodec: the store's estimates could not be written to %s: %s", self.path, e)
+                self._warn_once("kvcodec: the store's estimates could not be written to %s (%s); this process "
+                                "goes on measuring, the next starts on priors", self.path, e)
                 return False
             self._saved = estimates
-            self.writes += 1
             return True
 
     def start(self) -> TelemetryFile:
-        """Save from a background thread every :data:`SAVE_EVERY_S` seconds (when there is something new)."""
-        self._thread = threading.Thread(target=self._run, name="kvcodec-telemetry-file", daemon=True)
+        """Save from a background thread every :data:`SAVE_EVERY_S` seconds (when there is something new), and at
+        exit.  Both hold this object weakly: a store dropped without closing takes its thread with it."""
+        ref = weakref.ref(self)
+        self._thread = threading.Thread(target=_save_every, args=(ref, self._stop), name="kvcodec-telemetry-file",
+                                        daemon=True)
         self._thread.start()
+        atexit.register(_close, ref)
         return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAVE_EVERY_S):
-            try:
-                self.save()
-            except Exception:  # noqa: BLE001 - a thread that keeps estimates must never take the engine down
-                log.warning("kvcodec: saving the store's estimates to %s failed", self.path, exc_info=True)
 
     def close(self) -> None:
         """Stop the thread and save what is new."""
@@ -201,6 +217,24 @@ class TelemetryFile:
         if self._thread is not None:
             self._thread.join()
         self.save()
+
+
+def _save_every(ref: weakref.ref[TelemetryFile], stop: threading.Event) -> None:
+    while not stop.wait(SAVE_EVERY_S):
+        file = ref()
+        if file is None:
+            return
+        try:
+            file.save()
+        except Exception:  # noqa: BLE001 - a thread that keeps estimates must never take the engine down
+            log.warning("kvcodec: saving the store's estimates to %s failed", file.path, exc_info=True)
+        del file
+
+
+def _close(ref: weakref.ref[TelemetryFile]) -> None:
+    file = ref()
+    if file is not None:
+        file.close()
 
 
 def _fresh(m: Measured, now: float, max_age_s: float) -> bool:
