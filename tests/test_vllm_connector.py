@@ -672,6 +672,16 @@ def test_a_load_that_fails_to_finish_is_reported_and_the_others_still_finish(mon
     assert worker.stats["loaded_tokens"] == 96 and len(calls) == 2
 
 
+def test_a_load_logs_one_line_with_its_bytes_used_and_wasted(caplog):
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    ids, _ = _stored(store)
+    used = sum(len(store.tiers[0].get(k)) for k, _, _ in store.keys_for(ids)[:3])
+    with caplog.at_level("INFO"):
+        _load(store, ids)
+    lines = [r.getMessage() for r in caplog.records if "loaded tokens" in r.getMessage()]
+    assert len(lines) == 1 and f", {used} bytes, variants ['raw', 'raw', 'raw'], 0 bytes wasted" in lines[0], lines
+
+
 def test_a_save_logs_one_line_as_a_load_does(caplog):
     """A save logged nothing while a hit logged one line: each saved prompt now says its new chunks, bytes, variants
     and time, at the load's level."""

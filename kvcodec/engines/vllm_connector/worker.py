@@ -113,9 +113,10 @@ class WorkerSide:
                 continue
             self.stats["loaded_tokens"] += result.loaded_end - result.start
             loaded = [c for c in result.chunks if c.status == "loaded"]
-            log.info("kvcodec connector: request %s: loaded tokens %d-%d of %d-%d in %.3f s, %d bytes, variants %s",
-                     spec.req_id, result.start, result.loaded_end, spec.start, spec.end, result.seconds,
-                     result.nbytes, [self.store.variants[c.variant].codec_id for c in loaded])
+            log.info("kvcodec connector: request %s: loaded tokens %d-%d of %d-%d in %.3f s, %d bytes, variants %s, "
+                     "%d bytes wasted", spec.req_id, result.start, result.loaded_end, spec.start, spec.end,
+                     result.seconds, result.nbytes, [self.store.variants[c.variant].codec_id for c in loaded],
+                     result.wasted_bytes)
             if result.complete:
                 continue
             if any(c.status == "recompute" for c in result.chunks):
