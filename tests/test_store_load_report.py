@@ -17,6 +17,7 @@ from kvcodec.codecs.raw import Raw
 from kvcodec.store import DenseSink, KVStore, MemoryTier
 from kvcodec.store import plan
 from kvcodec.store.source import PlacementPolicy
+from kvcodec.store.telemetry import Contention
 
 CHUNK = 128
 LINK_BPS = 1e8  # the link's speed, as the planner knows it
@@ -60,6 +61,18 @@ class Pinned:
         pass
 
 
+class PinnedContention(Contention):
+    """A decode slows the link ``slowdown`` times, whatever the load's reads measure (here the interpreter's lock
+    slows a read beside a real decode, by a varying amount)."""
+
+    def __init__(self, slowdown: float) -> None:
+        super().__init__()
+        self.pinned = slowdown
+
+    def slowdown(self, bps: float) -> float:
+        return self.pinned
+
+
 def _real(real_kv, tokens: int) -> tuple[list[int], kvcodec.KVCache]:
     kv = kvcodec.KVCache([(l.keys[:, :tokens], l.values[:, :tokens]) for l in real_kv.layers], model=real_kv.model,
                          rope=real_kv.rope)
@@ -79,6 +92,7 @@ def _two_tiers(real_kv, tokens: int = 4 * CHUNK) -> tuple[KVStore, list[int], Se
     memory.served.clear(), link.served.clear()
     for name in ("memory", "link"):
         store.telemetry.link(name).throughput = Pinned(LINK_BPS)
+        store.telemetry.link(name).contention = PinnedContention(1.0)
     store.telemetry.decode_rate = lambda codec: Pinned(CACHEGEN_TPS if codec.codec_id == "cachegen" else 1e9)
     return store, ids, memory, link
 
