@@ -9,13 +9,10 @@ import re
 import time
 from collections import Counter
 
-import pytest
-
 import kvcodec
 from kvcodec.codecs.cachegen import CacheGen
 from kvcodec.codecs.raw import Raw
-from kvcodec.store import DenseSink, KVStore, MemoryTier
-from kvcodec.store import plan
+from kvcodec.store import DenseSink, KVStore, MemoryTier, plan
 from kvcodec.store.source import PlacementPolicy
 from kvcodec.store.telemetry import Contention
 

@@ -363,7 +363,8 @@ class PrefixLoad:
                     front += 1
             rule = self._arrives_in_time(front) if front < top else None
             if rule is not None:
-                self._upgrades[front] = self.planner.decide(rule, self._weighed(front)[-1].variant, self._weighed(front))
+                weighed = self._weighed(front)
+                self._upgrades[front] = self.planner.decide(rule, weighed[-1].variant, weighed)
                 self._upgrade(front)
                 front += 1
             elif back >= self._limit:

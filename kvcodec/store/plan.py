@@ -106,7 +106,7 @@ class LoadPlanner:
         return link.contention.slowdown(link.throughput.estimate)
 
     def decide(self, rule: str, variant: int | None, options: Sequence[Option]) -> Decision:
-        """A :class:`Decision` by ``rule`` for ``variant`` among ``options`` (smallest first), with the estimates now."""
+        """A :class:`Decision` by ``rule`` for ``variant`` among ``options`` (smallest first), estimated now."""
         return Decision(rule, variant, tuple(options),
                         tuple(self.telemetry.link(o.tier).throughput.estimate for o in options),
                         tuple(self.telemetry.decode_rate(self.variants[o.variant]).estimate for o in options),
