@@ -232,7 +232,7 @@ def test_store_completion_after_a_pop_is_not_lost():
 
 @pytest.mark.parametrize("params, why", [({}, "needs adapter_params"), ({"url": "memory://", "workers": 0}, "workers"),
                                          ({"url": "memory://", "path": "/x"}, "unknown adapter_params"),
-                                         ({"url": "nosuch://x"}, "")])
+                                         ({"url": "nosuch://x"}, "unknown scheme")])
 def test_tier_adapter_refuses_bad_params(params, why):
     from kvcodec.engines.lmcache_server import KVCodecTierL2Adapter
     from kvcodec.errors import InvalidInputError
