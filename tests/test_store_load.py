@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from stand_ins import Pinned
 
 from kvcodec.cache import KVCache
 from kvcodec.codecs.raw import Raw
@@ -154,16 +155,6 @@ def test_every_variant_is_stored_and_found():
 def _loaded(store, ids, **planner) -> list[int | str]:
     result = store.prefix_load(ids, DenseSink(), **planner).start().finish()
     return [c.variant if c.status == "loaded" else c.status for c in result.chunks]
-
-
-class Pinned:
-    """An estimate that the loads' own observations do not move."""
-
-    def __init__(self, estimate: float) -> None:
-        self.estimate, self.samples = estimate, (estimate,)
-
-    def observe(self, *_: float) -> None:
-        pass
 
 
 class Link(MemoryTier):

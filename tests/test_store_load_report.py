@@ -9,6 +9,8 @@ import re
 import time
 from collections import Counter
 
+from stand_ins import Pinned
+
 import kvcodec
 from kvcodec.codecs.cachegen import CacheGen
 from kvcodec.codecs.raw import Raw
@@ -46,16 +48,6 @@ class Served(MemoryTier):
     def get_range(self, key, offset, length, max_bytes=None):
         value = MemoryTier.get(self, key, max_bytes)
         return self._serve(key, None if value is None else value[offset:offset + length])
-
-
-class Pinned:
-    """An estimate the load's own measurements do not move."""
-
-    def __init__(self, estimate: float) -> None:
-        self.estimate, self.samples = estimate, (estimate,)
-
-    def observe(self, *_: float) -> None:
-        pass
 
 
 class PinnedContention(Contention):

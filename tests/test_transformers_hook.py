@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stand_ins import Pinned
 
 import kvcodec
 from kvcodec.cache import KVCache
 from kvcodec.codecs.raw import Raw
 from kvcodec.codecs.zstd import Zstd
-from kvcodec.engines.transformers_hook import LoadError, StreamedPrefix, TransformersKVHook, streamed_cache
+from kvcodec.engines.transformers_hook import (
+    LoadError,
+    StreamedPrefix,
+    TransformersKVHook,
+    streamed_cache,
+)
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.store import ChunkShape, KVStore, MemoryTier
 
@@ -111,14 +117,6 @@ def _continued(smollm2, kv, n: int, rest: list[int], new_tokens: int) -> list[in
     return out
 
 
-class _Pinned:
-    def __init__(self, estimate: float) -> None:
-        self.estimate, self.samples = estimate, (estimate,)
-
-    def observe(self, *_: float) -> None:
-        pass
-
-
 class _ReadCounting(MemoryTier):
     def __init__(self) -> None:
         super().__init__(None)
@@ -147,7 +145,7 @@ def test_a_load_that_ends_short_keeps_what_loaded_and_recomputes_the_rest(smollm
         value[len(value) // 2] ^= 1
         tier.put(key, bytes(value))
     else:
-        class Dropping(_Pinned):  # a fast link for two reads, then a crawl
+        class Dropping(Pinned):  # a fast link for two reads, then a crawl
             def __init__(self) -> None:
                 self.samples = (1.0,)
 
@@ -155,7 +153,7 @@ def test_a_load_that_ends_short_keeps_what_loaded_and_recomputes_the_rest(smollm
 
         store.telemetry.link(tier.name).throughput = Dropping()
         # raw copies, cachegen decodes at 1000 tokens/s
-        store.telemetry.decode_rate = lambda codec: _Pinned(1e6 if codec.codec_id == "raw" else 1e3)
+        store.telemetry.decode_rate = lambda codec: Pinned(1e6 if codec.codec_id == "raw" else 1e3)
         hook.prefill_tps = 1000.0
     out = hook.generate(second, max_new_tokens=8)
     assert out.loaded_tokens == 128 and not out.recomputed
