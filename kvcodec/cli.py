@@ -430,7 +430,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             lossless = all(c.lossless for c in reader.codecs)
             normal = [_normal(v["codec"], v["config"], c.lossless) for v, c in zip(reader.info.variants, reader.codecs)]
         obj: dict[str, Any] = {"ok": True, "chunks": n, "normal": [j for j, _ in normal]}
-        lines = [f"OK: {args.input}: integrity checked: {n} chunks, every checksum matched and every chunk decoded"]
+        lines = [f"OK: {args.input}: integrity checked: {n} chunk{'s' if n != 1 else ''}, every checksum matched and "
+                 "every chunk decoded"]
         if original is not None:
             decoded = kvcodec.load(args.input, threads=args.threads)
             obj["against"], more = _against(args, original, decoded)
