@@ -29,7 +29,9 @@ its settings, the page size, KV dtype, TP and PP rank and namespace.  A value is
 check accepts it for that key and the pool's shape (authentication, checksums, the key it names, token count,
 layers, heads, dtype; bounded before anything is decoded): anything else is a miss, evicted when the value itself
 is bad, and no exception reaches SGLang.  A page is written to the fastest tier and every tier that is not process
-memory; a hit in a slower tier is copied to the fastest.
+memory; a hit in a slower tier is copied to the fastest.  With a list of codecs (variants, smallest first) every page
+is stored in each, and each page is loaded in the one that restores soonest by the store's estimates of its links and
+decode rates (:meth:`KVStore.load_chunk`), the other when that one is missing or bad.
 
 Not handled, refused at start-up with an error that says so: MLA and other rank-replicated pools, context
 parallelism, FP8 KV, keys and values of different head sizes, a ``chunk_tokens`` other than SGLang's page size,
@@ -178,10 +180,9 @@ class KVCodecHiCacheStorage(HiCacheStorage):
                                 shape=pages.shape(), engine_chunk_tokens=pages.page_size, tiers=self.tiers,
                                 model_path=self.model_path)
         self.pages = pages
-        codec = self.store.codec
         log.info("kvcodec HiCache backend: codec %s, tiers %s, pages of %d tokens x %d layers x %d heads x %d (%s, "
-                 "layout %s)", codec.codec_id, [t.name for t in self.tiers], pages.page_size, pages.layers,
-                 pages.heads, pages.dim, pages.shape().dtype, mem_pool_host.layout)
+                 "layout %s)", "/".join(c.codec_id for c in self.store.variants), [t.name for t in self.tiers],
+                 pages.page_size, pages.layers, pages.heads, pages.dim, pages.shape().dtype, mem_pool_host.layout)
 
     # keys and the store -------------------------------------------------------------------------
     def key(self, page_hash: str) -> str:
@@ -215,7 +216,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
             self._count("puts")
             return True
         # nothing written: the put tiers hold it already, or none that lacks it took it
-        return store.holds(key)
+        return store.holds_chunk(key)
 
     # SGLang's interface ----------------------------------------------------------------------------
     @_never_raises(None)

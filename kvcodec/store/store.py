@@ -8,8 +8,10 @@ store's own measurements (:mod:`kvcodec.store.telemetry`) and the load that stre
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any, NamedTuple, Sequence
 
@@ -25,13 +27,16 @@ from kvcodec.store.chunks import ChunkShape, FetchedChunk
 from kvcodec.store.identity import CacheIdentity
 from kvcodec.store.keys import chunk_bounds, chunk_hashes, format_key, hasher, namespace, salted
 from kvcodec.store.load import DEFAULT_PREFETCH_BYTES, PrefixLoad, decode_chunk_into
-from kvcodec.store.plan import LoadPlanner
+from kvcodec.store.plan import LoadPlanner, Option
 from kvcodec.store.source import DEFAULT_MAX_CHUNK_BYTES, STORE_KEY_META, ChunkSource, PlacementPolicy
 from kvcodec.store.telemetry import Telemetry
 from kvcodec.store.telemetry_file import TelemetryFile
 from kvcodec.store.tiers import StorageTier
 
+log = logging.getLogger(__name__)
+
 DEFAULT_STORE_CHUNK_TOKENS = 256
+VARIANT_CONTEXT = b"variant-of\0"  # a variant's key of an engine's chunk (KVStore.chunk_keys)
 
 
 class Lookup(NamedTuple):
@@ -80,6 +85,7 @@ class KVStore:
                                   shape=shape, chunk_tokens=chunk_tokens, max_chunk_bytes=max_chunk_bytes,
                                   policy=policy, observe=self.telemetry.observe_read)
         self._lock = threading.Lock()
+        self._chunk_loads: dict[str, int] = {}
         self.use_codec(codec, codec_options)
 
     @property
@@ -106,8 +112,9 @@ class KVStore:
     @property
     def stats(self) -> dict[str, int]:
         """Counts of hits, misses, bad values evicted (``corrupt``), promotions, demotions, chunks put and the bytes
-        of their values (``put_bytes``)."""
-        return self.source.stats
+        of their values (``put_bytes``); with several variants, an engine's chunks loaded in each
+        (``chunk_loads_<codec id>``, :meth:`load_chunk`)."""
+        return {**self.source.stats, **self._chunk_loads} if self._chunk_loads else self.source.stats
 
     def use_codec(self, codec: str | Codec | Sequence[str | Codec], codec_options: dict[str, Any] | None = None) -> None:
         """Save and load with ``codec`` (one, or variants smallest first) from now on.  Chunks saved with another
@@ -165,6 +172,17 @@ class KVStore:
         digest = hasher(self.hash, self.secret)(self.seed + context + str(name).encode())
         return format_key(self.model, digest, self.identity.namespace)
 
+    def chunk_keys(self, key: str) -> list[str]:
+        """The key of an engine's chunk ``key`` (an :meth:`engine_key`) in each of :attr:`variants`, smallest first:
+        the best variant's is ``key`` itself (so a store of one variant keys as it always did), another's is ``key``
+        hashed with that variant's namespace, as a prefix chunk's key in each variant is seeded by its own."""
+        return self._chunk_keys(key, self._state[1])
+
+    def _chunk_keys(self, key: str, seeds: Sequence[bytes]) -> list[str]:
+        h = hasher(self.hash, self.secret)
+        return [format_key(self.model, h(seed + VARIANT_CONTEXT + key.encode()), self.identity.namespace)
+                for seed in seeds[:-1]] + [key]
+
     def tier(self, name: str) -> StorageTier:
         return self.source.tier(name)
 
@@ -203,16 +221,17 @@ class KVStore:
         return written
 
     def put_chunk(self, key: str, kv: KVCache) -> int:
-        """Store ``kv``, one chunk of at most ``chunk_tokens`` tokens, under ``key`` (an :meth:`engine_key`) in the
-        best variant, in every put tier that lacks it.  Returns the stored value's size in bytes (0: every put tier
-        held it already, or none took it)."""
+        """Store ``kv``, one chunk of at most ``chunk_tokens`` tokens, under ``key`` (an :meth:`engine_key`) in every
+        variant (each under its :meth:`chunk_keys`), in every put tier that lacks it.  Returns the bytes of the
+        values stored (0: every put tier held them already, or none took them)."""
         if not 0 < kv.num_tokens <= self.chunk_tokens:
             raise InvalidInputError(f"a chunk holds 1 to {self.chunk_tokens} tokens, not {kv.num_tokens}")
         self._check_cache(kv)
         targets = self.source.put_tiers()
-        size = self._write(key, self.codec, kv, targets)
+        variants, seeds = self._state  # one snapshot, as in put
+        size = sum(self._write(k, codec, kv, targets) for codec, k in zip(variants, self._chunk_keys(key, seeds)))
         if size:
-            self.source.hold_side_data(self.variants, targets)
+            self.source.hold_side_data(variants, targets)
             self.source.count("puts")
         return size
 
@@ -263,10 +282,26 @@ class KVStore:
         """Whether some tier holds ``key``."""
         return self.source.holders([key])[0] is not None
 
+    def holds_chunk(self, key: str) -> bool:
+        """Whether some tier holds an engine's chunk ``key`` (an :meth:`engine_key`) in some variant."""
+        return any(h is not None for h in self.source.holders(self.chunk_keys(key)))
+
     def held_prefix(self, keys: Sequence[str]) -> int:
-        """How many of ``keys``, from the first, some tier holds whole: an engine's prefix hit, in its own chunks.
-        A torn value is evicted here (:meth:`ChunkSource.held_prefix`)."""
-        return self.source.held_prefix(keys)
+        """How many of ``keys`` (:meth:`engine_key` values), from the first, some tier holds whole in some variant:
+        an engine's prefix hit, in its own chunks.  A torn value is evicted here (:meth:`ChunkSource.held_prefix`).
+        With several variants each is asked, best first, from the first chunk none of them reached yet."""
+        per_chunk = [self.chunk_keys(k) for k in keys]
+        held = 0
+        while held < len(keys):
+            reach = 0
+            for v in reversed(range(len(self.variants))):
+                reach = max(reach, self.source.held_prefix([ks[v] for ks in per_chunk[held:]]))
+                if held + reach == len(keys):
+                    break
+            if not reach:
+                break
+            held += reach
+        return held
 
     def fetch(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> list[FetchedChunk]:
         """The checked, undecoded chunks of the stored prefix of ``token_ids``, up to the first chunk no tier holds
@@ -310,16 +345,58 @@ class KVStore:
                    device: torch.device | str | None = None) -> KVCache | None:
         """The chunk stored under ``key`` (an :meth:`engine_key`), read and checked by the store's source and
         decoded: for engines that ask for their chunks one at a time.  ``tokens`` None takes the count written for
-        it.  None is a miss: no tier holds it intact, or it did not decode (a bad value is evicted)."""
+        it.  None is a miss: no tier holds it intact, or it did not decode (a bad value is evicted).
+
+        With several variants, the one that restores soonest by the store's estimates (its bytes over its tier's
+        throughput, plus its decode; :class:`~kvcodec.store.plan.LoadPlanner`) is read, and the other when that one
+        is missing or bad; the read and the decode feed the estimates every load shares, the choice is logged at
+        DEBUG and counted in :attr:`stats` (``chunk_loads_<codec id>``)."""
+        variants, seeds = self._state
+        keys = self._chunk_keys(key, seeds)
+        if len(keys) == 1:
+            return self._load_variant(key, tokens, device)
+        planner, n = LoadPlanner(self.telemetry, variants), tokens or self.chunk_tokens
+        held = [Option(v, *found) for v, found in enumerate(self.source.value_sizes(keys, [n] * len(keys)))
+                if found is not None]
+        soonest = {o.variant: planner.fetch_s(o) + planner.decode_s(o, n) for o in held}
+        order = sorted(held, key=lambda o: soonest[o.variant])
+        for rank, option in enumerate(order):
+            codec = variants[option.variant]
+            kv = self._load_variant(keys[option.variant], tokens, device, codec)
+            if kv is None:
+                continue
+            log.debug("chunk %s: %s from %s (%s)%s", key, codec.codec_id, option.tier,
+                      ", ".join(f"{variants[o.variant].codec_id} {o.nbytes} B on {o.tier} in "
+                                f"{soonest[o.variant] * 1e3:.3g} ms" for o in held),
+                      f"; {rank} sooner one(s) missing or bad" if rank else "")
+            self._count_chunk_load(codec)
+            return kv
+        if not held:
+            self.source.count("misses")
+        return None
+
+    def _load_variant(self, key: str, tokens: int | None, device: torch.device | str | None,
+                      codec: Codec | None = None) -> KVCache | None:
+        """One variant's value under ``key``, read, checked and decoded (its decode timed into ``codec``'s rate);
+        None when no tier holds it intact or it does not decode (a bad value is evicted)."""
         chunk = self.source.read(key, 0, tokens)
         if chunk is None:
             return None
         try:
-            return self.decode_chunk(chunk, device=device)
+            t0 = time.perf_counter()
+            kv = self.decode_chunk(chunk, device=device)
         except Exception as err:
             self.source.discard(chunk, err)
             self.source.count("misses")
             return None
+        if codec is not None:
+            self.telemetry.decode_rate(codec).observe(chunk.end - chunk.start, time.perf_counter() - t0)
+        return kv
+
+    def _count_chunk_load(self, codec: Codec) -> None:
+        with self._lock:
+            name = f"chunk_loads_{codec.codec_id}"
+            self._chunk_loads[name] = self._chunk_loads.get(name, 0) + 1
 
     def get(self, token_ids: Sequence[int], *, device: torch.device | str | None = None,
             salt: str | bytes | None = None) -> KVCache | None:

@@ -61,7 +61,8 @@ def _key_str(key: Any) -> str:
 class KVCodecRemoteConnector(RemoteConnector):
     """LMCache ``RemoteConnector`` over a kvcodec :class:`KVStore`: each chunk is stored, checked and loaded by the
     store (:meth:`KVStore.put_chunk`, :meth:`KVStore.load_chunk`) under :meth:`KVStore.engine_key` of LMCache's
-    chunk key, which chains the prefix already.
+    chunk key, which chains the prefix already.  A store of several variants keeps each chunk in all of them and
+    loads each in the one that restores soonest by its estimates (LMCache asks for one chunk at a time).
 
     ``num_heads`` splits LMCache's ``[2, L, T, H*D]``; ``local_cpu_backend`` is LMCache's allocator
     (``allocate(shape, dtype, fmt)`` returning a ``MemoryObj`` with a ``.tensor``).  The async methods LMCache awaits
@@ -102,7 +103,7 @@ class KVCodecRemoteConnector(RemoteConnector):
         return await self._off_loop(self.exists_sync, key)
 
     def exists_sync(self, key: Any) -> bool:
-        return self.store.holds(self.key(key))
+        return self.store.holds_chunk(self.key(key))
 
     # LMCache's memory objects are only touched on its event loop (a copy in, a copy out): LMCache frees its memory
     # pool when it shuts down, also while a thread of ours might still be reading a chunk.

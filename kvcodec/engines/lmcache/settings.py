@@ -77,7 +77,8 @@ def url_config(url: str, codec_options: Mapping[str, Any] | None = None) -> tupl
     parsed = urlsplit(url)
     if parsed.scheme != "kvcodec":
         raise InvalidInputError(f"not a kvcodec:// url: {redact(url)!r}")
-    raw = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    # codec given more than once (codec=cachegen&codec=raw): variants, smallest first (a spec's options hold commas)
+    raw: dict[str, Any] = {k: v if k == "codec" and len(v) > 1 else v[-1] for k, v in parse_qs(parsed.query).items()}
     try:
         port = parsed.port
     except ValueError:
