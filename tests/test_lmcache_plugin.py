@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from stand_ins import Pinned
 
 import kvcodec
 import kvcodec.engines.lmcache_plugin as lp
@@ -331,3 +332,23 @@ def test_url_settings_are_the_store_configuration(tmp_path):
         conn.store.engine_key("k", b"lmcache-chunk/1\0")[:8])
     with pytest.raises(InvalidInputError, match="nosuch"):
         lp.connector_from_url(f"kvcodec://local/?backend=memory&codec=raw&num_heads={H}&nosuch=1")
+
+
+def test_remote_connector_loads_each_chunk_in_the_variant_that_restores_soonest(real_kv):
+    """``codec`` given twice in the URL: every chunk is stored in cachegen and raw, and LMCache's get reads the one
+    the store's estimates say restores soonest (issue 33, item 4), through LMCache's own calls."""
+    conn = lp.connector_from_url("kvcodec://local/?backend=memory&codec=cachegen&codec=raw&num_heads=3"
+                                 "&telemetry=off", local_cpu_backend=FakeCPUBackend())
+    kv = KVCache([(l.keys[:, :256], l.values[:, :256]) for l in real_kv.layers])
+    key = Key("m@1@0@real@float16")
+    _run(conn.put(key, FakeMemoryObj(kv.to_lmcache())))
+    assert [c.codec_id for c in conn.store.variants] == ["cachegen", "raw"] and conn.batched_contains([key]) == 1
+    conn.store.telemetry.decode_rate = lambda codec: Pinned(256 / 0.05 if codec.codec_id == "cachegen" else 1e12)
+    for bps, chosen in ((1e10, "raw"), (1e6, "cachegen")):
+        conn.store.telemetry.link(conn.tier.name).throughput = Pinned(bps)
+        got = _run(conn.get(key))
+        assert torch.equal(got.tensor, kv.to_lmcache()) == (chosen == "raw")
+        assert conn.stats[f"chunk_loads_{chosen}"] == 1
+    conn.tier.delete(conn.store.chunk_keys(conn.key(key))[0])  # cachegen gone: raw, on the slow link too
+    assert torch.equal(_run(conn.get(key)).tensor, kv.to_lmcache()) and conn.exists_sync(key)
+    _run(conn.close())
