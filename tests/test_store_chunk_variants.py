@@ -79,7 +79,7 @@ def test_a_missing_or_bad_chosen_variant_falls_back_to_the_other(real_kv, fault)
 
 def test_loads_feed_the_estimates_every_hook_shares(real_kv):
     store, keys, _ = _stored(real_kv)
-    cachegen, raw = store.variants
+    cachegen = store.variants[0]
     assert not store.telemetry.decode_rate(cachegen).samples  # never decoded: the planner takes it as free
     store.load_chunk(keys[0], CHUNK)
     assert store.stats["chunk_loads_cachegen"] == 1  # so it is tried first, and measured
