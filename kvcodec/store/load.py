@@ -8,10 +8,30 @@ paged memory, through :meth:`Codec.decode_layer_paged` (the codec's fused path: 
 kvfetcher's frame-wise restore); into a :class:`DenseSink`, tensors for a hook that wants them.  At most ``prefetch_bytes`` of fetched chunks wait for the decoder, which bounds the memory a load holds.
 
 With one stored variant, chunks are fetched and decoded in order.  With several, the load works from both ends
-(:mod:`kvcodec.store.plan`): the smallest variant of every chunk first, decoded from the last chunk backwards,
-while the largest variant of the chunks from the front streams in and is decoded first.  A large value is read in
-pieces from a tier that can (``get_range``), and given up as soon as the decoder has reached its chunk from the
-back (the rule of a video player abandoning a segment download).
+(:mod:`kvcodec.store.plan`): the largest variant of the chunks from the front, which decode at once, while the
+decoder works back from the last chunk through the smallest variant, which is dear to decode and cheap on the link.
+Three rules keep both stages busy without a byte or a decode spent where it does not pay (issue 33):
+
+- The decoder starts a small variant's decode only where it ends before the large variants the fetch is bringing
+  would have that chunk in and decoded (:meth:`PrefixLoad._large_sooner`); otherwise it stays free for them, so on
+  a fast link a cheap-to-restore chunk is written as it arrives, never behind a slow decode.  (Before: the load read
+  every chunk's small variant first, and the decoder, with nothing else in, started on the last one; at 10 Gbit/s
+  the raw chunks waited behind a cachegen decode (about 50 ms a 64-token chunk): 2.59x raw's load time in
+  ``bench/adaptive_inprocess.py``, now 0.92x.)
+- The fetch reads a chunk's small variant, from the back, only once the decoder could need it: once it could be
+  through the small variants it holds and this one before the large one arrives were the link ``INSURANCE`` times
+  slower than estimated (:meth:`PrefixLoad._small_needed`, checked again between every two pieces of a large read,
+  so a link that drops makes them needed within one piece).  Before, every small variant was read as insurance:
+  16-19% of the bytes used were wasted at 100 Mbit/s and faster; now 0-2.4% (the same bench).  The price: after a
+  drop, the small variants still needed come over the slower link (cachegen: a sixth of raw's bytes).
+- A large value is read in pieces (``get_range``) and given up between two pieces once the decoder took that chunk's
+  small variant (a video player's abandonment rule).  Each piece measures the link: the estimate follows a change of
+  regime at once, up or down (:data:`~kvcodec.store.telemetry.LINK_FOLLOW`), and the read's own last piece counts
+  until another read measured the link.  Once every small variant is in, the fetch keeps a probe under way: the
+  lowest chunk's large variant in ``PROBE_BYTES`` pieces, a ``PROBE_DUTY`` share of the time, so that a link that
+  rises is seen within one piece and the rest of that chunk comes large when it can be in in time.  (Before, a load
+  that started on a slow link never read the link again once its small variants were in: on a rise from 20 Mbit/s
+  to 10 Gbit/s 0.1 s in, 1.71x raw's load time; now 1.02x.)
 
 Layer ``l`` is *ready* (:meth:`PrefixLoad.wait_layer`) once every chunk's layer ``l`` is in: each chunk is decoded
 layer by layer, so an engine runs its first layers while the last chunk's later layers are still decoding.  Only
@@ -29,6 +49,7 @@ chunk read past where the load ended).  Each decision is logged at DEBUG.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,8 +61,8 @@ from kvcodec.chunking import DecodeRequest, coding, decode_sections
 from kvcodec.errors import CorruptDataError, InvalidInputError
 from kvcodec.layouts.sinks import DenseSink, PagedSink
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
-from kvcodec.store.plan import (BUDGET_FULL, LARGE_IN_TIME, LARGE_NOT_COMING, LARGE_TOO_LATE, ONE_VARIANT,
-                                RECOMPUTE, SMALL_PAYS, SMALL_UNMEASURED, Decision, LoadPlanner, Option)
+from kvcodec.store.plan import (BUDGET_FULL, LARGE_IN_TIME, LARGE_NOT_COMING, LARGE_PROBED, LARGE_TOO_LATE,
+                                ONE_VARIANT, RECOMPUTE, SMALL_PAYS, SMALL_UNMEASURED, Decision, LoadPlanner, Option)
 from kvcodec.store.source import ChunkSource
 
 log = logging.getLogger(__name__)
@@ -49,11 +70,23 @@ log = logging.getLogger(__name__)
 # Fetched chunks waiting for the decoder hold at most this many bytes (always at least one chunk): the small
 # variants of a long prompt all fit (kvtc: about 0.2 MB per 1000 tokens of SmolLM2), and a few large ones.
 DEFAULT_PREFETCH_BYTES = 64 << 20
-# A large value is read in pieces of about PIECE_S seconds at the link's estimated speed (within PIECE_BYTES), so
-# that a load gives it up within one piece of the decoder reaching its chunk, or of the link slowing (0.2 s when
-# 1 Gbit/s falls to 20 Mbit/s), while a request's round trip (about 0.1 ms here) stays a few percent of a piece.
+# A large value is read in pieces of about PIECE_S seconds at the link's estimated speed (within PIECE_BYTES; a
+# load's first piece the least, to measure the link before committing to more), so that a load gives it up within
+# one piece of the decoder reaching its chunk, or of the link slowing (0.2 s when 1 Gbit/s falls to 20 Mbit/s),
+# while a request's round trip (about 0.1 ms here) stays a few percent of a piece.
 PIECE_S = 0.004
 PIECE_BYTES = (256 << 10, 8 << 20)
+# A probe of an idle link reads pieces this small, a PROBE_DUTY share of the time: what it reads is wasted unless the
+# link rises, so it must stay a few percent of a load's bytes (measured: 1.5% at 20 Mbit/s, in 64-token SmolLM2
+# chunks; 64 KiB pieces read all the time wasted 12% at 100 Mbit/s), while a rise is still seen within about 60 ms at
+# 20 Mbit/s.
+PROBE_BYTES = 32 << 10
+PROBE_DUTY = 0.2
+# Small variants are read for the chunks the decoder could reach before their large variants arrived on a link this
+# many times slower than estimated: the margin for an estimate that is somewhat off (a decode beside the reads, a
+# busy machine); a drop of more than LINK_FOLLOW times is seen within one piece and makes them needed then.  2 read a
+# small variant too many in most mixed loads (8-12% of the bytes used wasted at 20 and 100 Mbit/s); 1.25, 0-2.4%.
+INSURANCE = 1.25
 
 
 @dataclass
@@ -173,13 +206,15 @@ def decode_chunk_into(chunk: FetchedChunk, sink: DenseSink | PagedSink, start: i
 @dataclass
 class _Reading:
     """The large variant the fetch thread is reading: which chunk, since when its current piece, that piece's
-    bytes and the bytes after it."""
+    bytes, the bytes after it and the throughput its last piece had."""
 
     chunk: int
     option: Option
     since: float
     piece: int
     after: int
+    bps: float = math.inf  # the throughput of its last piece
+    measured_at: float | None = None  # the link estimate's latest measurement then (that piece's)
 
 
 class PrefixLoad:
@@ -207,20 +242,23 @@ class PrefixLoad:
                        if e > self.start_token and s < self.end]
         self._cond = threading.Condition()
         # Fetched chunks not yet taken by the decoder.  Front: read in order by the fetch thread (with several
-        # variants, the largest), decoded lowest first.  Back: the smallest variant of every chunk, decoded from
-        # the highest down.  Together they hold at most ``prefetch_bytes`` (always at least one chunk).
+        # variants, the largest), decoded lowest first.  Back: the smallest variant of the chunks the decoder
+        # could need, read and decoded from the highest down.  Together they hold at most ``prefetch_bytes``
+        # (always at least one chunk).
         self._front: dict[int, FetchedChunk] = {}
         self._back: dict[int, FetchedChunk] = {}
         self._held_bytes, self._prefetch_bytes = 0, int(prefetch_bytes)
         self._options: dict[int, tuple[Option, Option | None]] = {}  # per chunk: its smallest and largest variant
         self._value_bytes: dict[tuple[int, str], int] = {}  # (chunk, key): the size of its value read whole
         self._upgrades: dict[int, Decision] = {}  # chunks whose large variant the fetch thread read, and why
-        self._late_from = len(self.chunks)  # the fetch judged large variants from this chunk on too late
+        self._late_from = len(self.chunks)  # the fetch judges large variants from this chunk on too late, now
         self._taken: set[int] = set()  # chunks the decoder took
         self._limit = len(self.chunks)  # chunks from here on are the engine's (missing, recomputed or failed)
         self._layers_done = [0] * len(self.chunks)
         self._reading: _Reading | None = None
-        self._back_next = 0  # the next chunk whose small variant the fetch thread reads
+        self._low = len(self.chunks)  # the small variants of the chunks from here on are read (or being read)
+        self._front_next = 0  # the chunk whose large variant the fetch reads next (or is reading)
+        self._pieces_read = 0  # pieces of large variants read so far (the first is the least, to measure the link)
         self._decoding: tuple[float, float] | None = None  # the decode under way: since when, its estimate
         self._decoding_small = False  # ... and whether it is a small variant's
         self._fetched_all = False
@@ -330,57 +368,101 @@ class PrefixLoad:
             outcome.wasted_bytes -= outcome.nbytes
 
     def _fetch_both_ends(self) -> None:
-        """The smallest variant of every chunk first, within the byte budget; then, and whenever the budget is
-        full, the largest variant of the lowest chunk the decoder has not taken (see :mod:`kvcodec.store.plan`)."""
+        """The largest variant of the chunks from the front while each can be in before the decoder reaches it from
+        the back; the smallest variant of the chunks from the back only as far as the decoder could need them; once
+        every small variant is in, a probe of the lowest chunk's large one (see the module doc)."""
         n = len(self.variants)
         held = self.source.value_sizes([k for c in self.chunks for k in c.keys],
                                        [c.end - c.start for c in self.chunks for _ in c.keys])
         for i in range(len(self.chunks)):
             options = sorted((Option(v, *held[i * n + v]) for v in range(n) if held[i * n + v] is not None),
                              key=lambda o: o.nbytes)
-            if options:
-                self._options[i] = (options[0], options[-1] if len(options) > 1 else None)
-        back, front = 0, 0  # the next chunk whose smallest variant to read; the lowest one to upgrade
-        while not self._stop.is_set() and (back < self._limit or front < min(back, self._limit)):
-            self._back_next = back
+            if not options:
+                self._end_at(i, "missing")
+                break
+            self._options[i] = (options[0], options[-1] if len(options) > 1 else None)
+        front = 0  # the lowest chunk not taken: the next whose large variant to read
+        while not self._stop.is_set():
             with self._cond:
-                room = not (self._front or self._back) or self._held_bytes + self._small_bytes(back) <= \
-                    self._prefetch_bytes
-            if back < self._limit and room:
-                if back not in self._options:
-                    self._end_at(back, "missing")
-                elif not self._worth_loading(back):
-                    self._decided(back, self.planner.decide(RECOMPUTE, None, self._weighed(back)))
-                    self._end_at(back, "recompute")
-                else:
-                    self._read_into(back, self.chunks[back].keys[self._options[back][0].variant], front=False)
-                back += 1
-                continue
-            self._back_next = len(self.chunks)  # (for the decoder: no more small variants soon)
-            with self._cond:
-                top = min(back, self._limit)
-                while front < top and (front in self._taken or self._options[front][1] is None):
+                self._low = min(self._low, self._limit)
+                while front < self._limit and front in self._taken:
                     front += 1
-            rule = self._arrives_in_time(front) if front < top else None
-            if rule is not None:
-                weighed = self._weighed(front)
-                self._upgrades[front] = self.planner.decide(rule, weighed[-1].variant, weighed)
-                self._upgrade(front)
-                front += 1
-            elif back >= self._limit:
-                with self._cond:
-                    self._late_from = front
+                self._front_next = front
+            if front >= self._limit:
                 return
-            else:
-                with self._cond:  # the budget is full of small variants: the decoder makes room
-                    self._full = True
-                    self._cond.wait(0.05)
-                    self._full = False
+            if not self._worth_loading(front):  # (as the estimates are now: a link may have dropped)
+                self._decided(front, self.planner.decide(RECOMPUTE, None, self._weighed(front)))
+                self._end_at(front, "recompute")
+                return
+            if front < self._low and self._read_small(front):
+                continue
+            large = self._options[front][1]
+            rule = self._arrives_in_time(front) if large is not None else None
+            with self._cond:
+                self._late_from = len(self.chunks) if rule is not None else front
+            if large is not None and (rule is not None or front >= self._low):
+                if not self._read_large(front, rule):
+                    return  # the large variant cannot be probed in pieces here, and every small one is in
+            elif front < self._low:
+                continue  # the large one will not be in time: the small ones down to this chunk are needed
+            front += 1
 
-    def _small_bytes(self, i: int) -> int:
-        return self._options[i][0].nbytes if i in self._options else 0
+    def _read_small(self, front: int) -> bool:
+        """Read the small variant of the highest chunk (not below ``front``) whose small variant is not in, if the
+        decoder could need it; whether it read one (or the load ended there)."""
+        b = self._low - 1
+        if not front <= b < self._limit or not self._small_needed(b):
+            return False
+        self._low = b
+        self._read_into(b, self.chunks[b].keys[self._options[b][0].variant], front=False)
+        return True
+
+    def _small_needed(self, b: int) -> bool:
+        """Whether the decoder, working back through the small variants it holds and then chunk ``b``'s, could be
+        through ``b`` before ``b``'s large variant is in and decoded were the link ``INSURANCE`` times slower than
+        estimated (always, where the small variant's decode was never measured: the first load finds out)."""
+        small, large = self._options[b]
+        if large is None or not self.planner.decode_known(small):
+            return True
+        tokens = self.chunks[b].end - self.chunks[b].start
+        with self._cond:
+            back_s = self._decoding_left_s() + sum(
+                self.planner.decode_s(self._options[j][0], self.chunks[j].end - self.chunks[j].start)
+                for j in self._back)
+            large_s = self._large_eta_s(b, INSURANCE)
+        return back_s + self.planner.fetch_s(small) + self.planner.decode_s(small, tokens) < large_s
+
+    def _large_eta_s(self, j: int, slower: float = 1.0) -> float:
+        """Seconds until chunk ``j``'s large variant is in and decoded, the fetch reading large variants in order
+        from where it is, the reads not yet started on a link ``slower`` times slower than estimated; inf when none
+        is coming for ``j`` (the fetch judged it too late).  Under ``_cond``."""
+        if j >= self._late_from or self._options[j][1] is None:
+            return math.inf
+        large = self._options[j][1]
+        assert large is not None
+        first, fetch_s, lag = self._front_next, 0.0, 1.0
+        reading = self._reading
+        if reading is not None:
+            # the read under way's last piece is the newest measure of the link: where it was slower than the
+            # estimate (which a window of older reads may hold up), the rest comes at its speed
+            throughput = self.telemetry.link(reading.option.tier).throughput
+            if getattr(throughput, "measured_at", None) == reading.measured_at:  # no read measured the link since
+                lag = max(1.0, throughput.estimate / reading.bps)
+            piece_s = self.planner.fetch_s(reading.option, reading.piece) * lag
+            elapsed = time.perf_counter() - reading.since
+            if reading.piece and elapsed > piece_s:  # the piece under way is late: the link is at most this fast
+                lag *= elapsed / piece_s
+            fetch_s = max(0.0, piece_s - elapsed) + self.planner.fetch_s(reading.option, reading.after) * lag
+            first = reading.chunk + 1 if reading.chunk < j else j + 1
+        # reads not started yet may find the link ``slower``; the one under way has measured it
+        fetch_s += slower * lag * sum(self.planner.fetch_s(self._options[k][1])  # type: ignore[arg-type]
+                                      for k in range(first, j + 1) if k not in self._taken and k not in self._front
+                                      and self._options[k][1] is not None)
+        return fetch_s + self.planner.decode_s(large, self.chunks[j].end - self.chunks[j].start)
 
     def _worth_loading(self, i: int) -> bool:
+        """Whether loading chunk ``i`` and those after it ends sooner than the engine recomputing them, with the
+        decodes of the small variants held queued."""
         small, large = self._options[i]
         with self._cond:
             queued = sum(self.planner.decode_s(self._options[j][0], self.chunks[j].end - self.chunks[j].start)
@@ -393,11 +475,11 @@ class PrefixLoad:
         """The variants the planner weighs for chunk ``i``, smallest first."""
         return tuple(o for o in self._options[i] if o is not None)
 
-    def _arrives_in_time(self, i: int) -> str | None:
-        """The rule by which chunk ``i``'s largest variant is read: it can, read from now and decoded, be in before
-        the decoder, working backwards through the small variants of the chunks after it, has decoded this chunk's
-        small one (always, until the store has decoded the small variant: the first load that could find out does);
-        None when it cannot."""
+    def _arrives_in_time(self, i: int, done: int = 0) -> str | None:
+        """The rule by which chunk ``i``'s largest variant is read (the rest of it after ``done`` bytes): it can,
+        read from now and decoded, be in before the decoder, working backwards through the small variants of the
+        chunks after it, has decoded this chunk's small one (always, until the store has decoded the small variant:
+        the first load that could find out does); None when it cannot."""
         small, large = self._options[i]
         if not self.planner.decode_known(small):
             return SMALL_UNMEASURED
@@ -405,7 +487,7 @@ class PrefixLoad:
         tokens = self.chunks[i].end - self.chunks[i].start
         with self._cond:
             ahead = sum(1 for j in self._back if j > i) * self.planner.decode_s(small, tokens) + self._decoding_left_s()
-        in_time = self.planner.fetch_s(large) + self.planner.decode_s(large, tokens) < \
+        in_time = self.planner.fetch_s(large, large.nbytes - done) + self.planner.decode_s(large, tokens) < \
             ahead + self.planner.decode_s(small, tokens)
         return LARGE_IN_TIME if in_time else None
 
@@ -416,58 +498,81 @@ class PrefixLoad:
         since, estimate = self._decoding
         return max(0.0, estimate - (time.perf_counter() - since))
 
-    def _upgrade(self, i: int) -> None:
-        """Read chunk ``i``'s largest variant, in pieces where its tier can (``get_range``), and hold it; give up
-        as soon as the decoder takes the chunk's small variant (a video player's abandonment rule)."""
+    def _read_large(self, i: int, rule: str | None) -> bool:
+        """Read chunk ``i``'s largest variant and hold it, by ``rule``, or (None) as a probe of the link; False when
+        it cannot be probed (its tier reads values only whole).  See :meth:`_read_pieces`."""
         outcome, large = self.chunks[i], self._options[i][1]
         assert large is not None
         key = outcome.keys[large.variant]
-        tier = self.source.tier(large.tier)
-        piece_bytes = int(min(max(self.telemetry.link(tier.name).throughput.estimate * PIECE_S, PIECE_BYTES[0]),
-                              PIECE_BYTES[1]))
         t0 = time.perf_counter()
-        if not tier.ranged_reads or large.nbytes < 2 * piece_bytes:
+        if self.source.tier(large.tier).ranged_reads:
+            chunk, rule = self._read_pieces(i, large, key, rule)
+        elif rule is None:
+            return False
+        else:
             with self._cond:
                 self._reading = _Reading(i, large, t0, large.nbytes, 0)
                 decoding = self._decoding_small
             chunk = self._read(i, key)
             self._observe(large, large.nbytes, time.perf_counter() - t0, decoding)
-        else:
-            chunk = self._read_pieces(i, large, key, piece_bytes)
         with self._cond:
             self._reading = None
         outcome.fetch_s += time.perf_counter() - t0
         if chunk is not None:
+            weighed = self._weighed(i)
+            self._upgrades[i] = self.planner.decide(rule or LARGE_PROBED, weighed[-1].variant, weighed)
             self._hold(i, chunk, front=True)
+        return True
 
-    def _read_pieces(self, i: int, large: Option, key: str, piece_bytes: int) -> FetchedChunk | None:
+    def _read_pieces(self, i: int, large: Option, key: str, rule: str | None) -> tuple[FetchedChunk | None, str | None]:
+        """Read a large value in pieces, each about ``PIECE_S`` at the link's speed as estimated then (the first
+        ``PIECE_BYTES[0]``, to measure the link before committing to more), or ``PROBE_BYTES`` while it is a probe
+        (``rule`` None: it becomes a read by rule once :meth:`_arrives_in_time` says the rest can be in in time).
+        Between pieces: read the small variants the decoder could now need, and give the value up once the decoder
+        took the chunk (a video player's abandonment rule).  The chunk, or None; and the rule it was read by."""
         outcome, source = self.chunks[i], self.source
+        link = self.telemetry.link(large.tier)
         parts: list[bytes] = []
         got = 0
         while got < large.nbytes:
-            length = min(piece_bytes, large.nbytes - got)
+            if rule is None:
+                rule = self._arrives_in_time(i, got)
+            while self._read_small(i):  # the insurance: a link that slowed makes small variants needed
+                pass
             with self._cond:  # between pieces: give up what will not be used
                 if i in self._taken or i >= self._limit or self._stop.is_set():
                     log.debug("chunk %d: the large variant given up after %d of its %d bytes", i, got, large.nbytes)
-                    return None
+                    return None, rule
+                length = PROBE_BYTES if rule is None else PIECE_BYTES[0] if not self._pieces_read else \
+                    int(min(max(link.throughput.estimate * PIECE_S, PIECE_BYTES[0]), PIECE_BYTES[1]))
+                if large.nbytes - got < 2 * length:
+                    length = large.nbytes - got
                 self._reading = _Reading(i, large, time.perf_counter(), length, large.nbytes - got - length)
                 decoding = self._decoding_small
             t0 = time.perf_counter()
             piece = source.read_range(large.tier, key, got, length, outcome.end - outcome.start)
             seconds = time.perf_counter() - t0
             if not piece:
-                return self._read(i, key)  # gone here: any tier holding it
+                return self._read(i, key), rule  # gone here: any tier holding it
             self._served(i, len(piece))
             self._observe(large, len(piece), seconds, decoding)
-            with self._cond:
-                self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
+            self._pieces_read += 1
             parts.append(piece)
             got += len(piece)
+            with self._cond:
+                self._reading = _Reading(i, large, time.perf_counter(), 0, large.nbytes - got,
+                                         len(piece) / seconds if seconds > 0 else math.inf,
+                                         getattr(link.throughput, "measured_at", None))
+                self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
+                if rule is None:  # a probe keeps the link busy a PROBE_DUTY share of the time, no more
+                    until = time.perf_counter() + seconds * (1 / PROBE_DUTY - 1)
+                    while i not in self._taken and not self._stop.is_set() and time.perf_counter() < until:
+                        self._cond.wait(until - time.perf_counter())
         chunk = source.accept(key, large.tier, b"".join(parts), outcome.start, outcome.end, evict=False)
         if chunk is None:
-            return self._read(i, key)
+            return self._read(i, key), rule
         self._value_bytes[i, key] = got
-        return chunk
+        return chunk, rule
 
     def _observe(self, option: Option, nbytes: int, seconds: float, decoding_before: bool) -> None:
         """A large read's throughput, for :class:`~kvcodec.store.telemetry.Contention` when a small variant's decode ran
@@ -528,9 +633,10 @@ class PrefixLoad:
 
     def _take(self) -> tuple[int, FetchedChunk, bool, Decision] | None:
         """The next chunk to decode (whether it is a small variant from the back, and why it is this variant): the
-        lowest fetched from the front, else the highest small variant, unless its large variant is arriving sooner
-        than the small one would decode, or decoding it would slow the link by more than it saves while large
-        variants are still coming; None when every chunk is done."""
+        lowest fetched from the front, else the highest small variant, unless the large variants the fetch is
+        bringing would have that chunk in and decoded sooner than its small one would decode (then the decoder
+        stays free for them), or decoding it would slow the link by more than it saves, while large variants are
+        still coming; None when every chunk is done."""
         with self._cond:
             while not self._stop.is_set():
                 live = [i for i in range(self._limit) if i not in self._taken]
@@ -539,8 +645,8 @@ class PrefixLoad:
                 pick = next((i for i in live if i in self._front), None)
                 if pick is None:
                     backs = [i for i in live if i in self._back]
-                    if backs and not self._worth_waiting(backs[-1]) and not self._smalls_soon(backs[-1]) \
-                            and (self._fetched_all or self._full or self._small_pays(backs[-1])):
+                    if backs and (self._fetched_all or self._full or
+                                  (self._small_pays(backs[-1]) and not self._large_sooner(backs[-1]))):
                         pick = backs[-1]
                     elif not backs and self._fetched_all:
                         self._limit = live[0]  # nothing more is coming for it: the engine's
@@ -574,6 +680,8 @@ class PrefixLoad:
             rule = LARGE_TOO_LATE  # the decoder stopped waiting for it
         elif self._fetched_all:
             rule = LARGE_TOO_LATE if i >= self._late_from else LARGE_NOT_COMING
+        elif i >= self._late_from:
+            rule = LARGE_TOO_LATE
         else:
             rule = SMALL_PAYS if self._small_pays(i) else BUDGET_FULL
         return self.planner.decide(rule, lo.variant, self._weighed(i))
@@ -582,30 +690,11 @@ class PrefixLoad:
         small, large = self._options[i]
         return large is None or self.planner.small_pays(small, large, self.chunks[i].end - self.chunks[i].start)
 
-    def _smalls_soon(self, i: int) -> bool:
-        """Whether the small variants still to come will all be in before chunk ``i``'s small variant would be
-        decoded: then the decoder waits for the last of them rather than take one near the front, which the link
-        may yet bring in the large variant."""
-        small = self._options.get(i, (None, None))[0]
-        ahead = range(self._back_next, self._limit)
-        if small is None or not ahead:
-            return False
-        tokens = self.chunks[i].end - self.chunks[i].start
-        left = sum(self._options[j][0].nbytes for j in ahead if j in self._options)
-        return self.planner.fetch_s(small, left) < self.planner.decode_s(small, tokens)
-
-    def _worth_waiting(self, i: int) -> bool:
-        """Whether chunk ``i``'s large variant, being read, will be in and decoded before its small variant would
-        be decoded (not when its current piece is already twice as late as the link's estimate says)."""
-        reading = self._reading
-        if reading is None or reading.chunk != i:
-            return False
+    def _large_sooner(self, i: int) -> bool:
+        """Whether chunk ``i``'s large variant, coming in the fetch's order, will be in and decoded before its small
+        variant would be decoded.  Under ``_cond``."""
         small, tokens = self._options[i][0], self.chunks[i].end - self.chunks[i].start
-        piece_s, elapsed = self.planner.fetch_s(reading.option, reading.piece), time.perf_counter() - reading.since
-        if elapsed > 2 * piece_s + 0.005:
-            return False
-        left_s = max(0.0, piece_s - elapsed) + self.planner.fetch_s(reading.option, reading.after)
-        return left_s + self.planner.decode_s(reading.option, tokens) < self.planner.decode_s(small, tokens)
+        return self._large_eta_s(i) < self.planner.decode_s(small, tokens)
 
     def _check_shape(self, chunk: FetchedChunk) -> None:
         """Without an engine shape the store checked against, every chunk must match the first one's."""

@@ -4,22 +4,23 @@ the rest.
 A store may keep each chunk in several variants (``KVStore(codec=["kvtc", "cachegen", "raw"])``, smallest first;
 every variant must meet the deployment's quality floor).  A small variant is cheap on the link and dear to decode,
 a large one the reverse.  A load (:class:`kvcodec.store.load.PrefixLoad`) runs two stages at once, a fetch thread
-on the link and a decode thread on the CPU (or device), and loads from both ends: the smallest variant of every
-chunk first (a few percent of the large one's bytes), which the decoder works through from the last chunk
-backwards, while the link brings the largest variant of the chunks from the front, which decode at once.  Where the
-two meet, the load is done.  So the link and the decoder are both busy whatever the link's speed, a link that
-slows or drops in the middle of a request costs at most the large read under way, and no rate has to be right in
-advance.
+on the link and a decode thread on the CPU (or device), and loads from both ends: the link brings the largest
+variant of the chunks from the front, which decode at once, while the decoder works back from the last chunk
+through the smallest variant (a few percent of the large one's bytes).  Where the two meet, the load is done.  So
+the link and the decoder are both busy whatever the link's speed, and no rate has to be right in advance.
 
-Estimates still decide four things (:class:`LoadPlanner`): whether loading the rest is worth it at all, or the
-engine recomputing it at ``recompute_tps`` (tokens per second of prefill the engine hook observed) would be sooner;
-whether a large variant can still arrive before the decoder reaches its chunk from the back; whether the decoder,
-reaching the chunk whose large variant is arriving, waits for it; and whether decoding a small variant pays at all
-where the decoder and the link share a machine's cores (:class:`~kvcodec.store.telemetry.Contention`): on a fast
-link a decode can slow the fetch by more than it saves.  Fetching takes a variant's bytes over the estimated
-throughput of the tier holding it, decoding takes its tokens at the variant's decode rate, both from the store's
-own recent reads and decodes (:class:`~kvcodec.store.telemetry.Telemetry`: the harmonic mean of the last few, which
-drops at once when the link does).
+Estimates still decide (:class:`LoadPlanner`): whether loading the rest is worth it at all, or the engine
+recomputing it at ``recompute_tps`` (tokens per second of prefill the engine hook observed) would be sooner; whether
+a large variant can still arrive before the decoder reaches its chunk from the back; whether the decoder could need
+a chunk's small variant before its large one arrives (only then is it read); whether a small variant's decode ends
+before the large variants coming would have its chunk in (only then does the decoder start it); and whether
+decoding a small variant pays at all where the decoder and the link share a machine's cores
+(:class:`~kvcodec.store.telemetry.Contention`): on a fast link a decode can slow the fetch by more than it saves.
+Fetching takes a variant's bytes over the estimated throughput of the tier holding it, decoding takes its tokens at
+the variant's decode rate, both from the store's own recent reads and decodes
+(:class:`~kvcodec.store.telemetry.Telemetry`: the harmonic mean of the last few, started over by a read 4x faster or
+slower, so that it follows the link both ways within one read).  :mod:`kvcodec.store.load` argues the rules with
+measurements.
 
 Each chunk's choice is kept as a :class:`Decision`: the rule that decided and the estimates it saw then.
 """
@@ -47,6 +48,7 @@ class Option:
 # The rules that decide a chunk (Decision.rule).
 ONE_VARIANT = "one variant"  # a single variant of the chunk is held: nothing to choose
 LARGE_IN_TIME = "large arrives in time"  # its large variant was read, as it could be in before the decoder got there
+LARGE_PROBED = "large probed"  # ... read as a probe of the link once every small one was in, and in before the decoder
 SMALL_UNMEASURED = "small's decode unmeasured"  # ... read because the small one was never decoded here
 SMALL_PAYS = "small pays"  # its small variant's decode saves the link more than it slows it
 LARGE_TOO_LATE = "large too late"  # the large variant would not be in before the decoder reached the chunk

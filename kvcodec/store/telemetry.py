@@ -20,6 +20,11 @@ from kvcodec.errors import InvalidInputError
 DEFAULT_WINDOW = 3
 #: A link's throughput before any read was measured: 1 Gbit/s, in bytes per second.
 LINK_PRIOR_BPS = 1e9 / 8
+# A link's throughput estimate starts over from a read that is this many times faster or slower than it (a change of
+# regime, not noise: on loopback a read beside a decode took up to 2.7x as long, bench/load_overlap.py), so a rise is
+# seen within one read as a drop is.  Plain harmonic mean: three reads at 20 Mbit/s and one at 10 Gbit/s still
+# estimate 27 Mbit/s, and a load that reads 64 KiB pieces to probe (kvcodec.store.load) would never see the rise.
+LINK_FOLLOW = 4.0
 # An unmeasured codec is taken to decode for free (tokens per second), so that the first load that could use it
 # does, and measures it.
 DECODE_PRIOR_TPS = 1e12
@@ -35,16 +40,18 @@ class RateEstimator:
     dominated by the low samples, so one slow measurement pulls the estimate down at once (a deadline is missed by
     overestimating), while it climbs back only as fast samples fill the window; and a window forgets a regime after
     exactly ``window`` samples, which keeps behaviour easy to predict and test.  Measurements of nothing or of no
-    time carry no rate and are ignored.
+    time carry no rate and are ignored.  With ``follow``, a measurement more than ``follow`` times above or below
+    the estimate starts the window over: the estimate follows a change of regime both ways within one sample.
     """
 
-    def __init__(self, prior: float, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(self, prior: float, window: int = DEFAULT_WINDOW, *, follow: float | None = None) -> None:
         if not (isinstance(window, int) and window >= 1):
             raise InvalidInputError(f"window must be a positive integer, not {window!r}")
         if not (prior > 0 and math.isfinite(prior)):
             raise InvalidInputError(f"prior must be a positive number, not {prior!r}")
-        self.prior = float(prior)
-        self.window = window
+        if follow is not None and not follow > 1:
+            raise InvalidInputError(f"follow must be above 1, not {follow!r}")
+        self.prior, self.window, self.follow = float(prior), window, follow
         self._samples: deque[float] = deque(maxlen=window)
         self.measured_at: float | None = None  # the wall-clock time (time.time()) of the latest sample
 
@@ -55,7 +62,11 @@ class RateEstimator:
                                     f"{seconds}")
         if amount == 0 or seconds == 0:
             return
-        self._samples.append(amount / seconds)
+        rate = amount / seconds
+        if self.follow is not None and self._samples and not \
+                self.estimate / self.follow <= rate <= self.estimate * self.follow:
+            self._samples.clear()
+        self._samples.append(rate)
         self.measured_at = time.time()
 
     def seed(self, rate: float, measured_at: float) -> None:
@@ -124,10 +135,11 @@ class Contention:
 
 
 class Link:
-    """One tier's link as this process measured it: ``throughput`` (bytes/s) and ``contention``."""
+    """One tier's link as this process measured it: ``throughput`` (bytes/s, following a change of ``LINK_FOLLOW``
+    times at once) and ``contention``."""
 
     def __init__(self, prior_bps: float = LINK_PRIOR_BPS) -> None:
-        self.throughput = RateEstimator(prior_bps)
+        self.throughput = RateEstimator(prior_bps, follow=LINK_FOLLOW)
         self.contention = Contention()
 
 

@@ -1,0 +1,109 @@
+"""A load from both ends on a fast link and on one that changes (kvcodec.store.load, issue 33, items 1 and 2): a
+cheap variant is never made to wait behind a slow decode, small variants are read only as far as the decoder could
+need them, and a rise in the link is seen within one piece.  Real SmolLM2 KV kept as cachegen and raw behind an
+in-process link, cachegen's decode made as slow as the store has learnt."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from stand_ins import Pinned
+from test_store_load_report import CHUNK, PinnedContention, Served, _real
+
+from kvcodec.codecs.cachegen import CacheGen
+from kvcodec.store import DenseSink, KVStore, plan
+from kvcodec.store.telemetry import Link
+
+MBIT = 1e6 / 8
+
+
+def _behind_link(real_kv, monkeypatch, link: Served, cachegen_s: float, link_bps: float | None, chunk: int = CHUNK):
+    """512 tokens of real KV in ``chunk``-token chunks, in cachegen and raw, both behind ``link``; cachegen decodes
+    in ``cachegen_s`` a chunk (a sleep before the real decode), as the store has learnt; the link's estimate pinned
+    at ``link_bps`` (None: the load's own reads move it)."""
+    ids, kv = _real(real_kv, 4 * CHUNK)
+    store = KVStore([link], model=real_kv.model, codec=["cachegen", "raw"], chunk_tokens=chunk)
+    store.put(ids, kv)
+    link.served.clear()
+    if link_bps is not None:
+        store.telemetry.link(link.name).throughput = Pinned(link_bps)
+    store.telemetry.link(link.name).contention = PinnedContention(1.0)
+    store.telemetry.decode_rate = lambda codec: Pinned(chunk / cachegen_s if codec.codec_id == "cachegen" else 1e9)
+    real = CacheGen.decode_layers
+    monkeypatch.setattr(CacheGen, "decode_layers", lambda self, datas, ctxs: time.sleep(
+        cachegen_s * len(datas) / len(real_kv.layers)) or real(self, datas, ctxs))
+    return store, ids
+
+
+def test_on_a_fast_link_raw_chunks_do_not_wait_behind_a_slow_small_decode(real_kv, monkeypatch):
+    """10 Gbit/s: raw takes about 2 ms a chunk, cachegen 0.5 s to decode.  Before, the load read every chunk's
+    cachegen first and the decoder, with nothing else in, started on the last chunk's: the raw chunks then waited
+    0.5 s behind it.  Now no cachegen is read (its decode could not beat the raw reads even on a link half as fast)
+    and every chunk is written as it arrives."""
+    store, ids = _behind_link(real_kv, monkeypatch, Served("link", 10000 * MBIT), 0.5, 10000 * MBIT)
+    t0 = time.perf_counter()
+    result = store.prefix_load(ids, DenseSink()).start().finish()
+    took = time.perf_counter() - t0
+    assert result.complete and [c.variant for c in result.chunks] == [1] * 4
+    assert took < 0.25, took  # one cachegen decode alone is 0.5 s
+    assert result.wasted_bytes == 0 and max(c.decode_s for c in result.chunks) < 0.25
+
+
+class Rising(Served):
+    """A link of ``rate`` that rises to ``risen`` once it has served ``after`` values whole (the small variants)."""
+
+    def __init__(self, rate: float, risen: float, after: int) -> None:
+        super().__init__("link", rate)
+        self.risen, self.after, self.whole = risen, after, 0
+
+    def get(self, key, max_bytes=None):
+        value = super().get(key, max_bytes)
+        self.whole += 1
+        if self.whole >= self.after:
+            self.rate = self.risen
+        return value
+
+
+def test_a_rise_after_the_small_variants_is_seen_within_one_probe_piece(real_kv, monkeypatch):
+    """20 Mbit/s (raw 1.2 s a chunk, cachegen 0.19 s) and cachegen decodes in 0.3 s: no raw chunk can be in in
+    time, every chunk's cachegen is read.  Then the link rises to 10 Gbit/s while the decoder still has chunks 1 and
+    0 to go.  Before, the fetch ended there (its estimate still 20 Mbit/s) and chunk 0 came as cachegen; now a probe
+    (32 KiB pieces of chunk 0's raw) keeps measuring the link, its first piece after the rise moves the estimate up
+    at once, and chunk 0's raw is in before the decoder reaches it."""
+    link = Rising(20 * MBIT, 10000 * MBIT, after=4)
+    store, ids = _behind_link(real_kv, monkeypatch, link, 0.3, None)
+    store.telemetry.link("link").throughput.prior = 20 * MBIT  # what the last load measured
+    result = store.prefix_load(ids, DenseSink()).start().finish()
+    variants = [c.variant for c in result.chunks]
+    assert result.complete and variants[0] == 1 and variants[-1] == 0, variants
+    assert result.chunks[0].decision.rule in (plan.LARGE_IN_TIME, plan.LARGE_PROBED)
+    assert store.telemetry.link("link").throughput.estimate > 1000 * MBIT
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_link_estimate_follows_a_rise_as_quickly_as_a_drop(fast):
+    """Three pieces at 20 Mbit/s then one at 10 Gbit/s: the estimate is 10 Gbit/s at once (the harmonic mean of
+    the four alone says 27 Mbit/s), and the same the other way; reads within 4x of the estimate are averaged."""
+    slow, quick = 20 * MBIT, 10000 * MBIT
+    before, after = (slow, quick) if fast else (quick, slow)
+    link = Link()
+    for _ in range(3):
+        link.throughput.observe(before * 0.01, 0.01)
+    link.throughput.observe(after * 0.01, 0.01)
+    assert link.throughput.estimate == pytest.approx(after)
+    link.throughput.observe(after * 3 * 0.01, 0.01)  # noise, not a new regime: averaged
+    assert link.throughput.estimate == pytest.approx(2 / (1 / after + 1 / (3 * after)))
+
+
+@pytest.mark.parametrize("mbit", [20, 100, 1000, 10000])
+def test_wasted_bytes_stay_under_a_tenth_of_used_at_every_rate(real_kv, monkeypatch, mbit):
+    """8 chunks of 64 tokens, cachegen 0.2 s a chunk to decode (6x smaller than raw).  Before, every chunk's
+    cachegen was read first, as insurance: 16-19% of the bytes used were wasted on links of 100 Mbit/s and faster.
+    Now small variants are read from the back only as far as the decoder could need them on a link half as fast as
+    estimated, and a probe takes a fifth of an idle link."""
+    store, ids = _behind_link(real_kv, monkeypatch, Served("link", mbit * MBIT), 0.2, mbit * MBIT, chunk=CHUNK // 2)
+    result = store.prefix_load(ids, DenseSink()).start().finish()
+    assert result.complete
+    assert result.wasted_bytes < 0.10 * result.nbytes, (result.wasted_bytes, result.nbytes,
+                                                        [c.variant for c in result.chunks])
