@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from real_kv import gpl3_kv
+from real_kv import gpl3_kv  # bench/ is on sys.path when this runs as a script
 
 from kvcodec.store import DenseSink, KVStore, MemoryTier
 
