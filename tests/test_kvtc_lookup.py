@@ -260,3 +260,19 @@ def test_issue35_a_missing_calibration_file_is_named_as_missing(tmp_path):
             KVTC(calibration=missing)
     with pytest.raises(InvalidInputError, match="must be 'auto'"):
         KVTC(calibration="bogus")
+
+
+def test_a_calibration_named_by_its_hash_is_found_without_hashing_the_others(fresh_process, monkeypatch):
+    """The lookup by content is the fallback: it hashed every other ``*.kvtc`` file of the search path even when the
+    file named by the digest was there and loaded."""
+    folder = fresh_process / "cals"
+    named = _calibration(14)
+    calmod.install(named, str(folder))
+    (folder / "other.kvtc").write_bytes(_calibration(15).to_bytes())
+    monkeypatch.setattr(calmod, "_registered", {})
+    monkeypatch.setenv(calmod.ENV_PATH, str(folder))
+    hashed = []
+    real = calmod._file_sha256
+    monkeypatch.setattr(calmod, "_file_sha256", lambda path: hashed.append(path) or real(path))
+    assert calmod.find_calibration(named.digest).digest == named.digest
+    assert hashed == []

@@ -268,15 +268,10 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     @_never_raises(0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many of ``keys``, from the first, are stored whole: each tier is asked once for the sizes of the keys
-        no faster tier holds, then each value's last bytes are read; a truncated page is evicted here, once, and
-        answers absent (SGLang would otherwise reserve host memory for it and fail its read)."""
+        """How many of ``keys``, from the first, are stored whole (:meth:`KVStore.held_prefix`: a torn page is
+        evicted here and answers absent, so SGLang never reserves host memory for a page whose read would fail)."""
         if self.store is None or not keys:
             return 0
-        # Not the read's full check: per 64-token SmolLM2 page (2 shared cores), reading and checking a value costs
-        # 0.9-1.1 ms (raw) and 0.26-0.32 ms (cachegen), 21-40% of a raw page's whole load (2.2-5.4 ms) and every value
-        # read twice; reading its end costs 0.004 ms from memory and 0.03-0.15 ms from disk (which reads it whole),
-        # against 0.001-0.002 ms for holding alone.  A page damaged within is evicted by its first read.
         return self.store.held_prefix([self.key(k) for k in keys])
 
     def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:

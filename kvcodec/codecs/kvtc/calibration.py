@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -321,7 +322,8 @@ def find_calibration(digest: str, paths: Sequence[str | os.PathLike[str]] = ()) 
     passed_over = []
     folders = search_dirs(paths)
     named = [os.path.join(folder, digest + SUFFIX) for folder in folders]
-    for path in [p for p in named if os.path.isfile(p)] + _files_hashing_to(digest, folders):
+    # a generator: the other files are hashed only when no file named by the digest loads
+    for path in itertools.chain((p for p in named if os.path.isfile(p)), _files_hashing_to(digest, folders)):
         try:
             return _remember_found(Calibration.load(path, digest))
         except (CorruptDataError, LimitExceededError) as e:
@@ -334,11 +336,10 @@ def find_calibration(digest: str, paths: Sequence[str | os.PathLike[str]] = ()) 
         + "".join(f"; passed over {p}" for p in passed_over))
 
 
-def _files_hashing_to(digest: str, folders: Sequence[str]) -> list[str]:
+def _files_hashing_to(digest: str, folders: Sequence[str]) -> Iterator[str]:
     """The ``*.kvtc`` files of ``folders`` not named ``<digest>.kvtc`` whose bytes hash to ``digest`` (a calibration
     copied in under the name it was made with).  Each file is hashed once per process (again only if its size or
     modification time changes); one larger than :data:`MAX_FILE_BYTES` is never read."""
-    found = []
     for folder in folders:
         try:
             names = sorted(n for n in os.listdir(folder) if n.endswith(SUFFIX) and n != digest + SUFFIX)
@@ -356,8 +357,7 @@ def _files_hashing_to(digest: str, folders: Sequence[str]) -> list[str]:
             except OSError:  # removed or unreadable meanwhile: not a calibration this process can use
                 continue
             if known[2] == digest:
-                found.append(path)
-    return found
+                yield path
 
 
 def _file_sha256(path: str) -> str:
