@@ -1,4 +1,4 @@
-"""The Mooncake segment holder kvcodec ships (``python -m kvcodec.store.tiers.mooncake_segment``): against a real
+"""The Mooncake segment holder kvcodec ships (``kvcodec mooncake-segment``): against a real
 mooncake_master it lends the memory an engine-like client (``segment=0``) stores into, and unmounts on SIGTERM or
 SIGINT with exit 0; a master that is not there, a bad size or a URL the flags contradict is one clear line.  The
 URL it builds from the engines' URL is checked without Mooncake."""
@@ -22,7 +22,7 @@ from kvcodec.store.tiers.mooncake_segment import READY, add_arguments, holder_ur
 from kvcodec.tools.harness.mooncake import Master, SegmentHolder, unavailable
 from kvcodec.tools.redis_server import free_port
 
-HOLDER = [sys.executable, "-m", "kvcodec.store.tiers.mooncake_segment"]
+HOLDER = [sys.executable, "-m", "kvcodec", "mooncake-segment"]
 SEGMENT = 64 << 20
 # Python's import of kvcodec (torch) and Mooncake's set-up take 2-4 s here; a bound well above that still catches
 # a hang (Mooncake's set-up blocks 90 s without a master)

@@ -5,8 +5,8 @@ Mooncake keeps a value in the memory segment of the client that put it and drops
 Engines come and go, so their Mooncake tier lends nothing (``mooncake://MASTER?segment=0``) and their puts land
 in the segments of holders like this one: run one on each machine that lends memory, beside a ``mooncake_master``.
 
-``kvcodec mooncake-segment URL --segment SIZE`` or ``python -m kvcodec.store.tiers.mooncake_segment ...``
-(:func:`main`); :func:`add_arguments` and :func:`run` are what a command line wires.  The URL is the engines' own
+``kvcodec mooncake-segment URL --segment SIZE`` runs it (:mod:`kvcodec.cli` wires :func:`add_arguments` and
+:func:`run`, and maps its errors to the command's exit statuses).  The URL is the engines' own
 tier URL (:mod:`kvcodec.store.tiers.urls`), so the holder and the engines name the master, metadata server and
 protocol the same way; ``--segment`` and ``--local`` replace its ``segment=`` (the engines' says 0) and ``local=``.
 """
@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.store.tiers.urls import parse_size, tier_from_url
 
-log = logging.getLogger("kvcodec.store.tiers.mooncake_segment")  # not __name__: that is __main__ under -m
+log = logging.getLogger(__name__)
 
 DEFAULT_WAIT_S = 10.0
 # The holder puts and gets nothing itself, and Mooncake registers a client's transfer buffer whole: a small one
@@ -37,9 +36,6 @@ HOLDER_BUFFER = "1MiB"
 POLL_S = 0.2
 READY = "mooncake-segment: lending"  # how the one line saying what is lent begins (scripts wait for it)
 
-EXIT_STATUSES = """\
-exit status: 0 after SIGTERM or Ctrl-C (the segment unmounted), 2 for bad arguments, 3 without Mooncake,
-4 when the master does not take the segment within --wait seconds (as the kvcodec command's)"""
 HELP = "lend memory to a Mooncake Store: where engines' Mooncake tier (segment=0) keeps what it saves"
 DESCRIPTION = """\
 Lend SIZE bytes of this machine's memory to a Mooncake Store and hold them until stopped (SIGTERM or
@@ -227,26 +223,3 @@ def _wait(tier: Any, wait_s: float, stopping: Callable[[], bool], why: list[str]
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvcodec.store.tiers.mooncake_segment``, with the ``kvcodec`` command's exit statuses: 0 after a
-    clean stop, 2 for bad arguments, 3 without Mooncake, 4 when the master does not take the segment (one line on
-    stderr)."""
-    parser = argparse.ArgumentParser(prog="python -m kvcodec.store.tiers.mooncake_segment", description=DESCRIPTION,
-                                     epilog=EXIT_STATUSES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    args.parser = parser
-    try:
-        return run(args)
-    except UnsupportedError as e:
-        code, message = 3, str(e)
-    except OSError as e:
-        code, message = 4, str(e)
-    print(f"{parser.prog}: error: {message}", file=sys.stderr)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -101,7 +101,7 @@ class Master:
 
 
 class SegmentHolder:
-    """The segment holder kvcodec ships (``python -m kvcodec.store.tiers.mooncake_segment``) lending ``segment_bytes``
+    """The segment holder kvcodec ships (``kvcodec mooncake-segment``) lending ``segment_bytes``
     of its memory to the Mooncake Store of ``master`` (``HOST:PORT``), its output in ``log`` (default: a temporary
     file); started when the constructor returns (``RuntimeError`` if it exits or has not mounted within 60 s).
     :meth:`stop` sends SIGTERM, as a deployment would, and records the exit status in ``returncode``."""
@@ -115,7 +115,7 @@ class SegmentHolder:
             self._own_log = False
         self.log, self.returncode = log, None
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvcodec.store.tiers.mooncake_segment",
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvcodec", "mooncake-segment",
                                           f"mooncake://{master}?timeout=5", "--segment", str(segment_bytes)],
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60  # the import and Mooncake's set-up take 2-4 s on a loaded 2-core machine
