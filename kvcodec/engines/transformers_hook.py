@@ -19,6 +19,9 @@ decoding.  A load that ends short raises :class:`LoadError` inside the forward: 
 sooner than loading it (the hook measures its model's prefill speed on requests it computes in full).
 :meth:`TransformersKVHook.generate` then continues from the tokens that did load and recomputes the rest, so no
 store fault reaches the caller.
+
+Segments (documents reused wherever they sit in a prompt, :mod:`kvcodec.blend`): :meth:`TransformersKVHook.put_segments`
+stores them, :meth:`TransformersKVHook.fuse` puts a prompt of them together (:mod:`kvcodec.engines.transformers_fusion`).
 """
 
 from __future__ import annotations
@@ -177,6 +180,7 @@ class TransformersKVHook:
             raise InvalidInputError(f"the store serves chunks of {store.shape}; this model saves {shape}")
         self.store, self.save, self.save_dtype = store, save, save_dtype
         self.prefill_tps: float | None = None  # the model's prefill speed, from the last prompt computed in full
+        self._segments: Any = None
 
     @classmethod
     def with_store(cls, model: Any, tiers: Sequence[str | StorageTier] = ("cpu",), *, model_path: str | None = None,
@@ -273,3 +277,38 @@ class TransformersKVHook:
         except Exception:
             log.warning("saving the prompt's KV failed", exc_info=True)
             return 0
+
+    # segments ----------------------------------------------------------------------------------
+    @property
+    def segments(self) -> Any:
+        """The :class:`~kvcodec.blend.segments.SegmentStore` over this hook's store, anchored at the model's BOS
+        token (:func:`~kvcodec.blend.segments.default_anchor`)."""
+        from kvcodec.blend.segments import SegmentStore, default_anchor
+
+        if self._segments is None:
+            self._segments = SegmentStore(self.store, default_anchor(self.model.config))
+        return self._segments
+
+    def put_segments(self, segments: Sequence[Sequence[int]]) -> int:
+        """Compute and store each of ``segments`` (token id lists) not stored whole yet; returns the chunks
+        written."""
+        from kvcodec.engines.transformers_fusion import segment_kv
+
+        written = 0
+        for seg in segments:
+            if self.segments.stored_tokens(seg) < len(seg):
+                kv = segment_kv(self.model, self.segments.anchor, seg, model_id=self.store.model,
+                                dtype=self.save_dtype)
+                written += self.segments.put(seg, kv)
+        return written
+
+    def fuse(self, segments: Sequence[Sequence[int]], suffix: Sequence[int], *, share: float | None = None) -> Any:
+        """The prompt ``anchor + segments + suffix`` with the segments' stored KV fused and ``share`` of their
+        tokens recomputed (default :data:`~kvcodec.blend.fusion.DEFAULT_SHARE`): a
+        :class:`~kvcodec.engines.transformers_fusion.Fusion` (logits over the suffix, the prompt's cache, a
+        report).  Segments not stored are computed in full, and the report says so."""
+        from kvcodec.blend.fusion import DEFAULT_SHARE, RecomputeSchedule
+        from kvcodec.engines.transformers_fusion import fuse
+
+        schedule = RecomputeSchedule(DEFAULT_SHARE if share is None else share)
+        return fuse(self.model, self.segments, segments, suffix, schedule=schedule, shape=self.store.shape)

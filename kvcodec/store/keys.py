@@ -1,7 +1,8 @@
 """Chunk keys: a chained hash over token chunks, seeded by everything that changes the KV besides the tokens.
 
 ``seed = H("kvcodec-store/2" | model | identity | codec id | canonical codec config | chunk_tokens)``;
-a request's own salt (vLLM's ``cache_salt``) gives it a seed of its own, ``H(seed | salt)``;
+a request's own salt (vLLM's ``cache_salt``) gives it a seed of its own, ``H(seed | salt)``; a segment (a document
+stored apart from any prefix, :class:`SegmentDomain`) one of ``H(seed | "segment:" | anchor token ids)``;
 ``h[i] = H(h[i-1] | token ids of chunk i as little-endian int64)`` with ``h[-1]`` the seed.
 
 Chunk ``i``'s key therefore depends on every token before it (a different earlier chunk changes every later
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -54,9 +56,24 @@ def namespace(model: str, codec_id: str, codec_config: dict[str, Any], chunk_tok
     return hasher(hash_name, secret)(text.encode())
 
 
-def salted(seed: bytes, salt: str | bytes | None, hash_name: str = "sha256", secret: bytes | None = None) -> bytes:
+@dataclass(frozen=True)
+class SegmentDomain:
+    """The keys of segments: token runs (documents) whose KV was computed after ``anchor`` (token ids, the
+    same for every segment of a store) rather than after the prompt's own prefix, so that they can be reused
+    wherever they sit in a prompt (:mod:`kvcodec.blend.segments`).  Given as a store's ``salt``, it seeds a chain
+    of its own that no request's salt can reach (``"segment:"`` against ``"salt:"``), covering the anchor (and so
+    the positions the segment was computed at) beside everything the store's seed covers."""
+
+    anchor: tuple[int, ...] = ()
+
+
+def salted(seed: bytes, salt: str | bytes | SegmentDomain | None, hash_name: str = "sha256",
+           secret: bytes | None = None) -> bytes:
     """The seed of a request carrying its own ``salt`` (vLLM's ``cache_salt``): requests share chunks only with
-    requests of the same salt.  No salt: ``seed`` itself."""
+    requests of the same salt; a :class:`SegmentDomain`'s is the seed of segments after its anchor.  No salt:
+    ``seed`` itself."""
+    if isinstance(salt, SegmentDomain):
+        return hasher(hash_name, secret)(seed + b"segment:" + np.asarray(salt.anchor, dtype="<i8").tobytes())
     if salt is None or salt == "" or salt == b"":
         return seed
     raw = salt.encode() if isinstance(salt, str) else bytes(salt)

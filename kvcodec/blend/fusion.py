@@ -1,0 +1,200 @@
+"""Fusing stored segments into one prompt's KV, the model-generic half (an engine hook runs the model):
+
+1. :func:`assemble` loads each segment of a prompt ``anchor + segment_1 + ... + segment_k`` from a
+   :class:`~kvcodec.blend.segments.SegmentStore`, moves its keys from the positions it was computed at to its
+   positions in this prompt (:func:`kvcodec.positions.reposition`), and marks the tokens no store held (the anchor,
+   a segment missed, the tail of one whose later chunk is missing or bad) as *forced*: recomputed at every layer.
+2. The engine recomputes, layer by layer, the tokens a :class:`RecomputeSchedule` selects, with attention over the
+   fused cache, writing their new keys and values into it; each layer's KV *deviation* (:func:`deviation`, new
+   against stored) narrows the selection for the next layers (*gradual filtering*).  Every other token keeps its
+   stored KV, which lacks the attention to the segments before it: the recomputed tokens are the ones whose KV
+   that changes most, and through them later tokens (the question) see the cross-segment context.
+3. The suffix (the question) is then computed as usual over the fused cache.
+
+A :class:`FusionReport` says what was reused, recomputed (per layer) and missed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvcodec.blend.segments import SegmentStore
+from kvcodec.errors import InvalidInputError
+from kvcodec.positions import Rotary, reposition
+from kvcodec.store.chunks import ChunkShape
+
+# The share of a prompt's reused tokens recomputed at every layer past the filtering, by default: the knee of
+# quality against share that bench/segment_reuse.py measured on SmolLM2 (bench/results/segment_reuse.md).
+DEFAULT_SHARE = 0.15
+# The layer whose deviation is computed over every token (layer 0's KV depends on a token alone, so its deviation
+# is only the codec's error), and how much wider than the final share its selection is before the next layer
+# narrows it: a token's deviation at one early layer predicts later layers' only roughly.
+CHECK_LAYER = 1
+WIDEN = 2.0
+
+
+@dataclass
+class SegmentHit:
+    """One segment of a fused prompt: its first token's index in the prompt, its tokens, how many loaded from the
+    store (the rest were recomputed at every layer), and where each loaded chunk came from."""
+
+    start: int
+    tokens: int
+    loaded: int
+    tiers: list[str] = field(default_factory=list)
+
+    @property
+    def hit(self) -> bool:
+        return self.loaded == self.tokens
+
+
+@dataclass
+class FusedContext:
+    """The KV of ``token_ids`` (the anchor and the segments) as assembled from the store: per layer keys (at their
+    positions in the prompt, after RoPE) and values ``[H, N, D]``; ``forced`` ``[N]`` marks the tokens the store
+    did not hold, which every layer recomputes."""
+
+    token_ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    forced: torch.Tensor
+    segments: list[SegmentHit]
+    load_s: float = 0.0
+    nbytes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class FusionReport:
+    """What a fusion did: the prompt's tokens (``context_tokens`` before the suffix), those whose stored KV was
+    used (``reused_tokens``), those recomputed at every layer because no store held them (``forced_tokens``, the
+    anchor included), the tokens recomputed at each layer (``recomputed``), each segment, the bytes loaded, and
+    the seconds spent loading (and decoding), recomputing, on the suffix and in all (to the first token's
+    logits)."""
+
+    prompt_tokens: int
+    context_tokens: int
+    reused_tokens: int
+    forced_tokens: int
+    share: float
+    recomputed: list[int]
+    segments: list[SegmentHit]
+    nbytes: int = 0
+    load_s: float = 0.0
+    recompute_s: float = 0.0
+    suffix_s: float = 0.0
+    first_token_s: float = 0.0
+
+    @property
+    def hits(self) -> int:
+        return sum(s.hit for s in self.segments)
+
+    @property
+    def misses(self) -> int:
+        return len(self.segments) - self.hits
+
+    @property
+    def recomputed_share(self) -> float:
+        """The share of the context's token-layers computed: 1.0 is a full prefill's work (before the suffix)."""
+        return sum(self.recomputed) / (len(self.recomputed) * self.context_tokens) if self.recomputed else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.context_tokens} context tokens: {self.reused_tokens} reused, {self.forced_tokens} computed "
+                f"(no stored KV); segments {self.hits} hit, {self.misses} missed; recompute share {self.share:.0%}, "
+                f"{self.recomputed_share:.1%} of the token-layers computed; first token in "
+                f"{self.first_token_s * 1e3:.0f} ms (load {self.load_s * 1e3:.0f}, recompute "
+                f"{self.recompute_s * 1e3:.0f}, suffix {self.suffix_s * 1e3:.0f})")
+
+
+def assemble(store: SegmentStore, segments: Sequence[Sequence[int]], shape: ChunkShape,
+             rotary: Sequence[Rotary | None], *, device: torch.device | str | None = None,
+             dtype: torch.dtype | None = None) -> FusedContext:
+    """Load ``segments`` (token id lists, in prompt order, after the store's anchor) into one context of
+    ``shape`` (the model's layers, heads and head sizes), each segment's keys moved to its positions in the
+    prompt by ``rotary`` (the model's per-layer setting)."""
+    if not segments:
+        raise InvalidInputError("a fused prompt needs at least one segment")
+    anchor = list(store.anchor)
+    token_ids = anchor + [int(t) for s in segments for t in s]
+    n = len(token_ids)
+    dtype = dtype or getattr(torch, shape.dtype)
+    layers = [(torch.zeros(shape.heads, n, shape.key_dim, dtype=dtype, device=device),
+               torch.zeros(shape.heads, n, shape.value_dim, dtype=dtype, device=device)) for _ in range(shape.layers)]
+    forced = torch.zeros(n, dtype=torch.bool)
+    forced[:len(anchor)] = True
+    hits, start, nbytes = [], len(anchor), 0
+    t0 = time.perf_counter()
+    for seg in segments:
+        found = store.load(seg, device=device, dtype=dtype)
+        nbytes += found.load.nbytes
+        m = found.loaded
+        if found.kv is not None:
+            moved = reposition(found.kv, range(start, start + m), rotary)
+            for (k, v), l in zip(layers, moved.layers):
+                k[:, start:start + m] = l.keys
+                v[:, start:start + m] = l.values
+        forced[start + m:start + found.tokens] = True
+        hits.append(SegmentHit(start, found.tokens, m, [c.tier for c in found.load.chunks if c.status == "loaded"]))
+        start += found.tokens
+    return FusedContext(token_ids, layers, forced, hits, time.perf_counter() - t0, nbytes)
+
+
+def deviation(old_k: torch.Tensor, new_k: torch.Tensor, old_v: torch.Tensor, new_v: torch.Tensor) -> torch.Tensor:
+    """Each token's KV deviation, for tensors ``[..., heads, tokens, dim]``: the squared change of its keys and of
+    its values, each over the mean squared norm of the stored ones, so that neither the keys' larger scale nor a
+    layer's decides alone."""
+    def part(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        dims = [d for d in range(old.dim()) if d != old.dim() - 2]
+        energy = old.float().pow(2).sum(dims).mean().clamp_min(1e-12)
+        return (new.float() - old.float()).pow(2).sum(dims) / energy
+
+    return part(old_k, new_k) + part(old_v, new_v)
+
+
+@dataclass(frozen=True)
+class RecomputeSchedule:
+    """Which tokens each layer recomputes.  ``share`` (0..1) of the reused tokens are recomputed at every layer past
+    the filtering, besides the forced ones.  With any share: every token at layers ``0 .. check_layer``; then the
+    ``widen`` x share with the largest deviation at ``check_layer``; from the next layer on, the share with the
+    largest deviation there among those.  Share 0 recomputes the forced tokens only (the segments' KV as it is);
+    share 1 every token at every layer (a full prefill's result, through the fused path)."""
+
+    share: float = DEFAULT_SHARE
+    check_layer: int = CHECK_LAYER
+    widen: float = WIDEN
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.share, (int, float)) and 0.0 <= self.share <= 1.0):
+            raise InvalidInputError(f"the recompute share is a fraction in 0..1, not {self.share!r}")
+        if not (isinstance(self.check_layer, int) and self.check_layer >= 1):
+            raise InvalidInputError(f"check_layer is a layer index of at least 1, not {self.check_layer!r}")
+        if not self.widen >= 1.0:
+            raise InvalidInputError(f"widen is at least 1, not {self.widen!r}")
+
+    def first(self, forced: torch.Tensor) -> torch.Tensor:
+        """The tokens (indices, ascending) layer 0 computes."""
+        return torch.arange(len(forced)) if self.share > 0 else forced.nonzero().flatten()
+
+    def narrow(self, layer: int, selected: torch.Tensor, dev: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+        """After ``layer`` computed ``selected`` (indices) with deviations ``dev``: the positions within
+        ``selected`` that the next layer computes (ascending), forced tokens always among them."""
+        everything = torch.arange(len(selected))
+        if layer not in (self.check_layer, self.check_layer + 1) or self.share == 0:
+            return everything
+        reusable = int((~forced).sum())
+        share = min(1.0, self.share * self.widen) if layer == self.check_layer else self.share
+        want = math.ceil(share * reusable)
+        is_forced = forced[selected]
+        free = (~is_forced).nonzero().flatten()
+        if want >= len(free):
+            return everything
+        top = free[torch.topk(dev[free].float(), want).indices]
+        keep = torch.cat([is_forced.nonzero().flatten(), top])
+        return keep.sort().values

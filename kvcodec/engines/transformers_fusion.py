@@ -1,0 +1,186 @@
+"""Segment fusion in transformers (the model-generic half is :mod:`kvcodec.blend.fusion`): a segment's KV computed
+with the model, and the selective recompute run through the model's own decoder layers, attention and rotary code.
+
+:func:`recompute` drives the decoder layers itself (embedding, rotary embedding, then each layer) over only the
+tokens a :class:`~kvcodec.blend.fusion.RecomputeSchedule` selects, at their positions in the prompt, with a mask that
+lets each attend to the fused cache up to its own position.  The cache is a transformers ``DynamicCache`` whose
+layers (:class:`FusedLayer`) hold the whole fused context and, when the attention writes the selected tokens' new
+keys and values, scatter them at those tokens' positions and measure how far they moved: what narrows the
+selection for the next layer.  After it, the same cache grows as any ``DynamicCache`` does, so the suffix runs
+through the model's ordinary forward.
+
+Supported: decoders whose every layer attends to the whole context with RoPE (Llama's architecture, which
+SmolLM2 has).  Sliding-window layers (Gemma 3) would need the window applied to the selected tokens' mask and
+segments longer than a window kept whole; they are refused, not computed wrongly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvcodec.blend.fusion import FusedContext, FusionReport, RecomputeSchedule, assemble, deviation
+from kvcodec.blend.segments import SegmentStore
+from kvcodec.cache import KVCache
+from kvcodec.errors import InvalidInputError, UnsupportedError
+from kvcodec.positions import Rotary
+from kvcodec.store.chunks import ChunkShape
+
+# Model types whose decoder layers this driver has been checked against (a fusion at share 1 equals a full
+# prefill: tests/test_fusion.py).
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+def check_supported(model: Any) -> None:
+    """Raise :class:`UnsupportedError` for a model :func:`recompute` cannot run correctly."""
+    config = model.config
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedError(f"segment fusion runs on {', '.join(SUPPORTED_MODEL_TYPES)} models (every layer full "
+                               f"attention with RoPE); this is a {kind!r} model")
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])) or \
+            getattr(config, "sliding_window", None):
+        raise UnsupportedError("segment fusion does not handle sliding-window layers yet")
+
+
+def model_rotary(model: Any) -> list[Rotary | None]:
+    """The rotary setting of each of ``model``'s layers, read from its rotary embedding."""
+    from kvcodec.codecs.kvtc.fit import model_layers
+
+    return [l.rotary for l in model_layers(model)]
+
+
+@torch.no_grad()
+def segment_kv(model: Any, anchor: Sequence[int], token_ids: Sequence[int], *, model_id: str | None = None,
+               dtype: torch.dtype | None = None) -> KVCache:
+    """The KV of segment ``token_ids`` computed after ``anchor`` (the anchor's own tokens left out), keys after
+    RoPE at positions ``len(anchor) ..``, in ``dtype`` (None: the model's)."""
+    from transformers import DynamicCache
+
+    ids = [int(t) for t in anchor] + [int(t) for t in token_ids]
+    cache = DynamicCache(config=model.config)
+    model(torch.tensor([ids], device=model.device), cache=cache, use_cache=True)
+    a = len(anchor)
+    layers = [(l.keys[0, :, a:], l.values[0, :, a:]) for l in cache.layers]
+    kv = KVCache(layers, model=model_id, rope="post", positions=range(a, len(ids)))
+    return kv if dtype is None else kv.to(dtype=dtype)
+
+
+class _Selection:
+    """What the driver and the cache layers share: the tokens the current layer computes (None: no fusion is
+    running, the layers grow as usual) and the deviation the last layer measured."""
+
+    def __init__(self) -> None:
+        self.selected: torch.Tensor | None = None
+        self.deviation: torch.Tensor | None = None
+
+
+def _fused_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class FusedLayer(DynamicLayer):
+        """A layer holding a fused context ``[1, H, N, D]``; while a fusion runs, the keys and values the attention
+        writes belong to the selected tokens and replace theirs in place."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, selection: _Selection) -> None:
+            super().__init__()
+            self.keys, self.values, self.selection = keys, values, selection
+            self.device, self.is_initialized = keys.device, True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            sel = self.selection.selected
+            if sel is None:
+                return super().update(key_states, value_states, *args, **kwargs)
+            self.selection.deviation = deviation(self.keys[:, :, sel], key_states, self.values[:, :, sel],
+                                                 value_states)
+            self.keys[:, :, sel] = key_states.to(self.keys.dtype)
+            self.values[:, :, sel] = value_states.to(self.values.dtype)
+            return self.keys, self.values
+
+    return FusedLayer
+
+
+@dataclass
+class Recomputed:
+    """The fused context's cache after :func:`recompute` (a ``DynamicCache`` that grows as usual from here), the
+    tokens each layer computed, and the seconds it took."""
+
+    cache: Any
+    counts: list[int]
+    seconds: float
+
+
+@torch.no_grad()
+def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) -> Recomputed:
+    """Recompute the tokens ``schedule`` selects, layer by layer, over ``context`` (whose tensors become the
+    cache's, written in place)."""
+    from transformers import DynamicCache
+
+    check_supported(model)
+    t0 = time.perf_counter()
+    inner = model.model
+    dev = model.device
+    selection = _Selection()
+    cls = _fused_layer_class()
+    cache = DynamicCache(config=model.config)
+    cache.layers = [cls(k[None].to(dev), v[None].to(dev), selection) for k, v in context.layers]
+    ids = torch.tensor(context.token_ids, device=dev)
+    forced = context.forced
+    sel = schedule.first(forced)
+    counts = []
+    if len(sel):
+        hidden = inner.embed_tokens(ids[sel][None])
+    for i, layer in enumerate(inner.layers[:model.config.num_hidden_layers]):
+        if not len(sel):
+            counts += [0] * (model.config.num_hidden_layers - i)
+            break
+        counts.append(len(sel))
+        pos = sel.to(dev)[None]
+        # each selected token attends to the context up to its own position
+        mask = (torch.arange(context.num_tokens, device=dev)[None, :] <= pos[0][:, None])[None, None]
+        selection.selected = sel.to(dev)
+        hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                       position_embeddings=inner.rotary_emb(hidden, position_ids=pos))
+        keep = schedule.narrow(i, sel, selection.deviation.cpu(), forced)
+        if len(keep) < len(sel):
+            hidden, sel = hidden[:, keep.to(dev)], sel[keep]
+    selection.selected = None
+    return Recomputed(cache, counts, time.perf_counter() - t0)
+
+
+@dataclass
+class Fusion:
+    """A fused prompt: its ``token_ids`` (anchor, segments, suffix), the model's ``logits`` ``[len(suffix), V]``
+    over the suffix (the last row predicts the first new token), the ``cache`` of the whole prompt to continue
+    from, and the :class:`~kvcodec.blend.fusion.FusionReport`."""
+
+    token_ids: list[int]
+    logits: torch.Tensor
+    cache: Any
+    report: FusionReport
+
+
+@torch.no_grad()
+def fuse(model: Any, store: SegmentStore, segments: Sequence[Sequence[int]], suffix: Sequence[int], *,
+         schedule: RecomputeSchedule, shape: ChunkShape) -> Fusion:
+    """The prompt ``anchor + segments + suffix``: the segments loaded from ``store`` and fused (forced tokens and
+    those ``schedule`` picks recomputed), then ``suffix`` (at least one token) computed over them."""
+    suffix = [int(t) for t in suffix]
+    if not suffix:
+        raise InvalidInputError("a fused prompt needs a suffix of at least one token (the question), whose logits "
+                                "continue it")
+    check_supported(model)
+    t0 = time.perf_counter()
+    context = assemble(store, segments, shape, model_rotary(model), device=model.device, dtype=model.dtype)
+    done = recompute(model, context, schedule)
+    t1 = time.perf_counter()
+    logits = model(torch.tensor([suffix], device=model.device), cache=done.cache, use_cache=True).logits[0]
+    now = time.perf_counter()
+    forced = int(context.forced.sum())
+    report = FusionReport(context.num_tokens + len(suffix), context.num_tokens, context.num_tokens - forced, forced,
+                          schedule.share, done.counts, context.segments, context.nbytes, context.load_s, done.seconds,
+                          now - t1, now - t0)
+    return Fusion(context.token_ids + suffix, logits, done.cache, report)
