@@ -11,10 +11,16 @@ after a failure.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import os
+import random
 import shutil
 import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
 
 _made = itertools.count()
 
@@ -77,6 +83,28 @@ class ShapedLink:
         _run("ip", "netns", "exec", self.namespace, *shape, self.peer_dev, *spec)
         self.rate_mbit, self._shaped = rate_mbit, True
 
+    @contextlib.contextmanager
+    def playing(self, steps: Sequence[tuple[float, float]]) -> Iterator[None]:
+        """Within the block, the link follows ``steps``, ``(seconds into the block, Mbit/s)`` (the first at 0): a
+        bandwidth trace replayed in real time, stopped where the block ends."""
+        self.set_rate(steps[0][1])
+        stop = threading.Event()
+
+        def play() -> None:
+            t0 = time.monotonic()
+            for at, mbit in steps[1:]:
+                if stop.wait(max(0.0, t0 + at - time.monotonic())):
+                    return
+                self.set_rate(mbit)
+
+        player = threading.Thread(target=play, daemon=True)
+        player.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            player.join()
+
     def command(self, *args: str) -> list[str]:
         """``args`` as a command that runs inside the namespace."""
         return ["ip", "netns", "exec", self.namespace, *args]
@@ -87,3 +115,18 @@ class ShapedLink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def jitter_walk(seed: int = 0, seconds: float = 120, step_s: float = 0.2, low: float = 20,
+                high: float = 2000) -> list[tuple[float, float]]:
+    """``(seconds, Mbit/s)`` steps for :meth:`ShapedLink.playing`: a new rate every ``step_s``, a seeded random walk
+    in log-rate (each step up or down by a factor of up to 4, reflected at ``low`` and ``high``) from their
+    geometric middle."""
+    rng = random.Random(seed)
+    lo, hi = math.log(low), math.log(high)
+    x, steps = (lo + hi) / 2, []
+    for i in range(int(seconds / step_s)):
+        steps.append((round(i * step_s, 3), round(math.exp(x), 1)))
+        x += rng.uniform(-math.log(4), math.log(4))
+        x = lo + abs(x - lo) if x < lo else hi - abs(x - hi) if x > hi else x
+    return steps
