@@ -73,6 +73,9 @@ class SegmentStore:
         """Store ``kv``, the segment ``token_ids``'s KV computed after the anchor (keys after RoPE, at
         :meth:`positions`), in the chunks the store lacks; returns the chunks written."""
         token_ids = _tokens(token_ids)
+        if kv.num_tokens != len(token_ids) or any(l.keys.shape[1] != len(token_ids) for l in kv.layers):
+            raise InvalidInputError(f"the segment has {len(token_ids)} tokens and every layer of its KV must hold "
+                                    f"them all, not {[l.keys.shape[1] for l in kv.layers]}")
         if kv.rope != "post":
             raise InvalidInputError(f"a segment's KV has keys after RoPE (rope='post'), not rope={kv.rope!r}")
         where = list(self.positions(len(token_ids)))

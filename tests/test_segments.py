@@ -1,0 +1,137 @@
+"""Segments in the store (issue 34, item 1): a document's KV keyed by its own tokens after an anchor, through the
+store's own put and load path (memory and disk tiers, variant lists, the same checks), found whatever precedes it
+in a prompt, and apart from prefix chunks and request salts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcodec.blend import RecomputeSchedule, SegmentStore, default_anchor
+from kvcodec.cache import KVCache
+from kvcodec.errors import InvalidInputError
+from kvcodec.store import DiskTier, KVStore, MemoryTier
+from kvcodec.store.keys import SegmentDomain
+
+ANCHOR = (1,)
+
+
+def _kv(tokens: int, seed: int = 0, layers: int = 2) -> KVCache:
+    g = torch.Generator().manual_seed(seed)
+    return KVCache([(torch.randn(2, tokens, 16, generator=g), torch.randn(2, tokens, 16, generator=g))
+                    for _ in range(layers)], rope="post")
+
+
+def _store(tiers, codec="raw", **kw) -> KVStore:
+    return KVStore(tiers, model="demo-model", codec=codec, chunk_tokens=64, **kw)
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+def test_a_segment_round_trips_through_a_tier(tier, tmp_path):
+    store = _store([MemoryTier(64 << 20) if tier == "memory" else DiskTier(tmp_path / "kv")])
+    segments = SegmentStore(store, ANCHOR)
+    ids, kv = list(range(100, 250)), _kv(150)
+    assert segments.put(ids, kv) == 3  # 64 + 64 + 22 tokens
+    assert segments.stored_tokens(ids) == 150
+    got = segments.load(ids)
+    assert got.loaded == got.tokens == 150 and got.load.complete
+    assert got.kv.positions == list(range(1, 151))  # computed after the one-token anchor
+    assert got.kv.equal(KVCache(kv.layers))
+    assert segments.put(ids, kv) == 0  # stored already
+
+
+def test_variants_of_a_segment_load_either(tmp_path):
+    store = _store([MemoryTier(64 << 20)], codec=["kivi:bits=4", "raw"])
+    segments = SegmentStore(store, ANCHOR)
+    ids, kv = list(range(70)), _kv(70)
+    segments.put(ids, kv)
+    for key in store.keys():  # drop one variant's chunks: the other still serves the segment
+        if any(key == keys[1] for _, _, keys in store.variant_keys(ids, salt=segments.domain)):
+            store.delete(key)
+    got = segments.load(ids)
+    assert got.loaded == 70 and got.load.chunks[0].variant == 0
+    assert torch.allclose(got.kv.layers[0].values, kv.layers[0].values, atol=0.5)
+
+
+def test_segment_keys_depend_on_its_tokens_and_anchor_only():
+    store = _store([MemoryTier(64 << 20)])
+    segments = SegmentStore(store, ANCHOR)
+    doc, kv = list(range(500, 600)), _kv(100)
+    segments.put(doc, kv)
+    # the same document after any other prompt text is the same segment
+    assert segments.stored_tokens(doc) == 100
+    # but never a prefix chunk: the same tokens as a prompt of their own, or inside another prompt, miss
+    assert store.lookup(doc).num_tokens == 0
+    store.put([7] * 30 + doc, _kv(130, 1))
+    assert segments.stored_tokens([7] * 30 + doc) == 0
+    # a segment computed after another anchor is another segment (its KV differs)
+    assert SegmentStore(store, (2,)).stored_tokens(doc) == 0
+    # and no request salt reaches the segments' chain, whatever its text
+    keys = {k for k, _, _ in store.keys_for(doc, salt=segments.domain)}
+    for salt in ("segment:", "segment:\x01", b"segment:" + bytes(8), str(SegmentDomain(ANCHOR))):
+        assert not keys & {k for k, _, _ in store.keys_for(doc, salt=salt)}
+
+
+def test_a_missing_chunk_ends_the_segment_and_a_bad_one_is_evicted():
+    tier = MemoryTier(64 << 20)
+    store = _store([tier])
+    segments = SegmentStore(store, ANCHOR)
+    ids, kv = list(range(150)), _kv(150)
+    segments.put(ids, kv)
+    keys = [k for k, _, _ in store.keys_for(ids, salt=segments.domain)]
+    store.delete(keys[1])
+    got = segments.load(ids)
+    assert (got.tokens, got.loaded) == (150, 64) and got.kv.num_tokens == 64
+    segments.put(ids, kv)
+    value = bytearray(tier.get(keys[0]))
+    value[-100] ^= 0xFF
+    tier.put(keys[0], bytes(value))
+    got = segments.load(ids)
+    assert got.loaded == 0 and got.kv is None and not tier.contains(keys[0])
+
+
+def test_a_store_with_a_secret_authenticates_segments():
+    secret = b"0123456789abcdef0123"
+    tier = MemoryTier(64 << 20)
+    SegmentStore(_store([tier], secret=secret), ANCHOR).put(list(range(40)), _kv(40))
+    assert SegmentStore(_store([tier], secret=secret), ANCHOR).load(list(range(40))).loaded == 40
+    other = SegmentStore(_store([tier], secret=b"another secret, 20 b"), ANCHOR)
+    assert other.load(list(range(40))).loaded == 0
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tokens=st.integers(1, 200), anchor=st.lists(st.integers(0, 49151), max_size=3), seed=st.integers(0, 99))
+def test_any_segment_round_trips_bit_exactly(tokens, anchor, seed):
+    segments = SegmentStore(_store([MemoryTier(64 << 20)]), anchor)
+    ids = [(seed * 7919 + i) % 49152 for i in range(tokens)]
+    kv = _kv(tokens, seed, layers=1)
+    segments.put(ids, kv)
+    got = segments.load(ids)
+    assert got.kv.equal(KVCache(kv.layers)) and got.kv.positions == list(range(len(anchor), len(anchor) + tokens))
+
+
+def test_bad_input_is_refused():
+    store = _store([MemoryTier(64 << 20)])
+    segments = SegmentStore(store, ANCHOR)
+    with pytest.raises(InvalidInputError, match="at least one token"):
+        segments.put([], _kv(1))
+    with pytest.raises(InvalidInputError, match="rope='post'"):
+        segments.put([1, 2], KVCache(_kv(2).layers, rope="pre"))
+    with pytest.raises(InvalidInputError, match="positions 1..2"):
+        segments.put([1, 2], KVCache(_kv(2).layers, rope="post", positions=[0, 1]))
+    with pytest.raises(InvalidInputError, match="has 2 tokens"):
+        segments.put([1, 2], _kv(3))
+    with pytest.raises(InvalidInputError, match="save_partial"):
+        SegmentStore(_store([MemoryTier(64 << 20)], save_partial=False))
+    for bad in (-0.1, 1.5, "0.1"):
+        with pytest.raises(InvalidInputError, match="share"):
+            RecomputeSchedule(bad)
+
+
+def test_the_default_anchor_is_the_models_bos_token():
+    class Config:
+        bos_token_id = 1
+    assert default_anchor(Config()) == (1,)
+    assert default_anchor(object()) == ()
