@@ -60,6 +60,15 @@ def test_a_fresh_store_plans_its_first_load_on_what_the_last_one_measured(tmp_pa
     fresh.close()
 
 
+def test_what_a_fresh_store_restored_is_said_in_a_line_for_the_engine_log(tmp_path):
+    path = tmp_path / "m.json"
+    assert _store(path).telemetry_file.restored is None  # no file yet: nothing restored, nothing to say
+    _file(path, link_at=time.time() - 30, decode_at=time.time() - 60)
+    line = _store(path).telemetry_file.restored
+    assert line.startswith(f"kvcodec: the store starts from the estimates in {path}: link cpu 16.0 Mbit/s (")
+    assert line.endswith("s old); decode rates of 1 variant(s)"), line
+
+
 def test_fresh_measurements_replace_restored_ones(tmp_path):
     path = tmp_path / "m.json"
     _file(path, link_at=time.time(), decode_at=time.time())

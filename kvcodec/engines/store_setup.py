@@ -79,6 +79,8 @@ def open_store(config: StoreConfig, *, model: str, identity: CacheIdentity, log:
                   disk_folder=disk_folder, tiers=tiers)
     serving = {"codec": ready_variants(codec) or config.fallback_codec} if later else {}
     store = config.store(**common, **serving)
+    if store.telemetry_file is not None and store.telemetry_file.restored:
+        log(store.telemetry_file.restored)  # what a fresh engine's first loads plan on
     use_model_profile(store, hf_config=hf_config, model_path=model_path, log=log)
     if not later:
         return store

@@ -89,7 +89,8 @@ def machine() -> str:
 
 class TelemetryFile:
     """``telemetry`` kept in the file ``path``: restored from it now, for tiers named as in ``locations`` (tier name
-    to the tier's ``repr``); saved by :meth:`start`'s thread and by :meth:`close`."""
+    to the tier's ``repr``), and :attr:`restored` says what, in a line for the engine's log (None: nothing); saved
+    by :meth:`start`'s thread and by :meth:`close`."""
 
     def __init__(self, path: str | os.PathLike[str], telemetry: Telemetry, locations: Mapping[str, str]) -> None:
         self.path = os.fspath(path)
@@ -101,6 +102,7 @@ class TelemetryFile:
         self._save_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.restored: str | None = None  # what restore() found, in a line for the engine's log
         self.restore()
         self._saved = telemetry.estimates()  # what was restored is in the file already
 
@@ -113,12 +115,18 @@ class TelemetryFile:
         now = time.time()
         by_location = {loc: name for name, loc in self.locations.items()}
         mine = data["machines"].get(self.machine, {"decode": {}, "contention": {}})
-        self.telemetry.restore(Estimates(
+        found = Estimates(
             links={by_location[loc]: m for loc, m in data["links"].items()
                    if loc in by_location and _fresh(m, now, LINK_MAX_AGE_S)},
             contention={by_location[loc]: m for loc, m in mine["contention"].items()
                         if loc in by_location and _fresh(m, now, MACHINE_MAX_AGE_S)},
-            decode={k: m for k, m in mine["decode"].items() if _fresh(m, now, MACHINE_MAX_AGE_S)}))
+            decode={k: m for k, m in mine["decode"].items() if _fresh(m, now, MACHINE_MAX_AGE_S)})
+        self.telemetry.restore(found)
+        if found.links or found.decode:
+            links = ", ".join(f"link {name} {m.value * 8 / 1e6:.1f} Mbit/s ({now - m.at:.0f} s old)"
+                              for name, m in found.links.items())
+            self.restored = (f"kvcodec: the store starts from the estimates in {self.path}: {links or 'no link'}; "
+                             f"decode rates of {len(found.decode)} variant(s)")
 
     def _read(self) -> dict[str, Any] | None:
         """The file's entries, checked (none where there is no file yet; None for one not to read or overwrite,
