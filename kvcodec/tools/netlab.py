@@ -3,8 +3,8 @@
 A network namespace of the caller's own is joined to this one by a veth pair; the kernel's token-bucket shaper
 (``tc ... tbf``) on each end limits what leaves that end, so both directions run at ``rate``.  A server started
 with :meth:`ShapedLink.command` listens inside the namespace at :attr:`ShapedLink.peer`, and clients here reach
-it over real TCP through the shaper; :meth:`ShapedLink.set_rate` changes the rate mid-run, as a bandwidth trace
-would.  Needs root (namespaces and qdiscs); ``netem`` is not in these kernels, so there is no added delay or loss.
+it over real TCP through the shaper; :meth:`ShapedLink.set_rate` changes the rate mid-run, and
+:meth:`ShapedLink.playing` replays a bandwidth trace in real time (:func:`jitter_walk` makes a seeded one).  Needs root (namespaces and qdiscs); ``netem`` is not in these kernels, so there is no added delay or loss.
 Traffic goes only to the namespace's own address, and the namespace and its link are deleted on exit, also
 after a failure.
 """
