@@ -123,3 +123,20 @@ def test_sliding_window_models_are_refused():
             sliding_window = 4096
     with pytest.raises(UnsupportedError, match="sliding-window"):
         check_supported(SlidingLlama())
+
+
+def test_the_command_stores_documents_and_fuses_a_prompt(smollm2, tmp_path, capsys):
+    import json
+
+    from kvcodec.cli import main
+
+    common = ["--tokens", "60", "--tier", f"disk:{tmp_path / 'segments'}", "--codec", "raw", "--json"]
+    assert main(["segments", "store", "--text", "license:BSD", "--text", "pydoc:json", *common]) == 0
+    stored = json.loads(capsys.readouterr().out)
+    assert (stored["segments"], stored["chunks_written"]) == (2, 2)
+    assert main(["segments", "fuse", "--text", "pydoc:json", "--text", "license:GPL-3", "--text", "license:BSD",
+                 "--question", "Which license is this?", "--new-tokens", "2", *common]) == 0
+    fused = json.loads(capsys.readouterr().out)
+    assert (fused["hits"], fused["misses"], fused["reused_tokens"], fused["forced_tokens"]) == (2, 1, 120, 61)
+    assert [s["loaded"] for s in fused["segments"]] == [60, 0, 60] and len(fused["recomputed_per_layer"]) == 30
+    assert main(["segments", "fuse", "--text", "pydoc:json"]) == 2  # no --question
