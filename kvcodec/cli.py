@@ -639,6 +639,7 @@ def _summary(doc: str | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvcodec import cli_segments
     from kvcodec.store.tiers import mooncake_segment
     from kvcodec.texts import DEFAULT_TEXT_TOKENS
     from kvcodec.threads import DEFAULT_THREADS
@@ -832,6 +833,8 @@ def build_parser() -> argparse.ArgumentParser:
             "'kvcodec.codecs' entry-point group) with its default options.")
     sp = command("mooncake-segment", mooncake_segment.run, mooncake_segment.HELP, mooncake_segment.DESCRIPTION)
     mooncake_segment.add_arguments(sp)
+    sp = command("segments", lambda a: cli_segments.run(a, _emit), cli_segments.HELP, cli_segments.DESCRIPTION)
+    cli_segments.add_arguments(sp)
     return p
 
 
