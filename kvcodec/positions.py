@@ -38,13 +38,22 @@ class Rotary:
         """``x`` ``[..., T, D]`` rotated to ``positions`` ``[T]`` (or back from them when ``inverse``), float32."""
         cos, sin = self._cos_sin(positions, x.device)
         half = len(self.inv_freq)
-        xd = x.to(torch.float64)
-        a, b, rest = xd[..., :half], xd[..., half:2 * half], xd[..., 2 * half:]
+        # in place where the result is the same: a kvtc decode spent a quarter of its time here when every step
+        # made a new float64 tensor (measured on SmolLM2 chunks; multiplying or dividing by 1.0 changes nothing)
+        out = x.to(torch.float32, copy=True)
+        a, b = x[..., :half].to(torch.float64), x[..., half:2 * half].to(torch.float64)
+        ya, yb = a * cos, b * cos
         if inverse:
-            ya, yb = (a * cos + b * sin) / self.scaling, (b * cos - a * sin) / self.scaling
+            ya += b * sin
+            yb -= a * sin
         else:
-            ya, yb = (a * cos - b * sin) * self.scaling, (b * cos + a * sin) * self.scaling
-        return torch.cat([ya, yb, rest], -1).to(torch.float32)
+            ya -= b * sin
+            yb += a * sin
+        if self.scaling != 1.0:
+            for y in (ya, yb):
+                y.div_(self.scaling) if inverse else y.mul_(self.scaling)
+        out[..., :half], out[..., half:2 * half] = ya, yb
+        return out
 
     def move(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Keys rotated at positions ``old`` re-rotated to positions ``new`` (one rotation by the difference)."""

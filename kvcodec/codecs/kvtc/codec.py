@@ -293,13 +293,12 @@ class KVTC(Codec):
         exact = gpu.sink_tokens([s for _, sinks, _ in parsed for layer in sinks for s in layer], device)
         for (g, present, _), (parts, _, fine) in zip(blocks, parsed):
             spans, cover = self.spans(present, wanted)
-            coded = [(next(coefficients), part) for part in parts]  # keys, values, then their fine parts
+            coded = [next(coefficients) for _ in parts]  # keys, values, then their fine parts
             feats = []
             gains = self.row_gains(present[0])
             for side in (0, 1):
                 rows, mean, weight = gpu.BASES.get(cal, g, side, len(parts[side].table), device)
-                feats.append(self.side_features([(coeff, rows[:part.span]) for coeff, part in coded[side::2]], mean,
-                                                weight, cover[side], fine, gains))
+                feats.append(self.side_features(coded[side::2], rows, mean, weight, cover[side], fine, gains))
             keys, values = {}, {}
             for c in present:
                 if c.layer in wanted:
@@ -588,48 +587,61 @@ class KVTC(Codec):
         cal = self.calibration_data()
         ctx0 = present[0]
         t, s = ctx0.shape.tokens, self._sinks(ctx0)
-        # (coefficients, basis) of the components live in this chunk only: a dead component's coefficients are
-        # all zero, and at the default level most of the basis is dead in any one chunk
+        # (coefficients, basis) of the components up to the last one live in this chunk only: at the default level
+        # most of the basis is dead in any one chunk
         coded, sinks, fine = self.parse_group(g, present, data)
         bases = (cal.keys[g], cal.values[g])
         spans, cover = self.spans(present, wanted)
         gains = self.row_gains(ctx0)
-        feats = [self.side_features([(self.coefficients(p), bases[side].rows32[:p.span]) for p in coded[side::2]],
+        feats = [self.side_features([self.coefficients(p) for p in coded[side::2]], bases[side].rows32,
                                     bases[side].mean, bases[side].weight, cover[side], fine, gains) for side in (0, 1)]
+        layers = [c for c in present if c.layer in wanted]
+        keys, values = ({c.layer: f[:, span.start - at:span.stop - at].view(t - s, c.shape.heads, d)
+                         for c, span, d in ((c, spans[c.layer][side], (c.shape.key_dim, c.shape.value_dim)[side])
+                                            for c in layers)}
+                        for side, (f, at) in enumerate(feats))
+        keys |= gpu.rotate(keys, {c.layer: (cal.layers[c.layer].rotary, c.positions[s:])
+                                  for c in layers if self._rotated(c)})
         out = {}
         for c, sink in zip(present, sinks):
-            h, dk, dv = c.shape.heads, c.shape.key_dim, c.shape.value_dim
             if c.layer in wanted:
-                k, v = (f[:, span.start - f_start:span.stop - f_start]
-                        for (f, f_start), span in zip(feats, spans[c.layer]))
-                k, v = k.reshape(t - s, h, dk), v.reshape(t - s, h, dv)
-                k = torch.cat([torch.zeros(h, s, dk), k.permute(1, 0, 2)], 1)
-                v = torch.cat([torch.from_numpy(sink[1].astype(np.float32)), v.permute(1, 0, 2)], 1)
-                if self._rotated(c):
-                    k = cal.layers[c.layer].rotary.rotate(k, c.positions_tensor())
-                k[:, :s] = torch.from_numpy(sink[0].astype(np.float32))
-                out[c.layer] = (k.to(c.device, c.dtype), v.to(c.device, c.dtype))
+                # [H, S, D] exact sink tokens, then the [T - S, H, D] rows: each float32 row rounded once to the
+                # header dtype as it is copied into place
+                out[c.layer] = tuple(self._layer_tensor(exact, rows, c) for exact, rows
+                                     in zip(sink, (keys[c.layer], values[c.layer])))
         return out
 
-    def side_features(self, parts: list[tuple[torch.Tensor, torch.Tensor]], mean: torch.Tensor, weight: torch.Tensor,
-                      cols: slice, fine: np.ndarray, gains: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    @staticmethod
+    def _layer_tensor(exact: np.ndarray, rows: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """A layer's keys or values ``[H, T, D]`` in its dtype: the sink tokens ``exact`` (float16 ``[H, S, D]``),
+        then the decoded ``rows`` (``[T - S, H, D]``)."""
+        h, s, d = exact.shape
+        out = torch.empty(h, s + rows.shape[0], d, dtype=ctx.dtype)
+        out[:, :s] = torch.from_numpy(exact.astype(np.float16))
+        out[:, s:] = rows.transpose(0, 1)
+        return out.to(ctx.device)
+
+    def side_features(self, coefficients: list[torch.Tensor], rows: torch.Tensor, mean: torch.Tensor,
+                      weight: torch.Tensor, cols: slice, fine: np.ndarray,
+                      gains: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """Features ``cols`` of one side (keys or values) of a group, ``[T - S, cols]``, from its parts'
-        (coefficients, basis rows): the normal part's, then with ``fine`` rows the fine part's, put back in
-        token order; and where they start.  ``gains`` (:meth:`row_gains`) scale each row's coefficients."""
-        device = parts[0][0].device
-        keep = torch.ones(parts[0][0].shape[0] + len(fine), dtype=torch.bool, device=device)
-        at = torch.from_numpy(fine).to(device)
-        keep[at] = False
+        coefficients (the normal part's, then with ``fine`` rows the fine part's, each ``[rows, span]`` on the
+        same live components) and the basis ``rows`` (at least ``span`` of them); and where they start.  The
+        coefficients are put back in token order first, so that one matrix product covers every row.  ``gains``
+        (:meth:`row_gains`) scale each row's coefficients."""
+        normal, *rest = coefficients
+        span = normal.shape[1]
+        coeff = normal
+        if rest:
+            # fine rows are few: the normal rows between them are whole blocks, copied once
+            pieces, at = [], 0
+            for i, row in enumerate(fine.tolist()):
+                pieces += [normal[at:row - i], rest[0][i:i + 1]]
+                at = row - i
+            coeff = torch.cat(pieces + [normal[at:]])
         if gains is not None:
-            gains = gains.to(device)[:, None]
-            parts = [(coeff * gains[rows_of], basis) for (coeff, basis), rows_of in zip(parts, (keep, at))]
-        (normal, start), *rest = [self.features(coeff, basis, mean, weight, cols) for coeff, basis in parts]
-        if not rest:
-            return normal, start
-        out = normal.new_empty(len(keep), normal.shape[1])
-        out[keep] = normal
-        out[at] = rest[0][0]
-        return out, start
+            coeff = coeff * gains.to(coeff.device)[:, None]
+        return self.features(coeff, rows[:span], mean, weight, cols)
 
     def _parse_part(self, reader: SectionBytes, gb: GroupBasis, step: float | None, t: int) -> CodedPart:
         """One part's header and lanes, every count checked against the codec and the calibration; ``step``: the
@@ -675,16 +687,33 @@ class KVTC(Codec):
     def coefficients(self, part: CodedPart) -> torch.Tensor:
         """A part's dequantized coefficients ``[T, part.span]`` float32, its lanes decoded on the CPU."""
         q = np.zeros((len(part.table), part.tokens), np.int32)
-        offsets = np.concatenate([[0], np.cumsum(part.lengths)])
-        for j, runs in enumerate(self._plan(part.live, part.tokens, part.table)):
-            for r, symbols in zip(runs, decode_lane(part.words[offsets[j]:offsets[j + 1]].astype(np.uint32),
-                                                     [(r.size, r.table) for r in runs])):
-                r.scatter(q, symbols)
+        offsets = np.concatenate([[0], np.cumsum(part.lengths)]).tolist()
+        lc, lt, t = self.lane_components, self.lane_tokens, part.tokens
+        # _plan's lanes, planned for the whole part at once (a plan per lane was a tenth of the CPU decode's own
+        # Python time): per block of lc live components, the components by table (ties in order), one run per table
+        block = np.arange(len(part.live)) // lc
+        order = part.live[np.lexsort((part.table[part.live], block))]
+        tables = part.table[order].astype(np.int64)
+        starts = np.flatnonzero(np.diff(block * 256 + tables, prepend=-1)).tolist() + [len(order)]
+        runs = [(a, b, int(tables[a])) for a, b in zip(starts, starts[1:])]
+        j = 0
+        for c0 in range(0, len(order), lc):
+            rows = order[c0:c0 + lc]
+            mine = [(a - c0, b - c0, table) for a, b, table in runs if c0 <= a < c0 + lc]
+            for t0 in range(0, t, lt):
+                width = min(lt, t - t0)
+                symbols = decode_lane(part.words[offsets[j]:offsets[j + 1]].astype(np.uint32),
+                                      [((b - a) * width, table) for a, b, table in mine])
+                # the lane's runs, row-major each, are its rows (in run order) by its tokens
+                q[rows, t0:t0 + width] = np.concatenate(symbols).reshape(len(rows), width)
+                j += 1
         # |q| <= 255 and a float32 step: the float32 product is the exact product rounded once
         # up to the last live component: the basis rows are then a view (no copy), and dead components before
         # it contribute zeros
         n = part.span
-        return torch.from_numpy(q[:n].T.astype(np.float32) * STEPS[part.codes[:n]][None, :])
+        out = np.empty((part.tokens, n), np.float32)
+        np.multiply(q[:n].T, STEPS[part.codes[:n]], out=out, dtype=np.float32, casting="unsafe")  # one pass
+        return torch.from_numpy(out)
 
     @staticmethod
     def features(coeff: torch.Tensor, rows: torch.Tensor, mean: torch.Tensor, weight: torch.Tensor,
