@@ -15,7 +15,7 @@ and ``load``; ``store`` is the facade over them.
 
 from kvcodec.store.auth import UnauthenticatedError
 from kvcodec.store.identity import CacheIdentity, model_digest, model_identity, request_salt
-from kvcodec.store.keys import HASHES, chunk_bounds, chunk_hashes, format_key, namespace
+from kvcodec.store.keys import HASHES, SegmentDomain, chunk_bounds, chunk_hashes, format_key, namespace
 from kvcodec.layouts.sinks import DenseSink, PagedSink
 from kvcodec.store.chunks import ChunkShape, FetchedChunk
 from kvcodec.store.load import ChunkOutcome, LoadResult, PrefixLoad
@@ -29,5 +29,5 @@ __all__ = [
     "PrefixLoad", "DenseSink", "PagedSink", "LoadResult", "ChunkOutcome", "ChunkSource", "Telemetry", "RateEstimator",
     "CacheIdentity", "model_digest", "model_identity", "request_salt", "UnauthenticatedError",
     "StorageTier", "MemoryTier", "GPUTier", "DiskTier", "RedisTier", "MooncakeTier", "tier_from_url",
-    "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key",
+    "HASHES", "namespace", "chunk_bounds", "chunk_hashes", "format_key", "SegmentDomain",
 ]

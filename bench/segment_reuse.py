@@ -1,0 +1,211 @@
+"""Reusing documents' KV wherever they sit in a prompt (issue 34): quality and time to first token of segment fusion
+against a full prefill and against prefix-only reuse (SmolLM2, CPU).
+
+Each prompt is the model's BOS, a system text, ``--docs`` real documents (licenses, pydoc pages, Python sources;
+``--doc-tokens`` each) in a shuffled order, and a question.  The documents and the system text are stored once as
+segments (raw, in a memory tier); each prompt is then answered by
+
+- a full prefill (the reference);
+- fusion (:meth:`TransformersKVHook.fuse`) at recompute shares 0, 5, 15, 30 and 100%: the segments loaded from the
+  memory tier (decode included), moved to their positions, the share recomputed, then the question;
+- prefix-only reuse (:meth:`TransformersKVHook.generate` over a store holding the prompts of the other orders: only
+  the stored prefix chunks it shares with them, 256 tokens at a time, load; the rest is computed);
+- the full prefill's own KV through cachegen level 2 (encode, decode, continue): the lossy codec the issue's target
+  compares against.
+
+Quality against the full prefill: the KL divergence of the next-token distributions over the reference's 64-token
+greedy continuation (teacher-forced: every method reads the same tokens), greedy agreement over it, and the
+perplexity of a held-out continuation (the first ``--heldout`` tokens of a text in no prompt).  Time to first token is
+taken side by side in one run (the ratios are what to read on a shared machine) and is the median over prompts.
+
+    python bench/segment_reuse.py [--docs 6] [--doc-tokens 600] [--prompts 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+import kvcodec
+from kvcodec.engines.transformers_hook import TransformersKVHook
+from kvcodec.models import load_model
+from kvcodec.store import KVStore, MemoryTier
+from kvcodec.texts import load_text
+
+OUT = Path(__file__).parent / "results" / "segment_reuse.md"
+DOCS = ("license:MPL-2.0", "stdlib:textwrap.py", "pydoc:json", "license:Apache-2.0", "stdlib:csv.py",
+        "pydoc:itertools", "license:BSD", "stdlib:shlex.py")
+SYSTEM = ("You are a careful assistant. Answer the question using only the documents below, and say which "
+          "document you used.\n\n")
+QUESTIONS = ("\n\nQuestion: Which of these documents is a software license, and what does it permit? Answer:",
+             "\n\nQuestion: What does the Python code above do, in one sentence? Answer:",
+             "\n\nQuestion: Summarise the documents above in three bullet points. Answer:")
+HELDOUT = "license:GPL-3"
+SHARES = (0.0, 0.05, 0.15, 0.3, 1.0)
+CONTINUATION = 64
+
+
+@torch.no_grad()
+def read(model, cache, ids):
+    """Logits ``[len(ids), V]`` of ``model`` reading ``ids`` after ``cache`` (which grows)."""
+    return model(torch.tensor([ids]), cache=cache, use_cache=True).logits[0].float()
+
+
+@torch.no_grad()
+def scores(model, first, cache, greedy, heldout):
+    """(logits over the greedy continuation, perplexity of the held-out text) after a prompt whose last logits are
+    ``first`` and whose cache is ``cache``: the continuation is read, cropped off again, then the held-out text."""
+    logits = torch.cat([first[None], read(model, cache, greedy[:-1])])
+    cache.crop(-(len(greedy) - 1))
+    lp = torch.log_softmax(torch.cat([logits[-1:], read(model, cache, heldout[:-1])]), -1)
+    nll = -lp.gather(1, torch.tensor(heldout)[:, None]).mean()
+    return logits, float(nll.exp())
+
+
+def kl(ref, got):
+    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=int, default=6, help="documents per prompt, 2-8 (default 6)")
+    ap.add_argument("--doc-tokens", type=int, default=600, help="tokens of each document (default 600)")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts (shuffled orders, one question each; default 3)")
+    ap.add_argument("--heldout", type=int, default=128, help="held-out continuation tokens (default 128)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    if not 2 <= args.docs <= len(DOCS):
+        ap.error(f"--docs is 2 to {len(DOCS)}")
+    lm = load_model("smollm2", progress=False)
+    model, tok = lm.model, lm.tokenize
+    system = tok(SYSTEM)
+    docs = [tok(load_text(spec)[:args.doc_tokens * 8])[:args.doc_tokens] for spec in DOCS[:args.docs]]
+    heldout = tok(load_text(HELDOUT))[:args.heldout]
+    hook = TransformersKVHook(lm, KVStore([MemoryTier(None)], model=lm.model_id, codec="raw"), save=False)
+    t0 = time.perf_counter()
+    hook.put_segments([system] + docs)
+    put_s = time.perf_counter() - t0
+    anchor = list(hook.segments.anchor)
+    rng = random.Random(0)
+    orders = []
+    for _ in range(args.prompts):
+        order = list(range(args.docs))
+        rng.shuffle(order)
+        orders.append(order)
+    prompts = [(anchor + system + [t for i in order for t in docs[i]], tok(QUESTIONS[p % len(QUESTIONS)]))
+               for p, order in enumerate(orders)]
+    methods = [f"fusion {s:.0%}" for s in SHARES] + ["prefix-only reuse", "cachegen level 2 (full prefill's KV)"]
+    rows: dict[str, dict[str, list[float]]] = {m: {"kl": [], "agree": [], "ppl": [], "ttft": [], "ratio": [],
+                                                   "work": []} for m in methods + ["full prefill"]}
+    refs = []
+    for context, question in tqdm(prompts, desc="full prefills", unit="prompt"):
+        ids = context + question
+        cache = DynamicCache(config=model.config)
+        last = read(model, cache, ids)[-1]
+        kv = kvcodec.KVCache.from_hf(cache, model=lm.model_id, token_ids=ids, rope="post")
+        greedy = [int(last.argmax())]
+        while len(greedy) < CONTINUATION:
+            greedy.append(int(read(model, cache, [greedy[-1]])[-1].argmax()))
+        cache.crop(-(len(greedy) - 1))
+        ref, ref_ppl = scores(model, last, cache, greedy, heldout)
+        rows["full prefill"]["ppl"].append(ref_ppl)
+        refs.append((kv, greedy, ref))
+    for p, (context, question) in enumerate(tqdm(prompts, desc="methods", unit="prompt")):
+        ids = context + question
+        kv, greedy, ref = refs[p]
+        order = [system] + [docs[i] for i in orders[p]]
+
+        def record(name, logits, ppl, ttft, work):
+            r = rows[name]
+            r["kl"].append(kl(ref, logits))
+            r["agree"].append(float((ref.argmax(-1) == logits.argmax(-1)).double().mean()))
+            r["ppl"].append(ppl)
+            r["ttft"].append(ttft)
+            r["ratio"].append(ttft / full_s)
+            r["work"].append(work)
+
+        t = time.perf_counter()  # the full prefill's time to first token, beside the others'
+        read(model, DynamicCache(config=model.config), ids)
+        full_s = time.perf_counter() - t
+        rows["full prefill"]["ttft"].append(full_s)
+        for share in SHARES:
+            fused = hook.fuse(order, question, share=share)
+            logits, ppl = scores(model, fused.logits[-1].float(), fused.cache, greedy, heldout)
+            record(f"fusion {share:.0%}", logits, ppl, fused.report.first_token_s, fused.report.recomputed_share)
+        # prefix-only reuse: the store's prefix chunks (256 tokens) of the other prompts, so what this prompt shares
+        # with them loads (the system text alone is shorter than a chunk: only a prompt that leads with the same
+        # document as another finds anything)
+        prefix_hook = TransformersKVHook(lm, KVStore([MemoryTier(None)], model=lm.model_id, codec="raw"), save=False)
+        for q, other in enumerate(refs):
+            if q != p:
+                prefix_hook.store.put(other[0].token_ids, other[0])
+        done = prefix_hook.generate(ids, max_new_tokens=1)
+        n = done.loaded_tokens
+        loaded = prefix_hook.store.get(ids[:n]) if n else None
+        c = loaded.to_hf(model.config) if loaded is not None else DynamicCache(config=model.config)
+        last = read(model, c, ids[n:])[-1]
+        logits, ppl = scores(model, last, c, greedy, heldout)
+        record("prefix-only reuse", logits, ppl, done.first_token_s, 1 - n / len(context))
+        # cachegen level 2 over the full prefill's context KV
+        ctx_kv = kvcodec.KVCache([(l.keys[:, :len(context)], l.values[:, :len(context)]) for l in kv.layers],
+                                 model=lm.model_id, rope="post")
+        c = kvcodec.decode(kvcodec.encode(ctx_kv, codec="cachegen")).to(dtype=model.dtype).to_hf(model.config)
+        last = read(model, c, question)[-1]
+        logits, ppl = scores(model, last, c, greedy, heldout)
+        record(methods[-1], logits, ppl, float("nan"), float("nan"))
+    report(args, rows, methods, prompts, put_s)
+
+
+def report(args, rows, methods, prompts, put_s) -> None:
+    ref_ppl = statistics.mean(rows["full prefill"]["ppl"])
+    tokens = [len(c) + len(q) for c, q in prompts]
+
+    def med(xs):
+        xs = [x for x in xs if not math.isnan(x)]
+        return statistics.median(xs) if xs else float("nan")
+
+    head = ["method", "KL (nats/token)", "greedy agreement", f"held-out ppl (full: {ref_ppl:.3f})",
+            "token-layers computed", "TTFT (s)", "TTFT / full prefill"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    full_ttft = med(rows["full prefill"]["ttft"])
+    lines.append(f"| full prefill | 0 | 1.000 | {ref_ppl:.3f} | 100% | {full_ttft:.2f} | 1.00 |")
+    for m in methods:
+        r = rows[m]
+        ttft = med(r["ttft"])
+        lines.append(f"| {m} | {statistics.mean(r['kl']):.4f} | {statistics.mean(r['agree']):.3f} | "
+                     f"{statistics.mean(r['ppl']):.3f} | "
+                     + ("-" if math.isnan(med(r["work"])) else f"{med(r['work']):.1%}") + " | "
+                     + ("-" if math.isnan(ttft) else f"{ttft:.2f}") + " | "
+                     + ("-" if math.isnan(ttft) else f"{med(r['ratio']):.2f}") + " |")
+    table = "\n".join(lines)
+    print(table)
+    text = f"""# Segment reuse: fusion with selective recompute against a full prefill (SmolLM2, CPU)
+
+`python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts}`
+(issue 34; [docs/segments.md](../../docs/segments.md)).  {args.prompts} prompts of {min(tokens)}-{max(tokens)} tokens:
+SmolLM2's BOS, a system text, {args.docs} real documents of {args.doc_tokens} tokens ({", ".join(DOCS[:args.docs])})
+in shuffled orders, and a question.  Segments stored once, raw, in a memory tier ({put_s:.1f} s for all); KL and
+greedy agreement over the full prefill's {CONTINUATION}-token greedy continuation (teacher-forced), perplexity of
+{args.heldout} held-out tokens ({HELDOUT}) read after the prompt; means over the prompts.  TTFT: medians over the
+prompts, fusion's including the segments' load and decode from the memory tier; the ratio is taken within each
+prompt (side by side), then its median.  "token-layers computed": the share of the context's tokens times layers
+that ran (a full prefill: 100%); for prefix-only reuse, the share of the context not loaded.  Shared 2-core machine:
+read the ratios.
+
+{table}
+"""
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
