@@ -46,11 +46,12 @@ def check_supported(model: Any) -> None:
         raise UnsupportedError("segment fusion does not handle sliding-window layers yet")
 
 
-def model_rotary(model: Any) -> list[Rotary | None]:
-    """The rotary setting of each of ``model``'s layers, read from its rotary embedding."""
-    from kvcodec.codecs.kvtc.fit import model_layers
-
-    return [l.rotary for l in model_layers(model)]
+def model_rotary(model: Any) -> list[Rotary]:
+    """The rotary setting of each of ``model``'s layers, read from its rotary embedding (one for every layer: the
+    supported models have one kind of layer)."""
+    emb = model.model.rotary_emb
+    rotary = Rotary(emb.inv_freq.detach().double().cpu().numpy(), float(getattr(emb, "attention_scaling", 1.0)))
+    return [rotary] * model.config.num_hidden_layers
 
 
 @torch.no_grad()
