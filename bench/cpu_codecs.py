@@ -5,7 +5,8 @@
 Runs with one torch thread and reports millions of KV elements per second
 (median of the runs) and MB/s of the float16 cache, by the wall clock and per
 CPU-second of the process (the speed per core, which other jobs on a shared
-machine disturb far less than the wall clock); writes
+machine disturb far less than the wall clock), and the decode's CPU time per
+chunk of 256 tokens (kvcodec's default chunk: what a load waits for); writes
 bench/results/cpu_codecs.md (``--name``: another file, for another set of ``--codec`` specs).  Compare the
 rows of one run with each other.
 kvtc uses the calibration installed for SmolLM2, computed first if there is none.
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 import kvcodec
+from kvcodec.chunking import DEFAULT_CHUNK_TOKENS
 from kvcodec.cli import parse_codec
 from kvcodec.tools.evaluate import measure_throughput
 from real_kv import gpl3_kv  # bench/ is on sys.path when this runs as a script
@@ -71,11 +73,14 @@ def main() -> None:
              f"One torch thread, median of {args.repeat} runs, whole cache encoded and decoded through the container. "
              "*Per CPU-s*: elements per second of the process's own CPU time (the speed of one core, which other "
              "jobs on the machine barely change); *wall*: by the clock.", "",
-             "| codec | bits/element | encode Melem/CPU-s | decode Melem/CPU-s | encode Melem/s wall | decode Melem/s wall "
-             "| encode MB/s wall | decode MB/s wall |", "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| `{r[0]}` | {r[1]:.3f} | {r[6]:.2f} | {r[7]:.2f} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.0f} | {r[5]:.0f} |"
-              for r in rows]
-    lines += [f"| constriction alone: one table, one stream, same symbol count (cachegen's ceiling) | - | - | - | "
+             f"*Decode CPU-ms per chunk*: the decode's CPU time per chunk of {DEFAULT_CHUNK_TOKENS} tokens "
+             f"({kv.num_elements // kv.num_tokens * DEFAULT_CHUNK_TOKENS / 1e6:.2f} M elements).", "",
+             "| codec | bits/element | encode Melem/CPU-s | decode Melem/CPU-s | decode CPU-ms per chunk | encode Melem/s wall "
+             "| decode Melem/s wall | encode MB/s wall | decode MB/s wall |", "|---|---|---|---|---|---|---|---|---|"]
+    chunks = -(-kv.num_tokens // DEFAULT_CHUNK_TOKENS)
+    lines += [f"| `{r[0]}` | {r[1]:.3f} | {r[6]:.2f} | {r[7]:.2f} | {kv.num_elements / r[7] / 1e3 / chunks:.1f} | {r[2]:.2f} "
+              f"| {r[3]:.2f} | {r[4]:.0f} | {r[5]:.0f} |" for r in rows]
+    lines += [f"| constriction alone: one table, one stream, same symbol count (cachegen's ceiling) | - | - | - | - | "
               f"{ceiling[0]:.2f} | {ceiling[1]:.2f} | - | - |"]
     lines += ["", f"Made by `{shlex.join(['python', 'bench/cpu_codecs.py'] + sys.argv[1:])}` on a 2-core machine shared with other jobs (load average "
               f"{load:.1f} before, {os.getloadavg()[0]:.1f} after)."]

@@ -9,6 +9,7 @@ positions returns the input to within float32 rounding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,6 +18,10 @@ import torch
 
 from kvcodec.cache import KVCache
 from kvcodec.errors import InvalidInputError
+
+
+# float64 elements per operand that Rotary.rotate works on at once on a CPU: its temporaries stay in the cache
+BLOCK_ELEMENTS = 1 << 13
 
 
 @dataclass(frozen=True)
@@ -38,21 +43,26 @@ class Rotary:
         """``x`` ``[..., T, D]`` rotated to ``positions`` ``[T]`` (or back from them when ``inverse``), float32."""
         cos, sin = self._cos_sin(positions, x.device)
         half = len(self.inv_freq)
-        # in place where the result is the same: a kvtc decode spent a quarter of its time here when every step
-        # made a new float64 tensor (measured on SmolLM2 chunks; multiplying or dividing by 1.0 changes nothing)
-        out = x.to(torch.float32, copy=True)
-        a, b = x[..., :half].to(torch.float64), x[..., half:2 * half].to(torch.float64)
-        ya, yb = a * cos, b * cos
-        if inverse:
-            ya += b * sin
-            yb -= a * sin
-        else:
-            ya -= b * sin
-            yb += a * sin
-        if self.scaling != 1.0:
-            for y in (ya, yb):
-                y.div_(self.scaling) if inverse else y.mul_(self.scaling)
-        out[..., :half], out[..., half:2 * half] = ya, yb
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        out[..., 2 * half:] = x[..., 2 * half:]
+        lead = math.prod(x.shape[:-2])  # spelled out: -1 cannot size a tensor of no tokens
+        rows, turned = x.reshape(lead, *x.shape[-2:]), out.view(lead, *x.shape[-2:])
+        # on a CPU a few heads at a time, in place where the result is the same (multiplying or dividing by 1.0
+        # changes nothing): a kvtc decode of a SmolLM2 chunk spent 21 ms here with a new float64 tensor per step
+        # over all heads at once, 9 ms like this (measured on 90 heads of 253 tokens)
+        step = max(1, BLOCK_ELEMENTS // max(1, x.shape[-2] * half) if x.device.type == "cpu" else lead)
+        for i in range(0, len(rows), step):
+            a = rows[i:i + step, :, :half].to(torch.float64, copy=True)
+            b = rows[i:i + step, :, half:2 * half].to(torch.float64, copy=True)
+            t, ya = b * sin, a * cos
+            ya.add_(t) if inverse else ya.sub_(t)
+            torch.mul(a, sin, out=t)
+            b.mul_(cos)
+            b.sub_(t) if inverse else b.add_(t)
+            if self.scaling != 1.0:
+                for y in (ya, b):
+                    y.div_(self.scaling) if inverse else y.mul_(self.scaling)
+            turned[i:i + step, :, :half], turned[i:i + step, :, half:2 * half] = ya, b
         return out
 
     def move(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

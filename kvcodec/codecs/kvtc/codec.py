@@ -722,4 +722,5 @@ class KVTC(Codec):
         (``coeff @ rows[:, cols] / weight + mean``), and where they start; on the tensors' device."""
         if not coeff.shape[0]:
             return torch.zeros(0, cols.stop - cols.start, device=coeff.device), cols.start
-        return torch.addcdiv(mean[cols], coeff @ rows[:, cols], weight[cols]), cols.start
+        product = coeff @ rows[:, cols]
+        return torch.addcdiv(mean[cols], product, weight[cols], out=product), cols.start  # in place: one pass
