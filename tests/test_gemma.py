@@ -209,7 +209,8 @@ def test_loss_weights_equalize_keys_and_values(monkeypatch):
     layers, width = 5, 8
     diagonals = [[torch.rand(width, generator=gen, dtype=torch.float64) * 10.0 ** float(torch.randint(-4, -1, (),
                   generator=gen)) for _ in range(layers)] for _ in range(2)]
-    monkeypatch.setattr(kvtc_sensitivity, "fisher_diagonals", lambda loaded, texts: diagonals)
+    monkeypatch.setattr(kvtc_sensitivity, "fisher_diagonals",
+                        lambda loaded, texts: kvtc_sensitivity.Sensitivity(*diagonals, [100] * layers, 64))
     weights = [[torch.rand(width, generator=gen) + 0.5 for _ in range(layers)] for _ in range(2)]
     scaled = equalized_weights(None, *weights)
     for kind in (0, 1):
@@ -244,7 +245,7 @@ def test_fisher_trace_predicts_the_loss_of_noise(gemma, ids):
 
     prefix, cont = 512, 128
     text = load_text(TEXT)
-    diag = fisher_diagonals(gemma, [TEXT], prefix_tokens=prefix, continuation_tokens=cont, samples=2)[1]
+    diag = fisher_diagonals(gemma, [TEXT], prefix_tokens=prefix, continuation_tokens=cont, samples=2).values
     per_layer = torch.stack([d.mean() for d in diag])
     assert bool(torch.all(torch.isfinite(per_layer))) and bool(torch.all(per_layer > 0))
     hi, lo = int(per_layer.argmax()), int(per_layer.argmin())

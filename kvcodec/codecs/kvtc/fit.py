@@ -20,10 +20,11 @@ from kvcodec.cache import KVCache
 from kvcodec.codecs.kvtc.calibration import (Calibration, GroupBasis, LayerInfo, cache_dir, calibration_for_model,
                                              install, register_calibration)
 from kvcodec.codecs.kvtc.eigen import leading_eigenpairs
-from kvcodec.codecs.kvtc.levels import LEVELS
+from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, DEFAULT_WINDOW_OCTAVES, LEVEL_KL, LEVELS
 from kvcodec.codecs.kvtc.moments import Moments
 from kvcodec.positions import Rotary
-from kvcodec.codecs.kvtc.sensitivity import equalized_weights
+from kvcodec.codecs.kvtc.sensitivity import (PartLoss, Sensitivity, equalized_weights, fisher_diagonals,
+                                             level_kl_scale, predicted_kl)
 from kvcodec.errors import InvalidInputError
 from kvcodec.texts import DEFAULT_CALIBRATION_TEXTS, DEFAULT_TEXT_TOKENS, load_text
 
@@ -42,6 +43,8 @@ TRUNCATE_FRACTION = 0.2
 # (bench/studies/results/kvtc_grouping.md).
 MAX_GROUP_FEATURES = 6144
 WEIGHT_FLOOR = 1e-3
+# How far (either way) a calibration may scale its weights to give the default level its loss (levels.LEVEL_KL).
+MAX_LEVEL_SCALE = 4.0
 
 
 def model_layers(model: Any) -> list[LayerInfo]:
@@ -320,33 +323,48 @@ def _floored(weight: torch.Tensor) -> torch.Tensor:
 def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, group_layers: int | None = None,
               finest_steps: tuple[float, float] | None = None, segment_tokens: int = SEGMENT_TOKENS,
               max_tokens: int | None = None, text_tokens: int | None = DEFAULT_TEXT_TOKENS, undo_rope: bool = True,
-              weight_keys: bool = True, weight_values: bool = True, loss_weights: bool = False, progress: Any = None,
-              statistics: Statistics | None = None) -> Calibration:
+              weight_keys: bool = True, weight_values: bool = True, loss_weights: bool | None = None,
+              level_kl: float | None = LEVEL_KL, progress: Any = None, statistics: Statistics | None = None,
+              sensitivity: Sensitivity | None = None) -> Calibration:
     """Compute a calibration of ``loaded`` from ``texts`` (see :func:`collect_statistics`, or pass ``statistics``
-    already collected with the same or a coarser grouping; ``loaded`` may then be None unless ``loss_weights``
-    runs the model again).
+    already collected with the same or a coarser grouping, and ``sensitivity`` already measured with
+    :func:`sensitivity.fisher_diagonals`; ``loaded`` may then be None).
+
+    Unless ``loss_weights`` is False, the loss a unit of error costs in each layer and channel is measured with the
+    model (:mod:`kvcodec.codecs.kvtc.sensitivity`, about a minute of CPU), and used twice:
+
+    * each kind (keys, values) whose layers' costs spread enough that equalizing them should pay
+      (:func:`sensitivity.equalization_gain` at least :data:`sensitivity.EQUALIZE_MIN_GAIN`; with
+      ``loss_weights=True`` always) gets its weights scaled so that a unit of error costs the same loss in every
+      layer;
+    * every weight is scaled by one factor so that the default level's predicted KL is ``level_kl`` (None: not
+      scaled): a level means about the same loss on every model (:func:`fit`).
 
     ``group_layers`` pools that many consecutive layers per basis (None: :func:`default_groups`' rule).
-    ``loss_weights`` scales each layer's key and value weights so that a unit of error costs the same loss in
-    every layer of a kind, as measured with the model (:mod:`kvcodec.codecs.kvtc.sensitivity`).  Off by default: it
-    moves bits to where they buy the most (Gemma 3 270M, level 4, its three evaluation texts: 1.124 bits at +1.23%,
-    KL 0.0112, against 1.080 bits at +2.14%, KL 0.0173 with the values' alone), but values-only loss weights moved
-    SmolLM2's default level to 0.658 bits at +0.39%, over that level's 0.6-bit target
-    (bench/studies/results/kvtc_loss_weights-smollm2.md), and the levels are measured without them.
     ``undo_rope``, ``weight_keys``, ``weight_values`` and ``loss_weights`` switch off the design's parts, for
     measuring what each is worth.
     """
+    if loss_weights is not False and sensitivity is None:  # first: its backward pass's memory is gone before the moments'
+        if loaded is None:
+            raise InvalidInputError("measuring the loss needs the model: pass it, or sensitivity=, or loss_weights=False")
+        sensitivity = fisher_diagonals(loaded)
     stats = statistics or collect_statistics(loaded, texts, group_layers=group_layers, segment_tokens=segment_tokens,
                                              max_tokens=max_tokens, text_tokens=text_tokens, undo_rope=undo_rope,
                                              progress=progress)
     stats = stats.regroup(default_groups(stats.layers, group_layers, stats.windowed))
     key_weights = stats.key_weights if weight_keys else _flat(stats.key_weights, stats.groups)  # one per group
     value_weights = stats.value_weights if weight_values else _flat(stats.value_weights, stats.groups)
-    if loss_weights:
-        key_weights, value_weights = equalized_weights(loaded, key_weights, value_weights, layers=stats.layers)
     settings = stats.settings | {"group_layers": group_layers, "weight_keys": weight_keys,
                                  "weight_values": weight_values, "loss_weights": loss_weights}
-    return fit(stats, finest_steps, settings, key_weights, value_weights)
+    sens = None if loss_weights is False else sensitivity
+    if sens is not None:
+        # by default only where layers of several kinds (sliding windows and full) share one step: see EQUALIZE
+        on = bool(loss_weights) or len(set(stats.windowed)) > 1
+        if on:
+            key_weights, value_weights = equalized_weights(None, key_weights, value_weights, layers=stats.layers,
+                                                           sensitivity=sens)
+        settings |= {"equalized": on}
+    return fit(stats, finest_steps, settings, key_weights, value_weights, sens, level_kl)
 
 
 def _flat(weights: list[torch.Tensor], groups: list[list[int]]) -> list[torch.Tensor]:
@@ -368,32 +386,69 @@ def fit_calibration(model: str, layers: list[LayerInfo], groups: list[list[int]]
 
 
 def fit(stats: Statistics, finest_steps: tuple[float, float] | None = None, settings: dict[str, Any] | None = None,
-        key_weights: list[torch.Tensor] | None = None, value_weights: list[torch.Tensor] | None = None) -> Calibration:
+        key_weights: list[torch.Tensor] | None = None, value_weights: list[torch.Tensor] | None = None,
+        sensitivity: Sensitivity | None = None, level_kl: float | None = None) -> Calibration:
     """The PCA bases of each group of ``stats`` (weighted by its weights, or those given): per group and K/V the
-    components whose std is at least ``TRUNCATE_FRACTION`` times the finest step (default: the finest level's)."""
+    components whose std is at least ``TRUNCATE_FRACTION`` times the finest step (default: the finest level's).
+
+    With a measured ``sensitivity``, the settings record each level's predicted KL (:func:`sensitivity.predicted_kl`)
+    and, given a ``level_kl``, every weight is first multiplied by the one factor (within ``MAX_LEVEL_SCALE``
+    either way) that makes the default level's ``level_kl``: a level then means about the same loss on every model
+    (see :data:`levels.LEVEL_KL`)."""
     if finest_steps is None:
         finest_steps = (min(k for k, _ in LEVELS.values()), min(v for _, v in LEVELS.values()))
     floors = (TRUNCATE_FRACTION * finest_steps[0], TRUNCATE_FRACTION * finest_steps[1])
-    kb, vb = [], []
+    measured = sensitivity is not None
+    reach = MAX_LEVEL_SCALE if measured and level_kl is not None else 1.0  # what a larger scale keeps is fitted too
+    weights = {"keys": key_weights or stats.key_weights, "values": value_weights or stats.value_weights}
+    costs = {kind: sensitivity.costs(kind, w) for kind, w in weights.items()} if measured else {}
+    bases: dict[str, list[GroupBasis]] = {"keys": [], "values": []}
+    losses: list[tuple[PartLoss, float]] = []
     for g, members in enumerate(stats.groups):
-        for moments, weights, bases, floor in ((stats.keys, key_weights or stats.key_weights, kb, floors[0]),
-                                               (stats.values, value_weights or stats.value_weights, vb, floors[1])):
-            w = torch.cat([weights[i].reshape(-1) for i in members]).double()
-            bases.append(_basis(moments[g], w, floor))
-    return Calibration(stats.model, stats.layers, stats.groups, kb, vb,
-                       (settings if settings is not None else stats.settings) | {"floor_std": list(floors)})
+        for (kind, moments), floor, step in zip((("keys", stats.keys), ("values", stats.values)), floors,
+                                                LEVELS[DEFAULT_LEVEL]):
+            w = torch.cat([weights[kind][i].reshape(-1) for i in members]).double()
+            cost = torch.cat([costs[kind][i] for i in members]) if measured else None
+            graded = DEFAULT_WINDOW_OCTAVES if any(stats.windowed[i] for i in members if i < len(stats.windowed)) else 0.0
+            basis, loss = _basis(moments[g], w, floor / reach, cost, graded)
+            bases[kind].append(basis)
+            if loss is not None:
+                losses.append((loss, step))
+    settings = dict(settings if settings is not None else stats.settings) | {"floor_std": list(floors)}
+    if measured:
+        scale = 1.0 if level_kl is None else level_kl_scale(losses, level_kl, DEFAULT_MIN_STD, (1 / reach, reach))
+        # losses alternate keys and values
+        predicted = {str(level): round(predicted_kl([(l, steps[i % 2]) for i, (l, _) in enumerate(losses)],
+                                                    DEFAULT_MIN_STD, scale), 6) for level, steps in LEVELS.items()}
+        settings |= {"level_kl": level_kl, "level_scale": round(scale, 6), "predicted_kl": predicted,
+                     "unscaled_kl": round(predicted_kl(losses, DEFAULT_MIN_STD), 6)}
+        for kind, floor in zip(("keys", "values"), floors):
+            bases[kind] = [_scaled(b, scale, floor) for b in bases[kind]]
+    return Calibration(stats.model, stats.layers, stats.groups, bases["keys"], bases["values"], settings)
 
 
-def _basis(moments: Moments, w: torch.Tensor, min_std: float) -> GroupBasis:
-    """PCA of the weighted feature rows, components with std >= ``min_std``."""
+def _basis(moments: Moments, w: torch.Tensor, min_std: float, cost: torch.Tensor | None = None,
+           graded: float = 0.0) -> tuple[GroupBasis, PartLoss | None]:
+    """PCA of the weighted feature rows, components with std >= ``min_std``; with per-feature ``cost``s, also what
+    quantizing them costs (:class:`sensitivity.PartLoss`; ``graded``: the window grading's octaves)."""
     _return_freed_memory()
     cov = moments.covariance(w)
     var, vec, _ = leading_eigenpairs(cov, min_std ** 2)
+    loss = PartLoss.of(cov, var, vec, cost, graded) if cost is not None else None
     del cov
     # a deterministic sign: each component's largest entry positive
     sign = torch.sign(vec.gather(0, vec.abs().argmax(0, keepdim=True)))
     vec = vec * torch.where(sign == 0, 1.0, sign)
-    return GroupBasis(moments.mean.float(), w.float(), vec.half(), var.float())
+    return GroupBasis(moments.mean.float(), w.float(), vec.half(), var.float()), loss
+
+
+def _scaled(basis: GroupBasis, scale: float, min_std: float) -> GroupBasis:
+    """``basis`` with its weights ``scale`` times larger, keeping the components whose std is then at least
+    ``min_std`` (at least one)."""
+    variance = basis.variance.double() * scale * scale
+    keep = max(1, int((variance >= min_std ** 2).sum()))
+    return GroupBasis(basis.mean, (basis.weight.double() * scale).float(), basis.basis[:, :keep].contiguous(),
+                      variance[:keep].float())
 
 
 def ensure_calibration(loaded: Any, log: Any = None, *, model_digest: str = "", **options: Any) -> Calibration:

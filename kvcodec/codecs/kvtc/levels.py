@@ -35,3 +35,8 @@ DEFAULT_FINE_OCTAVES = 2
 # than the window reads the older tokens relatively more.  Layers that hold every token (all of SmolLM2's) are not
 # graded.
 DEFAULT_WINDOW_OCTAVES = 1.0
+# The continuation's KL per token (nats) that a calibration's measured sensitivity predicts for the default level
+# (kvcodec.codecs.kvtc.sensitivity.predicted_kl): a calibration that measures it scales its weights so that level 2
+# predicts this on every model.  It is what SmolLM2's calibration with the matrices' weights predicts (the levels
+# were measured there), so its default level stays where it was.
+LEVEL_KL = 0.012

@@ -1,0 +1,62 @@
+"""kvtc's calibration defaults: the loss a step costs, predicted from the measured sensitivity, and the one scale
+that gives the default level the same predicted loss on every model; on real SmolLM2 KV, the defaults' level 2
+against cachegen's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
+from kvcodec.codecs.kvtc.sensitivity import PartLoss, level_kl_scale, predicted_kl, rounding_error
+
+
+@given(st.floats(0.05, 30.0), st.integers(0, 2 ** 31))
+@settings(max_examples=25, deadline=None)
+def test_rounding_error_is_a_gaussians_rounded_to_the_step(std, seed):
+    x = np.random.default_rng(seed).normal(0.0, std, 200_000)
+    measured = float(np.mean((x - np.round(x)) ** 2))
+    assert abs(float(rounding_error(np.array([std]), 0.0)[0]) - measured) < 0.03 * measured + 1e-4
+
+
+def test_rounding_error_ends_and_uncoded_components():
+    e = rounding_error(np.array([1e-3, 0.1, 0.2, 100.0, 1e4]), 0.23)
+    # under min_std a component is not coded: its whole variance; far above a step: a uniform error's step²/12
+    assert np.allclose(e[:3], [1e-6, 0.01, 0.04]) and np.allclose(e[3:], 1 / 12)
+
+
+def _toy_parts(seed: int = 0) -> list[tuple[PartLoss, float]]:
+    rng = np.random.default_rng(seed)
+    parts = []
+    for step in LEVELS[DEFAULT_LEVEL]:
+        var = np.sort(rng.lognormal(-3, 2, 200))[::-1]
+        parts.append((PartLoss(var, rng.uniform(1e-4, 1e-3, 200), 1e-5), step))
+    return parts
+
+
+def test_level_scale_meets_its_target_and_the_kl_falls_as_the_scale_grows():
+    parts = _toy_parts()
+    kls = [predicted_kl(parts, DEFAULT_MIN_STD, s) for s in (0.5, 1.0, 2.0)]
+    assert kls[0] > kls[1] > kls[2]
+    target = (kls[0] * kls[1]) ** 0.5
+    scale = level_kl_scale(parts, target, DEFAULT_MIN_STD, (0.25, 4.0))
+    assert 0.5 < scale < 1.0 and predicted_kl(parts, DEFAULT_MIN_STD, scale) == pytest.approx(target, rel=1e-6)
+    # out of reach: the nearest bound
+    assert level_kl_scale(parts, kls[2] / 100, DEFAULT_MIN_STD, (0.25, 4.0)) == 4.0
+    assert level_kl_scale(parts, kls[0] * 100, DEFAULT_MIN_STD, (0.25, 4.0)) == 0.25
+
+
+def test_part_loss_of_a_covariance_counts_what_the_basis_leaves_out():
+    rng = np.random.default_rng(1)
+    a = torch.from_numpy(rng.normal(size=(40, 40)))
+    cov = a @ a.T / 40
+    cost = torch.from_numpy(rng.uniform(0.5, 2.0, 40))
+    w, v = torch.linalg.eigh(cov)
+    full = PartLoss.of(cov, w.flip(0), v.flip(1), cost)
+    kept = PartLoss.of(cov, w.flip(0)[:10], v.flip(1)[:, :10], cost)
+    # with nothing coded (a huge step) the loss is the whole weighted variance's, however much the basis holds
+    assert full.rest == pytest.approx(0.0, abs=1e-9)
+    assert full.kl(1e6, DEFAULT_MIN_STD) == pytest.approx(float(cov.diagonal() @ cost), rel=1e-9)
+    assert kept.kl(1e6, DEFAULT_MIN_STD) == pytest.approx(float(cov.diagonal() @ cost), rel=1e-9)
