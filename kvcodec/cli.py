@@ -565,31 +565,39 @@ def _model_identity(spec: str) -> str:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvcodec.codecs.kvtc import install
     from kvcodec.codecs.kvtc.fit import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
+    from kvcodec.codecs.kvtc.sensitivity import fisher_diagonals
     from kvcodec.models import load_model
 
     model = load_model(args.model, progress=not args.quiet, cached=False)
     identity = _model_identity(args.model)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
+    loss_weights = {"auto": None, "yes": True, "no": False}[args.loss_weights]
+    # the loss first: its backward pass's memory is freed before the moments are allocated
+    sensitivity = None if loss_weights is False else fisher_diagonals(
+        model, progress=_progress(args, "calibrate: measure the loss", unit="pass"))
     stats = collect_statistics(model, texts, group_layers=args.group_layers, max_tokens=args.tokens,
                                text_tokens=args.text_tokens,
                                progress=_progress(args, "calibrate: run the model", unit="segment"))
-    if not args.loss_weights:  # only they run the model again: its memory goes before the fit's peak
-        model = None
+    model = None  # its memory goes before the fit's peak
     if not args.quiet:  # the fit has no steps to count
         print(f"calibrate: fitting the PCA bases of {len(stats.groups)} layer group(s) from "
               f"{stats.settings['tokens']} tokens", file=sys.stderr)
-    cal = calibrate(model, texts, group_layers=args.group_layers, loss_weights=args.loss_weights,
-                    statistics=stats).of_model(identity)
+    cal = calibrate(None, texts, group_layers=args.group_layers, loss_weights=loss_weights, statistics=stats,
+                    sensitivity=sensitivity).of_model(identity)
     digest = cal.save(args.output)
     installed = install(cal) if args.install else None
     obj = {"output": args.output, "sha256": digest, "model": cal.model, "model_identity": identity,
            "groups": len(cal.groups), "key_components": sum(b.components for b in cal.keys),
            "value_components": sum(b.components for b in cal.values), "bytes": len(cal.to_bytes()),
-           "tokens": cal.settings["tokens"], "installed": installed}
+           "tokens": cal.settings["tokens"], "installed": installed,
+           "equalized": cal.settings.get("equalized"), "level_scale": cal.settings.get("level_scale")}
+    measured = ("" if obj["level_scale"] is None else
+                f"; weights scaled by {obj['level_scale']:.3g} for the default level's loss, layers "
+                + ("equalized by the measured loss" if obj["equalized"] else "weighted by the model's matrices"))
     _emit(args, obj, [f"wrote {args.output} ({_mb(obj['bytes'])}): kvtc calibration {digest} of {cal.model} "
                       f"(model identity {identity}), "
                       f"{obj['groups']} layer group(s), {obj['key_components']} key and {obj['value_components']} value "
-                      f"components, from {obj['tokens']} tokens of {', '.join(texts)}"
+                      f"components, from {obj['tokens']} tokens of {', '.join(texts)}" + measured
                       + (f"; installed as {installed}, found by the model identity" if installed else "")
                       + f"; use it with --codec kvtc:calibration={args.output}"])
     return EXIT_OK
@@ -811,9 +819,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--group-layers", type=int, default=None,
                     help="layers per PCA basis (default: the fewest groups of consecutive layers of one kind with at "
                          "most 6144 features each)")
-    sp.add_argument("--loss-weights", action="store_true",
-                    help="scale each layer's key and value weights by the loss a unit error costs there, measured with "
-                         "the model (about 90 CPU-seconds more; recommended for Gemma 3; docs/codecs/kvtc.md)")
+    sp.add_argument("--loss-weights", nargs="?", choices=("auto", "yes", "no"), default="auto", const="yes",
+                    help="measure with the model the loss a unit error costs in each layer and channel (about a "
+                         "minute of CPU) and scale every weight so that a level means the same loss on every model; "
+                         "auto (the default) also equalizes the layers by that loss where sliding-window and full "
+                         "layers share one step, yes everywhere; no: measure nothing, the weights read off the "
+                         "model's matrices alone (docs/codecs/kvtc.md)")
     sp.add_argument("--install", action="store_true",
                     help="also install it in the cache folder as the calibration of the model's identity")
     sp.add_argument("-o", "--output", required=True, type=output_file("model.kvtc"),
