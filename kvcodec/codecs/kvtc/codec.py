@@ -595,30 +595,28 @@ class KVTC(Codec):
         gains = self.row_gains(ctx0)
         feats = [self.side_features([self.coefficients(p) for p in coded[side::2]], bases[side].rows32,
                                     bases[side].mean, bases[side].weight, cover[side], fine, gains) for side in (0, 1)]
-        layers = [c for c in present if c.layer in wanted]
-        keys, values = ({c.layer: f[:, span.start - at:span.stop - at].view(t - s, c.shape.heads, d)
-                         for c, span, d in ((c, spans[c.layer][side], (c.shape.key_dim, c.shape.value_dim)[side])
-                                            for c in layers)}
-                        for side, (f, at) in enumerate(feats))
-        keys |= gpu.rotate(keys, {c.layer: (cal.layers[c.layer].rotary, c.positions[s:])
-                                  for c in layers if self._rotated(c)})
         out = {}
         for c, sink in zip(present, sinks):
             if c.layer in wanted:
-                # [H, S, D] exact sink tokens, then the [T - S, H, D] rows: each float32 row rounded once to the
+                k, v = (f[:, span.start - at:span.stop - at].view(t - s, c.shape.heads, d).transpose(0, 1)
+                        for (f, at), span, d in zip(feats, spans[c.layer], (c.shape.key_dim, c.shape.value_dim)))
+                if self._rotated(c):
+                    # a layer at a time: Rotary.rotate works a few heads at a time on a CPU anyway, and the group's
+                    # keys need not be gathered first
+                    k = cal.layers[c.layer].rotary.rotate(k, c.positions_tensor()[s:])
+                # [H, S, D] exact sink tokens, then the [H, T - S, D] rows: each float32 row rounded once to the
                 # header dtype as it is copied into place
-                out[c.layer] = tuple(self._layer_tensor(exact, rows, c) for exact, rows
-                                     in zip(sink, (keys[c.layer], values[c.layer])))
+                out[c.layer] = tuple(self._layer_tensor(exact, rows, c) for exact, rows in zip(sink, (k, v)))
         return out
 
     @staticmethod
     def _layer_tensor(exact: np.ndarray, rows: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """A layer's keys or values ``[H, T, D]`` in its dtype: the sink tokens ``exact`` (float16 ``[H, S, D]``),
-        then the decoded ``rows`` (``[T - S, H, D]``)."""
+        then the decoded ``rows`` (``[H, T - S, D]``)."""
         h, s, d = exact.shape
-        out = torch.empty(h, s + rows.shape[0], d, dtype=ctx.dtype)
+        out = torch.empty(h, s + rows.shape[1], d, dtype=ctx.dtype)
         out[:, :s] = torch.from_numpy(exact.astype(np.float16))
-        out[:, s:] = rows.transpose(0, 1)
+        out[:, s:] = rows
         return out.to(ctx.device)
 
     def side_features(self, coefficients: list[torch.Tensor], rows: torch.Tensor, mean: torch.Tensor,
