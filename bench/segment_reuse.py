@@ -18,7 +18,11 @@ greedy continuation (teacher-forced: every method reads the same tokens), greedy
 perplexity of a held-out continuation (the first ``--heldout`` tokens of a text in no prompt).  Time to first token is
 taken side by side in one run (the ratios are what to read on a shared machine) and is the median over prompts.
 
+With ``--ttft-only REPS``, time to first token alone on the first prompt (full prefill, fusion at 0% and 15%,
+prefix-only reuse), interleaved REPS times, the fastest of each: ``bench/results/segment_reuse-ttft.md``.
+
     python bench/segment_reuse.py [--docs 6] [--doc-tokens 600] [--prompts 3]
+    python bench/segment_reuse.py --docs 4 --doc-tokens 500 --prompts 3 --ttft-only 5
 """
 
 from __future__ import annotations
@@ -81,7 +85,11 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=600, help="tokens of each document (default 600)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts (shuffled orders, one question each; default 3)")
     ap.add_argument("--heldout", type=int, default=128, help="held-out continuation tokens (default 128)")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--ttft-only", type=int, metavar="REPS", default=0,
+                    help="only time to first token on the first prompt: full prefill, fusion at 0%% and 15%%, "
+                         "prefix-only reuse, interleaved REPS times, fastest of each (a busy machine slows some "
+                         "runs, never speeds one up); writes bench/results/segment_reuse-ttft.md")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not 2 <= args.docs <= len(DOCS):
         ap.error(f"--docs is 2 to {len(DOCS)}")
@@ -103,6 +111,9 @@ def main() -> None:
         orders.append(order)
     prompts = [(anchor + system + [t for i in order for t in docs[i]], tok(QUESTIONS[p % len(QUESTIONS)]))
                for p, order in enumerate(orders)]
+    if args.ttft_only:
+        ttft(args, lm, hook, prompts, [[system] + [docs[i] for i in o] for o in orders])
+        return
     methods = [f"fusion {s:.0%}" for s in SHARES] + ["prefix-only reuse", "cachegen level 2 (full prefill's KV)"]
     rows: dict[str, dict[str, list[float]]] = {m: {"kl": [], "agree": [], "ppl": [], "ttft": [], "ratio": [],
                                                    "work": []} for m in methods + ["full prefill"]}
@@ -165,6 +176,47 @@ def main() -> None:
     report(args, rows, methods, prompts, put_s)
 
 
+def ttft(args, lm, hook, prompts, orders) -> None:
+    """Time to first token of the first prompt, each way ``args.ttft_only`` times, interleaved; the fastest of
+    each.  Prefix-only reuse finds the other prompts' prefix chunks, as in the quality run."""
+    model = lm.model
+    context, question = prompts[0]
+    ids = context + question
+    prefix_store = KVStore([MemoryTier(None)], model=lm.model_id, codec="raw")
+    for c, q in prompts[1:]:
+        prefix_store.put(c + q, lm.prefill(c + q))
+    prefix_hook = TransformersKVHook(lm, prefix_store, save=False)
+    times: dict[str, list[float]] = {"full prefill": [], "fusion 0%": [], "fusion 15%": [], "prefix-only reuse": []}
+    loaded = 0
+    for _ in tqdm(range(args.ttft_only), desc="ttft", unit="round"):
+        t = time.perf_counter()
+        read(model, DynamicCache(config=model.config), ids)
+        times["full prefill"].append(time.perf_counter() - t)
+        for share in (0.0, 0.15):
+            times[f"fusion {share:.0%}"].append(hook.fuse(orders[0], question, share=share).report.first_token_s)
+        done = prefix_hook.generate(ids, max_new_tokens=1)
+        times["prefix-only reuse"].append(done.first_token_s)
+        loaded = done.loaded_tokens
+    best = {k: min(v) for k, v in times.items()}
+    lines = ["| method | fastest TTFT (s) | median (s) | fastest / full prefill's fastest |", "|---|---|---|---|"]
+    lines += [f"| {k} | {best[k]:.3f} | {statistics.median(v):.3f} | {best[k] / best['full prefill']:.2f} |"
+              for k, v in times.items()]
+    table = "\n".join(lines)
+    print(table)
+    out = args.out or OUT.with_name("segment_reuse-ttft.md")
+    out.write_text(f"""# Segment reuse: time to first token (SmolLM2, CPU)
+
+`python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts} --ttft-only {args.ttft_only}`
+(issue 34; quality: [segment_reuse.md](segment_reuse.md)).  One prompt of {len(ids)} tokens, each way
+{args.ttft_only} times, interleaved; the fastest of each (a shared 2-core machine slows runs, never speeds one up).
+Fusion includes loading and decoding the segments (raw) from the memory tier; prefix-only reuse loaded {loaded}
+tokens of the other prompts' prefix chunks and computed the rest.
+
+{table}
+""")
+    print(f"wrote {out}")
+
+
 def report(args, rows, methods, prompts, put_s) -> None:
     ref_ppl = statistics.mean(rows["full prefill"]["ppl"])
     tokens = [len(c) + len(q) for c, q in prompts]
@@ -203,8 +255,9 @@ read the ratios.
 
 {table}
 """
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
+    out = args.out or OUT
+    out.write_text(text)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ from kvcodec.positions import Rotary, reposition
 from kvcodec.store.chunks import ChunkShape
 
 # The share of a prompt's reused tokens recomputed at every layer past the filtering, by default: the knee of
-# quality against share that bench/segment_reuse.py measured on SmolLM2 (bench/results/segment_reuse.md).
+# quality against share that bench/segment_reuse.py measured on SmolLM2 (bench/results/segment_reuse.md; KL over
+# a 64-token continuation, 2,040-token prompts: 0.050 nats at 0%, 0.037 at 5%, 0.019 at 15%, 0.011 at 30%).
 DEFAULT_SHARE = 0.15
 # The layer whose deviation is computed over every token (layer 0's KV depends on a token alone, so its deviation
 # is only the codec's error), and how much wider than the final share its selection is before the next layer
