@@ -25,13 +25,16 @@ Three rules keep both stages busy without a byte or a decode spent where it does
   16-19% of the bytes used were wasted at 100 Mbit/s and faster; now 0-2.4% (the same bench).  The price: after a
   drop, the small variants still needed come over the slower link (cachegen: a sixth of raw's bytes).
 - A large value is read in pieces (``get_range``) and given up between two pieces once the decoder took that chunk's
-  small variant (a video player's abandonment rule).  Each piece measures the link: the estimate follows a change of
-  regime at once, up or down (:data:`~kvcodec.store.telemetry.LINK_FOLLOW`), and the read's own last piece counts
-  until another read measured the link.  Once every small variant is in, the fetch keeps a probe under way: the
-  lowest chunk's large variant in ``PROBE_BYTES`` pieces, a ``PROBE_DUTY`` share of the time, so that a link that
-  rises is seen within one piece and the rest of that chunk comes large when it can be in in time.  (Before, a load
-  that started on a slow link never read the link again once its small variants were in: on a rise from 20 Mbit/s
-  to 10 Gbit/s 0.1 s in, 1.71x raw's load time; now 1.02x.)
+  small variant (a video player's abandonment rule), or once its rest can no longer be in in time.  A large read
+  starts only where it is in time on a link ``INSURANCE`` times slower than estimated.  Each piece measures the
+  link: the estimate follows a change of regime at once, up or down (:data:`~kvcodec.store.telemetry.LINK_FOLLOW`),
+  and the read's own last piece counts until another read measured the link.  Once every small variant is in, the
+  fetch keeps a probe under way: the lowest chunk's large variant in ``PROBE_BYTES`` pieces, within a budget of
+  ``PROBE_SHARE`` of the small variants' bytes spread over the decodes still queued, so that a link that rises is
+  seen within one piece and the rest of that chunk comes large when it can be in in time.  (Before, a load that
+  started on a slow link never read the link again once its small variants were in: on a rise from 20 Mbit/s to
+  10 Gbit/s 0.1 s in, 1.71x raw's load time; now 1.02x.  A probe without a budget wasted 61-225% of the bytes used
+  at 20 Mbit/s inside vLLM; with it, 2-5% over the same link in ``tests/test_shaped_link_adaptation.py``'s setup.)
 
 Layer ``l`` is *ready* (:meth:`PrefixLoad.wait_layer`) once every chunk's layer ``l`` is in: each chunk is decoded
 layer by layer, so an engine runs its first layers while the last chunk's later layers are still decoding.  Only
@@ -64,6 +67,7 @@ from kvcodec.store.chunks import ChunkShape, FetchedChunk
 from kvcodec.store.plan import (BUDGET_FULL, LARGE_IN_TIME, LARGE_NOT_COMING, LARGE_PROBED, LARGE_TOO_LATE,
                                 ONE_VARIANT, RECOMPUTE, SMALL_PAYS, SMALL_UNMEASURED, Decision, LoadPlanner, Option)
 from kvcodec.store.source import ChunkSource
+from kvcodec.store.telemetry import LINK_FOLLOW
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +80,27 @@ DEFAULT_PREFETCH_BYTES = 64 << 20
 # while a request's round trip (about 0.1 ms here) stays a few percent of a piece.
 PIECE_S = 0.004
 PIECE_BYTES = (256 << 10, 8 << 20)
-# A probe of an idle link reads pieces this small, a PROBE_DUTY share of the time: what it reads is wasted unless the
-# link rises, so it must stay a few percent of a load's bytes (measured: 1.5% at 20 Mbit/s, in 64-token SmolLM2
-# chunks; 64 KiB pieces read all the time wasted 12% at 100 Mbit/s), while a rise is still seen within about 60 ms at
-# 20 Mbit/s.
+# A probe of an idle link reads pieces this small, at most a PROBE_DUTY share of the time and at most PROBE_SHARE of
+# the bytes of the load's small variants in all, spread over the decodes still queued: what it reads is wasted unless
+# the link rises.  A duty cycle alone wasted 61-225% of the bytes used at 20 Mbit/s inside vLLM (2,048 tokens in
+# 256-token kvtc chunks, 1.8 MB used): a shaper's token bucket (tbf's: 128 KiB) refills while the probe idles, so
+# every probe piece rode it at the veth's speed, looked like a rise, and turned into a read by rule that was given up.
 PROBE_BYTES = 32 << 10
 PROBE_DUTY = 0.2
+PROBE_SHARE = 0.05
+# A probe piece that looks like a rise (LINK_FOLLOW times the estimate) may have ridden such a bucket: it moves the
+# estimate only once a piece this large, read at once after it and paid from the same budget, confirms it.  Behind
+# tbf's 128 KiB bucket, the 96 KiB the probe piece left make it look at most 2.5x faster, which the estimate averages
+# rather than follows.  A load whose budget cannot pay for it sees a rise only through its other reads: at 5%, one
+# with less than 3.8 MB of small variants (2,048 SmolLM2 tokens in kvtc: 1.8 MB).
+CONFIRM_BYTES = 160 << 10
 # Small variants are read for the chunks the decoder could reach before their large variants arrived on a link this
 # many times slower than estimated: the margin for an estimate that is somewhat off (a decode beside the reads, a
 # busy machine); a drop of more than LINK_FOLLOW times is seen within one piece and makes them needed then.  2 read a
 # small variant too many in most mixed loads (8-12% of the bytes used wasted at 20 and 100 Mbit/s); 1.25, 0-2.4%.
+# A large read starts (or a probe turns into one) only where it is in time on a link this much slower, too: inside
+# vLLM at 100 Mbit/s, warm loads started the first chunk's raw read just in time by the estimate and gave it up
+# after about 9 MB when the decodes ran faster than estimated.
 INSURANCE = 1.25
 
 
@@ -259,6 +274,7 @@ class PrefixLoad:
         self._low = len(self.chunks)  # the small variants of the chunks from here on are read (or being read)
         self._front_next = 0  # the chunk whose large variant the fetch reads next (or is reading)
         self._pieces_read = 0  # pieces of large variants read so far (the first is the least, to measure the link)
+        self._probe_left = 0  # bytes a probe may still read (PROBE_SHARE of the small variants')
         self._decoding: tuple[float, float] | None = None  # the decode under way: since when, its estimate
         self._decoding_small = False  # ... and whether it is a small variant's
         self._fetched_all = False
@@ -381,6 +397,7 @@ class PrefixLoad:
                 self._end_at(i, "missing")
                 break
             self._options[i] = (options[0], options[-1] if len(options) > 1 else None)
+        self._probe_left = int(PROBE_SHARE * sum(small.nbytes for small, _ in self._options.values()))
         front = 0  # the lowest chunk not taken: the next whose large variant to read
         while not self._stop.is_set():
             with self._cond:
@@ -397,7 +414,7 @@ class PrefixLoad:
             if front < self._low and self._read_small(front):
                 continue
             large = self._options[front][1]
-            rule = self._arrives_in_time(front) if large is not None else None
+            rule = self._arrives_in_time(front, slower=INSURANCE) if large is not None else None
             with self._cond:
                 self._late_from = len(self.chunks) if rule is not None else front
             if large is not None and (rule is not None or front >= self._low):
@@ -426,9 +443,7 @@ class PrefixLoad:
             return True
         tokens = self.chunks[b].end - self.chunks[b].start
         with self._cond:
-            back_s = self._decoding_left_s() + sum(
-                self.planner.decode_s(self._options[j][0], self.chunks[j].end - self.chunks[j].start)
-                for j in self._back)
+            back_s = self._decodes_queued_s()
             large_s = self._large_eta_s(b, INSURANCE)
         return back_s + self.planner.fetch_s(small) + self.planner.decode_s(small, tokens) < large_s
 
@@ -475,11 +490,12 @@ class PrefixLoad:
         """The variants the planner weighs for chunk ``i``, smallest first."""
         return tuple(o for o in self._options[i] if o is not None)
 
-    def _arrives_in_time(self, i: int, done: int = 0) -> str | None:
+    def _arrives_in_time(self, i: int, done: int = 0, slower: float = 1.0) -> str | None:
         """The rule by which chunk ``i``'s largest variant is read (the rest of it after ``done`` bytes): it can,
-        read from now and decoded, be in before the decoder, working backwards through the small variants of the
-        chunks after it, has decoded this chunk's small one (always, until the store has decoded the small variant:
-        the first load that could find out does); None when it cannot."""
+        read from now on a link ``slower`` times slower than estimated and decoded, be in before the decoder, working
+        backwards through the small variants of the chunks after it, has decoded this chunk's small one (always,
+        until the store has decoded the small variant: the first load that could find out does); None when it
+        cannot."""
         small, large = self._options[i]
         if not self.planner.decode_known(small):
             return SMALL_UNMEASURED
@@ -487,9 +503,14 @@ class PrefixLoad:
         tokens = self.chunks[i].end - self.chunks[i].start
         with self._cond:
             ahead = sum(1 for j in self._back if j > i) * self.planner.decode_s(small, tokens) + self._decoding_left_s()
-        in_time = self.planner.fetch_s(large, large.nbytes - done) + self.planner.decode_s(large, tokens) < \
+        in_time = slower * self.planner.fetch_s(large, large.nbytes - done) + self.planner.decode_s(large, tokens) < \
             ahead + self.planner.decode_s(small, tokens)
         return LARGE_IN_TIME if in_time else None
+
+    def _decodes_queued_s(self) -> float:
+        """The estimated rest of the decode under way and the decodes of the small variants held.  Under ``_cond``."""
+        return self._decoding_left_s() + sum(
+            self.planner.decode_s(self._options[j][0], self.chunks[j].end - self.chunks[j].start) for j in self._back)
 
     def _decoding_left_s(self) -> float:
         """The estimated rest of the decode under way."""
@@ -527,45 +548,65 @@ class PrefixLoad:
     def _read_pieces(self, i: int, large: Option, key: str, rule: str | None) -> tuple[FetchedChunk | None, str | None]:
         """Read a large value in pieces, each about ``PIECE_S`` at the link's speed as estimated then (the first
         ``PIECE_BYTES[0]``, to measure the link before committing to more), or ``PROBE_BYTES`` while it is a probe
-        (``rule`` None: it becomes a read by rule once :meth:`_arrives_in_time` says the rest can be in in time).
-        Between pieces: read the small variants the decoder could now need, and give the value up once the decoder
-        took the chunk (a video player's abandonment rule).  The chunk, or None; and the rule it was read by."""
+        (``rule`` None).  Before each piece the rule is weighed again (:meth:`_arrives_in_time`, a read not yet by
+        rule on a link ``INSURANCE`` times slower): a probe whose rest can now be in in time becomes a read by rule,
+        its pieces doubling from the probe's; a read whose rest will be late becomes a probe.  A probe reads within
+        its budget (``PROBE_SHARE``, ``PROBE_DUTY``) and gives up once it is spent; a probe piece that looks like a
+        rise counts only once a ``CONFIRM_BYTES`` piece confirms it.  Between pieces: read the small
+        variants the decoder could now need, and give the value up once the decoder took the chunk (a video
+        player's abandonment rule).  The chunk, or None; and the rule it was read by."""
         outcome, source = self.chunks[i], self.source
         link = self.telemetry.link(large.tier)
         parts: list[bytes] = []
-        got = 0
+        got = last = 0
+        confirm = False  # the last probe piece looked like a rise: the next confirms it, at once
         while got < large.nbytes:
-            if rule is None:
-                rule = self._arrives_in_time(i, got)
+            rule = self._arrives_in_time(i, got, slower=1.0 if rule is not None else INSURANCE)
             while self._read_small(i):  # the insurance: a link that slowed makes small variants needed
                 pass
             with self._cond:  # between pieces: give up what will not be used
-                if i in self._taken or i >= self._limit or self._stop.is_set():
+                self._late_from = len(self.chunks) if rule is not None else i
+                if rule is None and self._probe_left < (CONFIRM_BYTES if confirm else PROBE_BYTES):
+                    self._probe_left = 0
+                if i in self._taken or i >= self._limit or self._stop.is_set() or not (rule or self._probe_left):
                     log.debug("chunk %d: the large variant given up after %d of its %d bytes", i, got, large.nbytes)
                     return None, rule
-                length = PROBE_BYTES if rule is None else PIECE_BYTES[0] if not self._pieces_read else \
-                    int(min(max(link.throughput.estimate * PIECE_S, PIECE_BYTES[0]), PIECE_BYTES[1]))
+                if rule is None:
+                    length = CONFIRM_BYTES if confirm else PROBE_BYTES
+                else:
+                    length = PIECE_BYTES[0] if not self._pieces_read else \
+                        int(min(max(link.throughput.estimate * PIECE_S, PIECE_BYTES[0]), PIECE_BYTES[1]))
+                    length = min(length, 2 * last) if last else length
                 if large.nbytes - got < 2 * length:
                     length = large.nbytes - got
                 self._reading = _Reading(i, large, time.perf_counter(), length, large.nbytes - got - length)
                 decoding = self._decoding_small
+            hint = rule is None and length < CONFIRM_BYTES  # a probe piece: judged before it moves the estimate
             t0 = time.perf_counter()
-            piece = source.read_range(large.tier, key, got, length, outcome.end - outcome.start)
+            piece = source.read_range(large.tier, key, got, length, outcome.end - outcome.start, observe=not hint)
             seconds = time.perf_counter() - t0
             if not piece:
                 return self._read(i, key), rule  # gone here: any tier holding it
             self._served(i, len(piece))
-            self._observe(large, len(piece), seconds, decoding)
+            confirm = hint and len(piece) > LINK_FOLLOW * link.throughput.estimate * seconds
+            if hint and not confirm:  # a burst only makes a read look faster: a steady or slower piece is the link
+                source.observe(large.tier, len(piece), seconds)
+            if not confirm:
+                self._observe(large, len(piece), seconds, decoding)
             self._pieces_read += 1
             parts.append(piece)
-            got += len(piece)
+            got, last = got + len(piece), len(piece)
             with self._cond:
                 self._reading = _Reading(i, large, time.perf_counter(), 0, large.nbytes - got,
                                          len(piece) / seconds if seconds > 0 else math.inf,
                                          getattr(link.throughput, "measured_at", None))
                 self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
-                if rule is None:  # a probe keeps the link busy a PROBE_DUTY share of the time, no more
-                    until = time.perf_counter() + seconds * (1 / PROBE_DUTY - 1)
+                if rule is None:
+                    self._probe_left -= len(piece)
+                if rule is None and not confirm:  # its budget spread over the decodes queued, PROBE_DUTY at most
+                    pieces_left = max(self._probe_left, 1) / PROBE_BYTES
+                    until = time.perf_counter() + max(seconds * (1 / PROBE_DUTY - 1),
+                                                      self._decodes_queued_s() / pieces_left)
                     while i not in self._taken and not self._stop.is_set() and time.perf_counter() < until:
                         self._cond.wait(until - time.perf_counter())
         chunk = source.accept(key, large.tier, b"".join(parts), outcome.start, outcome.end, evict=False)

@@ -232,15 +232,17 @@ class ChunkSource:
         self.count("misses")
         return None
 
-    def read_range(self, tier: str, key: str, offset: int, length: int, tokens: int) -> bytes | None:
+    def read_range(self, tier: str, key: str, offset: int, length: int, tokens: int, *,
+                   observe: bool = True) -> bytes | None:
         """Bytes ``offset .. offset+length-1`` of the value of a ``tokens``-token chunk under ``key`` in ``tier``
-        (never past such a chunk's bound), unchecked: the caller checks the whole value with :meth:`accept`."""
+        (never past such a chunk's bound), unchecked: the caller checks the whole value with :meth:`accept`.  With
+        ``observe`` False the read does not feed the link's estimate (the caller judges it first)."""
         t0 = time.perf_counter()
         try:
             piece = call_tier(self.tier(tier), "get_range", key, offset, length, self.max_value_bytes(tokens))
         except BAD_VALUE:
             return None
-        if piece:
+        if piece and observe:
             self.observe(tier, len(piece), time.perf_counter() - t0)
         return piece
 
