@@ -125,7 +125,10 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=3, help="warm requests after each first one (default: 3)")
     ap.add_argument("--links", default=",".join([*map(str, STEADY), "unshaped", *CHANGING]),
                     help="Mbit/s, 'unshaped', 'rise', 'drop', 'jitter', comma-separated (default: all)")
-    ap.add_argument("--strategies", default=",".join(["recompute", *STRATEGIES]))
+    ap.add_argument("--strategies", default=",".join(["recompute", *STRATEGIES]),
+                    help="comma-separated, of: " + ", ".join(["recompute", *STRATEGIES]) + " (default: all)")
+    ap.add_argument("--out", type=Path, default=OUT,
+                    help=f"the results, OUT.md and OUT.json (default: {OUT.relative_to(REPO)})")
     args = ap.parse_args()
     why = unavailable()
     if why:
@@ -219,7 +222,8 @@ def targets(cells: dict, links: list[str]) -> list[str]:
 
 
 def write(rows: list[dict], args: argparse.Namespace, links: list[str], names: list[str], started: str) -> None:
-    OUT.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     cells = summarize(rows, links, names)
     runs = len({r["run"] for r in rows})
 
@@ -230,8 +234,8 @@ def write(rows: list[dict], args: argparse.Namespace, links: list[str], names: l
         return f"{_median(values):.2f} s" + (f" ({'/'.join(f'{v:.2f}' for v in values)})" if len(values) > 1 else "")
 
     lines = [f"# Time to first token in vLLM from Redis over a shaped link ({args.tokens}-token prompt)", "",
-             (f"`.venv-engines/bin/python bench/vllm_link.py --runs {args.runs} --warm {args.warm} --tokens "
-              f"{args.tokens}`, started {started}, {runs} run(s) so far: vLLM CPU 0.32.0, SmolLM2-135M-Instruct in "
+             (f"`.venv-engines/bin/python bench/vllm_link.py {' '.join(sys.argv[1:])}`".replace(" `", "`")
+              + f", started {started}, {runs} run(s) so far: vLLM CPU 0.32.0, SmolLM2-135M-Instruct in "
              "float32, Redis in a network namespace behind tbf on a veth pair, a fresh engine per cell. "
              "*first*: the fresh engine's first request; *warm*: the median of the next "
              f"{args.warm}; the median over runs with each run's value in brackets. Below: the MB the median request "
@@ -256,7 +260,7 @@ def write(rows: list[dict], args: argparse.Namespace, links: list[str], names: l
     if checks:
         lines += ["", "## Targets (issue 33)", "", "| link | requests | measured | target | |", "|---|---|---|---|---|",
                   *checks]
-    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
