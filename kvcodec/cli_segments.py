@@ -31,7 +31,7 @@ def default_tier() -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments, for :func:`run`."""
-    from kvcodec.blend.fusion import DEFAULT_SHARE
+    from kvcodec.blend.fusion import SHARE_FLOOR
 
     parser.add_argument("action", choices=["store", "fuse"],
                         help="store: compute and store each --text's KV; fuse: the prompt [--system] + texts + "
@@ -46,9 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None,
                         help="a system text, the first segment of every prompt (default: none)")
     parser.add_argument("--question", help="fuse: the prompt's last part, computed over the fused documents")
-    parser.add_argument("--share", type=float, default=DEFAULT_SHARE,
-                        help=f"fuse: the share of the documents' tokens recomputed at each layer, 0 to 1 (default: "
-                             f"{DEFAULT_SHARE}; 0 reuses them as they are, 1 recomputes all: a full prefill)")
+    parser.add_argument("--share", type=float, default=None,
+                        help="fuse: the share of the documents' tokens recomputed at each layer, 0 to 1 (0 reuses "
+                             "them as they are, 1 recomputes all: a full prefill; default: the loading "
+                             "controller's, as much as hides under loading them on these tiers, at least "
+                             f"{SHARE_FLOOR})")
     parser.add_argument("--new-tokens", type=int, default=32,
                         help="fuse: greedy tokens to generate after the question (default: 32)")
     parser.add_argument("--tier", action="append", metavar="URL",
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace, emit: Callable[[argparse.Namespace, dict[str, 
 
     if args.action == "fuse" and not args.question:
         args.parser.error("fuse needs --question")
-    if args.tokens < 1 or args.new_tokens < 1 or not 0 <= args.share <= 1:
+    if args.tokens < 1 or args.new_tokens < 1 or not (args.share is None or 0 <= args.share <= 1):
         args.parser.error("--tokens and --new-tokens are positive, --share is in 0..1")
     try:
         texts = [load_text(spec) for spec in args.text]
@@ -102,7 +104,8 @@ def run(args: argparse.Namespace, emit: Callable[[argparse.Namespace, dict[str, 
     r = fused.report
     answer = lm.tokenizer.decode(out)
     obj = {"ok": True, "answer": answer, "prompt_tokens": r.prompt_tokens, "reused_tokens": r.reused_tokens,
-           "forced_tokens": r.forced_tokens, "share": r.share, "recomputed_per_layer": r.recomputed,
+           "forced_tokens": r.forced_tokens, "share": r.share, "share_reason": r.share_reason,
+           "recomputed_per_layer": r.recomputed,
            "segments": [{"start": s.start, "tokens": s.tokens, "loaded": s.loaded, "tiers": s.tiers}
                         for s in r.segments],
            "hits": r.hits, "misses": r.misses, "bytes_loaded": r.nbytes, "load_s": r.load_s,

@@ -135,3 +135,64 @@ def test_the_default_anchor_is_the_models_bos_token():
         bos_token_id = 1
     assert default_anchor(Config()) == (1,)
     assert default_anchor(object()) == ()
+
+
+def test_the_load_estimate_is_bytes_over_the_link_plus_tokens_at_the_decode_rate():
+    """The loading controller's input (issue 34, item 3): the store's own estimates, not a timing."""
+    from types import SimpleNamespace
+
+    from kvcodec.blend import estimated_load_s
+    from kvcodec.store.telemetry import Telemetry
+
+    store = _store([MemoryTier(64 << 20)])
+    segments = SegmentStore(store, ANCHOR)
+    ids = list(range(100))
+    segments.put(ids, _kv(100))
+    chunks = segments.load(ids).load.chunks
+    assert [c.end - c.start for c in chunks] == [64, 36]
+    telemetry = Telemetry([chunks[0].tier])
+    for _ in range(3):
+        telemetry.link(chunks[0].tier).throughput.observe(2e6, 1.0)  # 2 MB/s
+        telemetry.decode_rate(store.variants[0]).observe(1000, 1.0)  # 1,000 tokens/s
+    estimate = estimated_load_s(SimpleNamespace(telemetry=telemetry, variants=store.variants), chunks)
+    assert estimate == pytest.approx(sum(c.nbytes for c in chunks) / 2e6 + 100 / 1000)
+    # a chunk that did not load costs nothing
+    chunks[1].status = "missing"
+    assert estimated_load_s(SimpleNamespace(telemetry=telemetry, variants=store.variants), chunks) == \
+        pytest.approx(chunks[0].nbytes / 2e6 + 64 / 1000)
+
+
+def test_the_loading_controller_recomputes_what_hides_under_loading():
+    from kvcodec.blend import SHARE_FLOOR, controlled_share
+
+    # 30 layers, 1,000 reusable tokens, 10 us per token-layer: one layer recomputes 1% in 0.1 ms
+    slow = controlled_share(0.003 * 30, 30, 1000, 10e-6)  # 3 ms a layer to load: 30% recomputes in 3 ms
+    assert slow.share == pytest.approx(0.3) and slow.reason.startswith("loading-bound")
+    assert controlled_share(10.0, 30, 1000, 10e-6).share == 1.0  # slower than a full prefill: recompute all
+    fast = controlled_share(0.001, 30, 1000, 10e-6)  # in memory: the quality floor
+    assert fast.share == SHARE_FLOOR and fast.reason.startswith("quality floor")
+    assert controlled_share(0.001, 30, 1000, 10e-6, floor=0.0).share == pytest.approx(0.001 / 30 / 1000 / 10e-6)
+    # a slower model hides less under the same load
+    assert controlled_share(0.003 * 30, 30, 1000, 20e-6).share == pytest.approx(0.15)
+    assert controlled_share(0.0, 30, 0, 10e-6).share == SHARE_FLOOR
+    with pytest.raises(InvalidInputError, match="floor"):
+        controlled_share(1.0, 30, 1000, 1e-5, floor=1.5)
+    with pytest.raises(InvalidInputError, match="non-negative"):
+        controlled_share(-1.0, 30, 1000, 1e-5)
+    assert RecomputeSchedule(None).share is None  # None: the controller's
+
+
+def test_each_segments_first_tokens_are_pinned_but_the_first_segments():
+    from kvcodec.blend import FusedContext, SegmentHit
+
+    forced = torch.zeros(1 + 10 + 3 + 20, dtype=torch.bool)
+    forced[0] = True  # the anchor
+    forced[30:] = True  # the last segment's tail was not stored
+    context = FusedContext(list(range(34)), [], forced, [SegmentHit(1, 10, 10), SegmentHit(11, 3, 3),
+                                                         SegmentHit(14, 20, 16)])
+    pinned = RecomputeSchedule(0.15, boundary=4).pinned(context)
+    assert pinned.nonzero().flatten().tolist() == [0, 11, 12, 13, 14, 15, 16, 17, 30, 31, 32, 33]
+    assert torch.equal(RecomputeSchedule(0.0, boundary=4).pinned(context), forced)  # share 0: the KV as it is
+    assert torch.equal(RecomputeSchedule(0.15, boundary=0).pinned(context), forced)
+    with pytest.raises(InvalidInputError, match="boundary"):
+        RecomputeSchedule(0.15, boundary=-1)

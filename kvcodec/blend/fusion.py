@@ -11,7 +11,12 @@
    that changes most, and through them later tokens (the question) see the cross-segment context.
 3. The suffix (the question) is then computed as usual over the fused cache.
 
-A :class:`FusionReport` says what was reused, recomputed (per layer) and missed.
+When the caller does not fix the share, the *loading controller* (:func:`controlled_share`) picks it from what
+loading costs here (the store's own estimates of its links and decode rates, :func:`estimated_load_s`) against what
+recomputing costs (measured on the fusion's own first layers, which run over every token): the share whose
+recompute of one layer takes as long as loading one layer, never below :data:`SHARE_FLOOR`.
+
+A :class:`FusionReport` says what was reused, recomputed (per layer) and missed, and the share chosen and why.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -37,6 +42,16 @@ DEFAULT_SHARE = 0.15
 # narrows it: a token's deviation at one early layer predicts later layers' only roughly.
 CHECK_LAYER = 1
 WIDEN = 2.0
+# The first tokens of every segment but the one after the anchor, recomputed at every layer like the forced ones.
+# Computed right after the anchor, they attended to little but the sink, so in a prompt their KV needs the context
+# most.  Measured on SmolLM2 (2 prompts of 1,240 tokens, 4 documents, share 15%, KL over a 32-token continuation):
+# 0.0368 nats with none pinned (21.3% of the token-layers), 0.0327 with 4 (22.3%), 0.0287 with 16 (25.4%); a
+# plain share costing the same work as 16 gives about 0.032, yet 16 pinned at share 10% (20.8%) gave 0.043, so
+# beyond a few tokens pinning is worth no more than share.  bench/segment_reuse.py compares 4 against none.
+BOUNDARY = 4
+# The lowest share the loading controller picks, however fast loading is: below it quality falls off faster than
+# work does (the knee, bench/results/segment_reuse.md).
+SHARE_FLOOR = DEFAULT_SHARE
 
 
 @dataclass
@@ -66,6 +81,7 @@ class FusedContext:
     segments: list[SegmentHit]
     load_s: float = 0.0
     nbytes: int = 0
+    load_estimate_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -76,9 +92,10 @@ class FusedContext:
 class FusionReport:
     """What a fusion did: the prompt's tokens (``context_tokens`` before the suffix), those whose stored KV was
     used (``reused_tokens``), those recomputed at every layer because no store held them (``forced_tokens``, the
-    anchor included), the tokens recomputed at each layer (``recomputed``), each segment, the bytes loaded, and
-    the seconds spent loading (and decoding), recomputing, on the suffix and in all (to the first token's
-    logits)."""
+    anchor included), the share of them recomputed past the filtering (``share``) and why that share
+    (``share_reason``: the caller's, or the loading controller's estimates), the tokens recomputed at each layer
+    (``recomputed``), each segment, the bytes loaded, and the seconds spent loading (and decoding), recomputing, on
+    the suffix and in all (to the first token's logits)."""
 
     prompt_tokens: int
     context_tokens: int
@@ -92,6 +109,7 @@ class FusionReport:
     recompute_s: float = 0.0
     suffix_s: float = 0.0
     first_token_s: float = 0.0
+    share_reason: str = "given"
 
     @property
     def hits(self) -> int:
@@ -108,7 +126,8 @@ class FusionReport:
 
     def summary(self) -> str:
         return (f"{self.context_tokens} context tokens: {self.reused_tokens} reused, {self.forced_tokens} computed "
-                f"(no stored KV); segments {self.hits} hit, {self.misses} missed; recompute share {self.share:.0%}, "
+                f"(no stored KV); segments {self.hits} hit, {self.misses} missed; recompute share {self.share:.0%} "
+                f"({self.share_reason}), "
                 f"{self.recomputed_share:.1%} of the token-layers computed; first token in "
                 f"{self.first_token_s * 1e3:.0f} ms (load {self.load_s * 1e3:.0f}, recompute "
                 f"{self.recompute_s * 1e3:.0f}, suffix {self.suffix_s * 1e3:.0f})")
@@ -130,11 +149,12 @@ def assemble(store: SegmentStore, segments: Sequence[Sequence[int]], shape: Chun
                torch.zeros(shape.heads, n, shape.value_dim, dtype=dtype, device=device)) for _ in range(shape.layers)]
     forced = torch.zeros(n, dtype=torch.bool)
     forced[:len(anchor)] = True
-    hits, start, nbytes = [], len(anchor), 0
+    hits, start, nbytes, estimate_s = [], len(anchor), 0, 0.0
     t0 = time.perf_counter()
     for seg in segments:
         found = store.load(seg, device=device, dtype=dtype)
         nbytes += found.load.nbytes
+        estimate_s += estimated_load_s(store.store, found.load.chunks)
         m = found.loaded
         if found.kv is not None:
             moved = reposition(found.kv, range(start, start + m), rotary)
@@ -144,7 +164,49 @@ def assemble(store: SegmentStore, segments: Sequence[Sequence[int]], shape: Chun
         forced[start + m:start + found.tokens] = True
         hits.append(SegmentHit(start, found.tokens, m, [c.tier for c in found.load.chunks if c.status == "loaded"]))
         start += found.tokens
-    return FusedContext(token_ids, layers, forced, hits, time.perf_counter() - t0, nbytes)
+    return FusedContext(token_ids, layers, forced, hits, time.perf_counter() - t0, nbytes, estimate_s)
+
+
+def estimated_load_s(store: Any, chunks: Sequence[Any]) -> float:
+    """The seconds ``store`` (a :class:`~kvcodec.store.KVStore`) estimates loading ``chunks`` (a load's
+    :class:`~kvcodec.store.load.ChunkOutcome` list; those loaded count) takes on the links and variants they came
+    from: each one's bytes over its tier's throughput estimate, plus its tokens at its variant's decode rate."""
+    telemetry, variants = store.telemetry, store.variants
+    return sum(c.nbytes / telemetry.link(c.tier).throughput.estimate
+               + (c.end - c.start) / telemetry.decode_rate(variants[c.variant]).estimate
+               for c in chunks if c.status == "loaded")
+
+
+@dataclass(frozen=True)
+class ShareChoice:
+    """The loading controller's answer: the recompute ``share`` and the ``reason`` (its estimates, in words)."""
+
+    share: float
+    reason: str
+
+
+def controlled_share(load_s: float, layers: int, reusable: int, token_layer_s: float,
+                     floor: float = SHARE_FLOOR) -> ShareChoice:
+    """The recompute share that hides under loading (CacheBlend's loading controller): loading one layer of the
+    segments takes ``load_s / layers`` (``load_s``: :func:`estimated_load_s` of all of them), recomputing a share
+    ``r`` of the ``reusable`` tokens at one layer ``r * reusable * token_layer_s`` (``token_layer_s``: seconds per
+    token per layer, as the model computes here), so when layer l+1 loads while layer l recomputes, the share that
+    costs nothing more is their ratio.  Slow loading buys more recompute, up to every token; fast loading never
+    less than ``floor``, the quality floor."""
+    if not (0.0 <= floor <= 1.0):
+        raise InvalidInputError(f"the share floor is a fraction in 0..1, not {floor!r}")
+    if load_s < 0 or token_layer_s < 0 or layers < 1 or reusable < 0:
+        raise InvalidInputError(f"estimates are non-negative (and layers positive): load_s={load_s!r}, "
+                                f"layers={layers!r}, reusable={reusable!r}, token_layer_s={token_layer_s!r}")
+    per_layer = load_s / layers
+    if reusable == 0 or token_layer_s == 0:
+        return ShareChoice(1.0 if reusable else floor, "nothing to weigh: no reused tokens or no recompute cost")
+    hidden = per_layer / (reusable * token_layer_s)
+    why = (f"loading {per_layer * 1e3:.3g} ms/layer hides {min(hidden, 1.0):.1%} of {reusable} tokens at "
+           f"{token_layer_s * 1e6:.3g} us/token-layer")
+    if hidden <= floor:
+        return ShareChoice(floor, f"quality floor: {why}")
+    return ShareChoice(min(1.0, hidden), f"loading-bound: {why}")
 
 
 def deviation(old_k: torch.Tensor, new_k: torch.Tensor, old_v: torch.Tensor, new_v: torch.Tensor) -> torch.Tensor:
@@ -162,40 +224,61 @@ def deviation(old_k: torch.Tensor, new_k: torch.Tensor, old_v: torch.Tensor, new
 @dataclass(frozen=True)
 class RecomputeSchedule:
     """Which tokens each layer recomputes.  ``share`` (0..1) of the reused tokens are recomputed at every layer past
-    the filtering, besides the forced ones.  With any share: every token at layers ``0 .. check_layer``; then the
+    the filtering, besides the :meth:`pinned` ones (the forced, and each segment's first ``boundary``).  With any share: every token at layers ``0 .. check_layer``; then the
     ``widen`` x share with the largest deviation at ``check_layer``; from the next layer on, the share with the
     largest deviation there among those.  Share 0 recomputes the forced tokens only (the segments' KV as it is);
-    share 1 every token at every layer (a full prefill's result, through the fused path)."""
+    share 1 every token at every layer (a full prefill's result, through the fused path); share None leaves it to
+    the loading controller (:func:`controlled_share`), which the engine asks once ``check_layer`` has run."""
 
-    share: float = DEFAULT_SHARE
+    share: float | None = DEFAULT_SHARE
     check_layer: int = CHECK_LAYER
     widen: float = WIDEN
+    boundary: int = BOUNDARY
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.share, (int, float)) and 0.0 <= self.share <= 1.0):
+        if self.share is not None and not (isinstance(self.share, (int, float)) and 0.0 <= self.share <= 1.0):
             raise InvalidInputError(f"the recompute share is a fraction in 0..1, not {self.share!r}")
         if not (isinstance(self.check_layer, int) and self.check_layer >= 1):
             raise InvalidInputError(f"check_layer is a layer index of at least 1, not {self.check_layer!r}")
         if not self.widen >= 1.0:
             raise InvalidInputError(f"widen is at least 1, not {self.widen!r}")
+        if not (isinstance(self.boundary, int) and self.boundary >= 0):
+            raise InvalidInputError(f"boundary is a token count of at least 0, not {self.boundary!r}")
+
+    def pinned(self, context: FusedContext) -> torch.Tensor:
+        """The tokens ``[N]`` (a mask) every layer recomputes: the forced ones and, with any share, the first
+        ``boundary`` tokens of every segment but the one right after the anchor (computed where it sits)."""
+        keep = context.forced.clone()
+        if self.share != 0:
+            first = min((s.start for s in context.segments), default=0)
+            for s in context.segments:
+                if s.start > first:
+                    keep[s.start:s.start + min(self.boundary, s.tokens)] = True
+        return keep
 
     def first(self, forced: torch.Tensor) -> torch.Tensor:
         """The tokens (indices, ascending) layer 0 computes."""
-        return torch.arange(len(forced)) if self.share > 0 else forced.nonzero().flatten()
+        return torch.arange(len(forced)) if self.share is None or self.share > 0 else forced.nonzero().flatten()
 
-    def narrow(self, layer: int, selected: torch.Tensor, dev: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    def narrow(self, layer: int, selected: torch.Tensor, dev: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
         """After ``layer`` computed ``selected`` (indices) with deviations ``dev``: the positions within
-        ``selected`` that the next layer computes (ascending), forced tokens always among them."""
+        ``selected`` that the next layer computes (ascending), the ``pinned`` tokens (a mask ``[N]``,
+        :meth:`pinned`) always among them."""
         everything = torch.arange(len(selected))
-        if layer not in (self.check_layer, self.check_layer + 1) or self.share == 0:
+        if layer not in (self.check_layer, self.check_layer + 1):
             return everything
-        reusable = int((~forced).sum())
+        if self.share is None:
+            raise InvalidInputError("the share is the loading controller's: set it (dataclasses.replace) once "
+                                    "the check layer has run")
+        if self.share == 0:
+            return everything
+        reusable = int((~pinned).sum())
         share = min(1.0, self.share * self.widen) if layer == self.check_layer else self.share
         want = math.ceil(share * reusable)
-        is_forced = forced[selected]
-        free = (~is_forced).nonzero().flatten()
+        is_pinned = pinned[selected]
+        free = (~is_pinned).nonzero().flatten()
         if want >= len(free):
             return everything
         top = free[torch.topk(dev[free].float(), want).indices]
-        keep = torch.cat([is_forced.nonzero().flatten(), top])
+        keep = torch.cat([is_pinned.nonzero().flatten(), top])
         return keep.sort().values

@@ -16,13 +16,15 @@ segments longer than a window kept whole; they are refused, not computed wrongly
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from kvcodec.blend.fusion import FusedContext, FusionReport, RecomputeSchedule, assemble, deviation
+from kvcodec.blend.fusion import (FusedContext, FusionReport, RecomputeSchedule, ShareChoice, assemble,
+                                  controlled_share, deviation)
 from kvcodec.blend.segments import SegmentStore
 from kvcodec.cache import KVCache
 from kvcodec.errors import InvalidInputError, UnsupportedError
@@ -107,17 +109,19 @@ def _fused_layer_class():
 @dataclass
 class Recomputed:
     """The fused context's cache after :func:`recompute` (a ``DynamicCache`` that grows as usual from here), the
-    tokens each layer computed, and the seconds it took."""
+    tokens each layer computed, the seconds it took, and the share used and why."""
 
     cache: Any
     counts: list[int]
     seconds: float
+    share: ShareChoice
 
 
 @torch.no_grad()
 def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) -> Recomputed:
     """Recompute the tokens ``schedule`` selects, layer by layer, over ``context`` (whose tensors become the
-    cache's, written in place)."""
+    cache's, written in place).  A schedule without a share gets the loading controller's once its check layer
+    has run, from the context's load estimate and the seconds per token-layer its layers took up to there."""
     from transformers import DynamicCache
 
     check_supported(model)
@@ -129,11 +133,13 @@ def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) ->
     cache = DynamicCache(config=model.config)
     cache.layers = [cls(k[None].to(dev), v[None].to(dev), selection) for k, v in context.layers]
     ids = torch.tensor(context.token_ids, device=dev)
-    forced = context.forced
-    sel = schedule.first(forced)
+    pinned = schedule.pinned(context)
+    sel = schedule.first(pinned)
     counts = []
+    choice = ShareChoice(schedule.share, "given") if schedule.share is not None else None
     if len(sel):
         hidden = inner.embed_tokens(ids[sel][None])
+    t_layers = time.perf_counter()
     for i, layer in enumerate(inner.layers[:model.config.num_hidden_layers]):
         if not len(sel):
             counts += [0] * (model.config.num_hidden_layers - i)
@@ -145,11 +151,17 @@ def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) ->
         selection.selected = sel.to(dev)
         hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                        position_embeddings=inner.rotary_emb(hidden, position_ids=pos))
-        keep = schedule.narrow(i, sel, selection.deviation.cpu(), forced)
+        if choice is None and i == schedule.check_layer:
+            choice = controlled_share(context.load_estimate_s, model.config.num_hidden_layers, int((~pinned).sum()),
+                                      (time.perf_counter() - t_layers) / sum(counts))
+            schedule = dataclasses.replace(schedule, share=choice.share)
+        keep = schedule.narrow(i, sel, selection.deviation.cpu(), pinned)
         if len(keep) < len(sel):
             hidden, sel = hidden[:, keep.to(dev)], sel[keep]
     selection.selected = None
-    return Recomputed(cache, counts, time.perf_counter() - t0)
+    if choice is None:  # no layer reached the check (nothing to compute, or a model this shallow)
+        choice = ShareChoice(0.0, "nothing computed")
+    return Recomputed(cache, counts, time.perf_counter() - t0, choice)
 
 
 @dataclass
@@ -182,6 +194,6 @@ def fuse(model: Any, store: SegmentStore, segments: Sequence[Sequence[int]], suf
     now = time.perf_counter()
     forced = int(context.forced.sum())
     report = FusionReport(context.num_tokens + len(suffix), context.num_tokens, context.num_tokens - forced, forced,
-                          schedule.share, done.counts, context.segments, context.nbytes, context.load_s, done.seconds,
-                          now - t1, now - t0)
+                          done.share.share, done.counts, context.segments, context.nbytes, context.load_s,
+                          done.seconds, now - t1, now - t0, done.share.reason)
     return Fusion(context.token_ids + suffix, logits, done.cache, report)

@@ -304,11 +304,11 @@ class TransformersKVHook:
 
     def fuse(self, segments: Sequence[Sequence[int]], suffix: Sequence[int], *, share: float | None = None) -> Any:
         """The prompt ``anchor + segments + suffix`` with the segments' stored KV fused and ``share`` of their
-        tokens recomputed (default :data:`~kvcodec.blend.fusion.DEFAULT_SHARE`): a
-        :class:`~kvcodec.engines.transformers_fusion.Fusion` (logits over the suffix, the prompt's cache, a
+        tokens recomputed (default None: the loading controller's, :func:`~kvcodec.blend.fusion.controlled_share`):
+        a :class:`~kvcodec.engines.transformers_fusion.Fusion` (logits over the suffix, the prompt's cache, a
         report).  Segments not stored are computed in full, and the report says so."""
-        from kvcodec.blend.fusion import DEFAULT_SHARE, RecomputeSchedule
+        from kvcodec.blend.fusion import RecomputeSchedule
         from kvcodec.engines.transformers_fusion import fuse
 
-        schedule = RecomputeSchedule(DEFAULT_SHARE if share is None else share)
+        schedule = RecomputeSchedule(share)
         return fuse(self.model, self.segments, segments, suffix, schedule=schedule, shape=self.store.shape)
