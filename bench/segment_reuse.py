@@ -6,8 +6,9 @@ Each prompt is the model's BOS, a system text, ``--docs`` real documents (licens
 segments (raw, in a memory tier); each prompt is then answered by
 
 - a full prefill (the reference);
-- fusion (:meth:`TransformersKVHook.fuse`) at recompute shares 0, 5, 15, 30 and 100%: the segments loaded from the
-  memory tier (decode included), moved to their positions, the share recomputed, then the question;
+- fusion (:meth:`TransformersKVHook.fuse`) at recompute shares 0, 5, 15, 30, 50 and 100% (``--shares``): the
+  segments loaded from the memory tier (decode included), moved to their positions, the share recomputed, then the
+  question;
 - prefix-only reuse (:meth:`TransformersKVHook.generate` over a store holding the prompts of the other orders: only
   the stored prefix chunks it shares with them, 256 tokens at a time, load; the rest is computed);
 - the full prefill's own KV through cachegen level 2 (encode, decode, continue): the lossy codec the issue's target
@@ -21,7 +22,7 @@ taken side by side in one run (the ratios are what to read on a shared machine) 
 With ``--ttft-only REPS``, time to first token alone on the first prompt (full prefill, fusion at 0% and 15%,
 prefix-only reuse), interleaved REPS times, the fastest of each: ``bench/results/segment_reuse-ttft.md``.
 
-    python bench/segment_reuse.py [--docs 6] [--doc-tokens 600] [--prompts 3]
+    python bench/segment_reuse.py [--docs 6] [--doc-tokens 600] [--prompts 3] [--shares 0,0.15,0.3]
     python bench/segment_reuse.py --docs 4 --doc-tokens 500 --prompts 3 --ttft-only 5
 """
 
@@ -53,7 +54,7 @@ QUESTIONS = ("\n\nQuestion: Which of these documents is a software license, and 
              "\n\nQuestion: What does the Python code above do, in one sentence? Answer:",
              "\n\nQuestion: Summarise the documents above in three bullet points. Answer:")
 HELDOUT = "license:GPL-3"
-SHARES = (0.0, 0.05, 0.15, 0.3, 1.0)
+SHARES = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
 CONTINUATION = 64
 
 
@@ -84,6 +85,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=6, help="documents per prompt, 2-8 (default 6)")
     ap.add_argument("--doc-tokens", type=int, default=600, help="tokens of each document (default 600)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts (shuffled orders, one question each; default 3)")
+    ap.add_argument("--shares", default=",".join(f"{x:g}" for x in SHARES),
+                    help="fusion's recompute shares, comma-separated (default: %(default)s)")
     ap.add_argument("--heldout", type=int, default=128, help="held-out continuation tokens (default 128)")
     ap.add_argument("--ttft-only", type=int, metavar="REPS", default=0,
                     help="only time to first token on the first prompt: full prefill, fusion at 0%% and 15%%, "
@@ -93,6 +96,12 @@ def main() -> None:
     args = ap.parse_args()
     if not 2 <= args.docs <= len(DOCS):
         ap.error(f"--docs is 2 to {len(DOCS)}")
+    try:
+        args.shares = [float(x) for x in args.shares.split(",")]
+    except ValueError:
+        ap.error(f"--shares is fractions separated by commas, not {args.shares!r}")
+    if not all(0 <= x <= 1 for x in args.shares):
+        ap.error("--shares are fractions in 0..1")
     lm = load_model("smollm2", progress=False)
     model, tok = lm.model, lm.tokenize
     system = tok(SYSTEM)
@@ -114,7 +123,7 @@ def main() -> None:
     if args.ttft_only:
         ttft(args, lm, hook, prompts, [[system] + [docs[i] for i in o] for o in orders])
         return
-    methods = [f"fusion {s:.0%}" for s in SHARES] + ["prefix-only reuse", "cachegen level 2 (full prefill's KV)"]
+    methods = [f"fusion {s:.0%}" for s in args.shares] + ["prefix-only reuse", "cachegen level 2 (full prefill's KV)"]
     rows: dict[str, dict[str, list[float]]] = {m: {"kl": [], "agree": [], "ppl": [], "ttft": [], "ratio": [],
                                                    "work": []} for m in methods + ["full prefill"]}
     refs = []
@@ -148,7 +157,7 @@ def main() -> None:
         read(model, DynamicCache(config=model.config), ids)
         full_s = time.perf_counter() - t
         rows["full prefill"]["ttft"].append(full_s)
-        for share in SHARES:
+        for share in args.shares:
             fused = hook.fuse(order, question, share=share)
             logits, ppl = scores(model, fused.logits[-1].float(), fused.cache, greedy, heldout)
             record(f"fusion {share:.0%}", logits, ppl, fused.report.first_token_s, fused.report.recomputed_share)
@@ -218,6 +227,12 @@ tokens of the other prompts' prefix chunks and computed the rest.
     print(f"wrote {out}")
 
 
+def command_tail(args) -> str:
+    """The options of this run that are not the defaults, as typed."""
+    tail = "" if args.shares == list(SHARES) else f" --shares {','.join(f'{x:g}' for x in args.shares)}"
+    return tail + ("" if args.out is None else f" --out {args.out}")
+
+
 def report(args, rows, methods, prompts, put_s) -> None:
     ref_ppl = statistics.mean(rows["full prefill"]["ppl"])
     tokens = [len(c) + len(q) for c, q in prompts]
@@ -243,7 +258,7 @@ def report(args, rows, methods, prompts, put_s) -> None:
     print(table)
     text = f"""# Segment reuse: fusion with selective recompute against a full prefill (SmolLM2, CPU)
 
-`python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts}`
+`python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts}{command_tail(args)}`
 (issue 34; [docs/segments.md](../../docs/segments.md)).  {args.prompts} prompts of {min(tokens)}-{max(tokens)} tokens:
 SmolLM2's BOS, a system text, {args.docs} real documents of {args.doc_tokens} tokens ({", ".join(DOCS[:args.docs])})
 in shuffled orders, and a question.  Segments stored once, raw, in a memory tier ({put_s:.1f} s for all); KL and

@@ -34,21 +34,16 @@ from kvcodec.positions import Rotary, reposition
 from kvcodec.store.chunks import ChunkShape
 
 # The share of a prompt's reused tokens recomputed at every layer past the filtering, by default: the knee of
-# quality against share that bench/segment_reuse.py measured on SmolLM2 (bench/results/segment_reuse.md; KL over
-# a 64-token continuation, 2,040-token prompts: 0.050 nats at 0%, 0.037 at 5%, 0.019 at 15%, 0.011 at 30%).
-DEFAULT_SHARE = 0.15
+# quality against work that bench/segment_reuse.py measured on SmolLM2, the last share whose step up still cut the
+# KL more per token-layer than recomputing everything does on average (bench/results/segment_reuse.md, 2,040
+# tokens: 0.050 nats at 0%, 0.035 at 5%, 0.019 at 15%, 0.011 at 30%, 0.0085 at 50%; segment_reuse-4k.md, 3,850
+# tokens: 0.049, 0.026 at 15%, 0.015 at 30%, 0.0054 at 50%, where 30 -> 50% is on the line).
+DEFAULT_SHARE = 0.3
 # The layer whose deviation is computed over every token (layer 0's KV depends on a token alone, so its deviation
 # is only the codec's error), and how much wider than the final share its selection is before the next layer
 # narrows it: a token's deviation at one early layer predicts later layers' only roughly.
 CHECK_LAYER = 1
 WIDEN = 2.0
-# The first tokens of every segment but the one after the anchor, recomputed at every layer like the forced ones.
-# Computed right after the anchor, they attended to little but the sink, so in a prompt their KV needs the context
-# most.  Measured on SmolLM2 (2 prompts of 1,240 tokens, 4 documents, share 15%, KL over a 32-token continuation):
-# 0.0368 nats with none pinned (21.3% of the token-layers), 0.0327 with 4 (22.3%), 0.0287 with 16 (25.4%); a
-# plain share costing the same work as 16 gives about 0.032, yet 16 pinned at share 10% (20.8%) gave 0.043, so
-# beyond a few tokens pinning is worth no more than share.  bench/segment_reuse.py compares 4 against none.
-BOUNDARY = 4
 # The lowest share the loading controller picks, however fast loading is: below it quality falls off faster than
 # work does (the knee, bench/results/segment_reuse.md).
 SHARE_FLOOR = DEFAULT_SHARE
@@ -224,7 +219,7 @@ def deviation(old_k: torch.Tensor, new_k: torch.Tensor, old_v: torch.Tensor, new
 @dataclass(frozen=True)
 class RecomputeSchedule:
     """Which tokens each layer recomputes.  ``share`` (0..1) of the reused tokens are recomputed at every layer past
-    the filtering, besides the :meth:`pinned` ones (the forced, and each segment's first ``boundary``).  With any share: every token at layers ``0 .. check_layer``; then the
+    the filtering, besides the forced ones.  With any share: every token at layers ``0 .. check_layer``; then the
     ``widen`` x share with the largest deviation at ``check_layer``; from the next layer on, the share with the
     largest deviation there among those.  Share 0 recomputes the forced tokens only (the segments' KV as it is);
     share 1 every token at every layer (a full prefill's result, through the fused path); share None leaves it to
@@ -233,7 +228,6 @@ class RecomputeSchedule:
     share: float | None = DEFAULT_SHARE
     check_layer: int = CHECK_LAYER
     widen: float = WIDEN
-    boundary: int = BOUNDARY
 
     def __post_init__(self) -> None:
         if self.share is not None and not (isinstance(self.share, (int, float)) and 0.0 <= self.share <= 1.0):
@@ -242,28 +236,14 @@ class RecomputeSchedule:
             raise InvalidInputError(f"check_layer is a layer index of at least 1, not {self.check_layer!r}")
         if not self.widen >= 1.0:
             raise InvalidInputError(f"widen is at least 1, not {self.widen!r}")
-        if not (isinstance(self.boundary, int) and self.boundary >= 0):
-            raise InvalidInputError(f"boundary is a token count of at least 0, not {self.boundary!r}")
-
-    def pinned(self, context: FusedContext) -> torch.Tensor:
-        """The tokens ``[N]`` (a mask) every layer recomputes: the forced ones and, with any share, the first
-        ``boundary`` tokens of every segment but the one right after the anchor (computed where it sits)."""
-        keep = context.forced.clone()
-        if self.share != 0:
-            first = min((s.start for s in context.segments), default=0)
-            for s in context.segments:
-                if s.start > first:
-                    keep[s.start:s.start + min(self.boundary, s.tokens)] = True
-        return keep
 
     def first(self, forced: torch.Tensor) -> torch.Tensor:
         """The tokens (indices, ascending) layer 0 computes."""
         return torch.arange(len(forced)) if self.share is None or self.share > 0 else forced.nonzero().flatten()
 
-    def narrow(self, layer: int, selected: torch.Tensor, dev: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    def narrow(self, layer: int, selected: torch.Tensor, dev: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
         """After ``layer`` computed ``selected`` (indices) with deviations ``dev``: the positions within
-        ``selected`` that the next layer computes (ascending), the ``pinned`` tokens (a mask ``[N]``,
-        :meth:`pinned`) always among them."""
+        ``selected`` that the next layer computes (ascending), forced tokens always among them."""
         everything = torch.arange(len(selected))
         if layer not in (self.check_layer, self.check_layer + 1):
             return everything
@@ -272,13 +252,13 @@ class RecomputeSchedule:
                                     "the check layer has run")
         if self.share == 0:
             return everything
-        reusable = int((~pinned).sum())
+        reusable = int((~forced).sum())
         share = min(1.0, self.share * self.widen) if layer == self.check_layer else self.share
         want = math.ceil(share * reusable)
-        is_pinned = pinned[selected]
-        free = (~is_pinned).nonzero().flatten()
+        is_forced = forced[selected]
+        free = (~is_forced).nonzero().flatten()
         if want >= len(free):
             return everything
         top = free[torch.topk(dev[free].float(), want).indices]
-        keep = torch.cat([is_pinned.nonzero().flatten(), top])
+        keep = torch.cat([is_forced.nonzero().flatten(), top])
         return keep.sort().values

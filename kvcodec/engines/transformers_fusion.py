@@ -133,8 +133,8 @@ def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) ->
     cache = DynamicCache(config=model.config)
     cache.layers = [cls(k[None].to(dev), v[None].to(dev), selection) for k, v in context.layers]
     ids = torch.tensor(context.token_ids, device=dev)
-    pinned = schedule.pinned(context)
-    sel = schedule.first(pinned)
+    forced = context.forced
+    sel = schedule.first(forced)
     counts = []
     choice = ShareChoice(schedule.share, "given") if schedule.share is not None else None
     if len(sel):
@@ -152,10 +152,10 @@ def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) ->
         hidden = layer(hidden, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                        position_embeddings=inner.rotary_emb(hidden, position_ids=pos))
         if choice is None and i == schedule.check_layer:
-            choice = controlled_share(context.load_estimate_s, model.config.num_hidden_layers, int((~pinned).sum()),
+            choice = controlled_share(context.load_estimate_s, model.config.num_hidden_layers, int((~forced).sum()),
                                       (time.perf_counter() - t_layers) / sum(counts))
             schedule = dataclasses.replace(schedule, share=choice.share)
-        keep = schedule.narrow(i, sel, selection.deviation.cpu(), pinned)
+        keep = schedule.narrow(i, sel, selection.deviation.cpu(), forced)
         if len(keep) < len(sel):
             hidden, sel = hidden[:, keep.to(dev)], sel[keep]
     selection.selected = None
