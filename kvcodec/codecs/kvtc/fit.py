@@ -333,10 +333,9 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
     Unless ``loss_weights`` is False, the loss a unit of error costs in each layer and channel is measured with the
     model (:mod:`kvcodec.codecs.kvtc.sensitivity`, about a minute of CPU), and used twice:
 
-    * each kind (keys, values) whose layers' costs spread enough that equalizing them should pay
-      (:func:`sensitivity.equalization_gain` at least :data:`sensitivity.EQUALIZE_MIN_GAIN`; with
-      ``loss_weights=True`` always) gets its weights scaled so that a unit of error costs the same loss in every
-      layer;
+    * where the model has sliding-window and full layers (with ``loss_weights=True`` always), each layer's key and
+      value weights are scaled so that a unit of error costs the same loss in every layer
+      (:func:`sensitivity.equalized_weights`): the matrices' weights cannot see that fewer queries read a window;
     * every weight is scaled by one factor so that the default level's predicted KL is ``level_kl`` (None: not
       scaled): a level means about the same loss on every model (:func:`fit`).
 
@@ -358,7 +357,8 @@ def calibrate(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_TEXTS, *, 
                                  "weight_values": weight_values, "loss_weights": loss_weights}
     sens = None if loss_weights is False else sensitivity
     if sens is not None:
-        # by default only where layers of several kinds (sliding windows and full) share one step: see EQUALIZE
+        # by default only where layers of several kinds (sliding windows and full) share one step
+        # (docs/codecs/kvtc.md, "Defaults on every model": a rule on the traces' spread could not tell models apart)
         on = bool(loss_weights) or len(set(stats.windowed)) > 1
         if on:
             key_weights, value_weights = equalized_weights(None, key_weights, value_weights, layers=stats.layers,
