@@ -32,7 +32,7 @@ from kvcodec.codecs.kvtc.calibration import Calibration
 from kvcodec.codecs.kvtc.parts import CodedPart
 from kvcodec.positions import Rotary
 
-# Calibrations whose bases stay on a device between chunks (per device): a server decodes one model's chunks.
+# (calibration, device) pairs whose bases stay on their device between chunks: a server decodes one model's chunks.
 MAX_CALIBRATIONS = 2
 
 
