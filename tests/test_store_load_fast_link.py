@@ -11,6 +11,7 @@ import pytest
 from stand_ins import Pinned
 from test_store_load_report import CHUNK, PinnedContention, Served, _real
 
+import kvcodec
 from kvcodec.codecs.cachegen import CacheGen
 from kvcodec.store import DenseSink, KVStore, load, plan
 from kvcodec.store.telemetry import Link
@@ -144,3 +145,42 @@ def test_a_shapers_burst_does_not_make_the_probe_waste_the_load(real_kv, monkeyp
     result = store.prefix_load(ids, DenseSink()).start().finish()
     assert result.complete and [c.variant for c in result.chunks] == [0] * 4
     assert result.wasted_bytes < 0.10 * result.nbytes, (result.wasted_bytes, result.nbytes)
+
+
+class RisesAt(Served):
+    """A link of ``rate`` that rises to ``risen`` ``at`` seconds after its first read."""
+
+    def __init__(self, rate: float, risen: float, at: float) -> None:
+        super().__init__("link", rate)
+        self.slow, self.risen, self.at, self.t0 = rate, risen, at, None
+
+    def _serve(self, key: str, value: bytes | None) -> bytes | None:
+        self.t0 = self.t0 or time.perf_counter()
+        self.rate = self.slow if time.perf_counter() - self.t0 < self.at else self.risen
+        return super()._serve(key, value)
+
+
+def test_a_rise_after_the_first_small_variants_is_seen_by_the_next_one(real_kv, monkeypatch):
+    """kvtc and raw (4 layers of real KV in float32) at 2 Mbit/s: kvtc about 0.17 s a chunk on the link, raw 3.1 s;
+    kvtc 0.85 s a chunk to decode; the link rises to 10 Gbit/s 1 s in.  Before, every small variant was read at the
+    start (all in by 0.7 s) and only the probe could see the rise, which its budget cannot pay to confirm in so
+    small a load: inside vLLM a load that began at 20 Mbit/s loaded every chunk small after the link rose.  Now the
+    small variants come as the decoder needs them, a read or two ahead; the third (about 1.4 s in) sees the rise,
+    and the front chunks come raw."""
+    from kvcodec.codecs.kvtc import KVTC, register_calibration
+    from kvcodec.tools.fuzz.seeds import fuzz_calibration
+
+    ids, kv = _real(real_kv, 4 * CHUNK)
+    kv = kvcodec.KVCache([(k.float(), v.float()) for k, v in kv.pairs[:4]], model=kv.model, rope=kv.rope)
+    cal = register_calibration(fuzz_calibration(kv))
+    link = RisesAt(2 * MBIT, 10000 * MBIT, at=1.0)
+    store = KVStore([link], model=real_kv.model, codec=[f"kvtc:calibration={cal.digest}", "raw"], chunk_tokens=CHUNK)
+    store.put(ids, kv)
+    store.telemetry.link("link").throughput.observe(2 * MBIT, 1.0)  # this process measured the link just now
+    store.telemetry.link("link").contention = PinnedContention(1.0)
+    store.telemetry.decode_rate = lambda codec: Pinned(CHUNK / 0.85 if codec.codec_id == "kvtc" else 1e9)
+    real = KVTC.decode_frame
+    monkeypatch.setattr(KVTC, "decode_frame", lambda self, *a: time.sleep(0.85) or real(self, *a))
+    result = store.prefix_load(ids, DenseSink()).start().finish()
+    variants = [c.variant for c in result.chunks]
+    assert result.complete and variants[0] == 1 and variants[-1] == 0, variants

@@ -102,6 +102,16 @@ CONFIRM_BYTES = 160 << 10
 # vLLM at 100 Mbit/s, warm loads started the first chunk's raw read just in time by the estimate and gave it up
 # after about 9 MB when the decodes ran faster than estimated.
 INSURANCE = 1.25
+# A needed small variant is read once what the decoder holds would last less than this many of its reads on that
+# slower link: on a slow link the small variants come a read or two ahead of the decoder, not all at the start, and
+# each read measures the link, so a rise shows in the next one.  Read all at once, a load inside vLLM whose link
+# rose from 20 Mbit/s after its small variants were in had only a probe to see it, which a 5% budget cannot pay for
+# behind a shaper's bucket: it loaded every chunk small (2.40 s; raw alone 1.21 s).
+DUE_AHEAD = 2.0
+# An estimate of a link that no read of this process measured within this many seconds (a fresh engine's, restored
+# from its predecessor's) is checked first with the last chunk's small variant: a fresh engine whose predecessor saw
+# a fast link started a raw read at 20 Mbit/s and gave up its first 256 KiB piece (18% of the bytes it used).
+FRESH_S = 10.0
 
 
 @dataclass
@@ -398,6 +408,7 @@ class PrefixLoad:
                 break
             self._options[i] = (options[0], options[-1] if len(options) > 1 else None)
         self._probe_left = int(PROBE_SHARE * sum(small.nbytes for small, _ in self._options.values()))
+        self._measure_link_first()
         front = 0  # the lowest chunk not taken: the next whose large variant to read
         while not self._stop.is_set():
             with self._cond:
@@ -420,9 +431,30 @@ class PrefixLoad:
             if large is not None and (rule is not None or front >= self._low):
                 if not self._read_large(front, rule):
                     return  # the large variant cannot be probed in pieces here, and every small one is in
-            elif front < self._low:
-                continue  # the large one will not be in time: the small ones down to this chunk are needed
+                with self._cond:
+                    given_up = front not in self._front and front not in self._taken
+                if given_up and front < self._low:
+                    continue  # given up before this chunk's small variant was in: that is still to read
+            elif front < self._low:  # the large one will not be in time: the small ones down to here will be needed
+                with self._cond:
+                    self._cond.wait(PIECE_S)  # ... once due: the decoder moving on wakes this
+                continue
             front += 1
+
+    def _measure_link_first(self) -> None:
+        """Where no read of this process measured the link within ``FRESH_S``, read the last chunk's small variant
+        first: it measures the link with a value the load needs if the link is slow now, and costs one small value
+        if it is fast."""
+        last = len(self.chunks) - 1
+        if last not in self._options or self._options[last][1] is None:
+            return
+        small, large = self._options[last]
+        throughput = self.telemetry.link(large.tier).throughput
+        measured_at = getattr(throughput, "measured_at", None)  # (a test's pinned estimate has none: it is fresh)
+        if throughput.samples and (measured_at is None or time.time() - measured_at < FRESH_S):
+            return
+        self._low = last
+        self._read_into(last, self.chunks[last].keys[small.variant], front=False)
 
     def _read_small(self, front: int) -> bool:
         """Read the small variant of the highest chunk (not below ``front``) whose small variant is not in, if the
@@ -437,7 +469,8 @@ class PrefixLoad:
     def _small_needed(self, b: int) -> bool:
         """Whether the decoder, working back through the small variants it holds and then chunk ``b``'s, could be
         through ``b`` before ``b``'s large variant is in and decoded were the link ``INSURANCE`` times slower than
-        estimated (always, where the small variant's decode was never measured: the first load finds out)."""
+        estimated, and what it holds would last less than ``DUE_AHEAD`` reads of ``b``'s small variant on that link
+        (always, where the small variant's decode was never measured: the first load finds out)."""
         small, large = self._options[b]
         if large is None or not self.planner.decode_known(small):
             return True
@@ -445,7 +478,9 @@ class PrefixLoad:
         with self._cond:
             back_s = self._decodes_queued_s()
             large_s = self._large_eta_s(b, INSURANCE)
-        return back_s + self.planner.fetch_s(small) + self.planner.decode_s(small, tokens) < large_s
+        fetch_s = self.planner.fetch_s(small)
+        return back_s + fetch_s + self.planner.decode_s(small, tokens) < large_s and \
+            back_s < DUE_AHEAD * INSURANCE * fetch_s
 
     def _large_eta_s(self, j: int, slower: float = 1.0) -> float:
         """Seconds until chunk ``j``'s large variant is in and decoded, the fetch reading large variants in order
@@ -568,7 +603,8 @@ class PrefixLoad:
                 self._late_from = len(self.chunks) if rule is not None else i
                 if rule is None and self._probe_left < (CONFIRM_BYTES if confirm else PROBE_BYTES):
                     self._probe_left = 0
-                if i in self._taken or i >= self._limit or self._stop.is_set() or not (rule or self._probe_left):
+                probe = self._probe_left and i >= self._low  # a probe waits: not while small variants are to read
+                if i in self._taken or i >= self._limit or self._stop.is_set() or not (rule or probe):
                     log.debug("chunk %d: the large variant given up after %d of its %d bytes", i, got, large.nbytes)
                     return None, rule
                 if rule is None:
