@@ -21,9 +21,12 @@ Three rules keep both stages busy without a byte or a decode spent where it does
 - The fetch reads a chunk's small variant, from the back, only once the decoder could need it: once it could be
   through the small variants it holds and this one before the large one arrives were the link ``INSURANCE`` times
   slower than estimated (:meth:`PrefixLoad._small_needed`, checked again between every two pieces of a large read,
-  so a link that drops makes them needed within one piece).  Before, every small variant was read as insurance:
-  16-19% of the bytes used were wasted at 100 Mbit/s and faster; now 0-2.4% (the same bench).  The price: after a
-  drop, the small variants still needed come over the slower link (cachegen: a sixth of raw's bytes).
+  so a link that drops makes them needed within one piece), and what it holds would last less than ``DUE_AHEAD``
+  such reads: on a slow link each small read measures the link, so a rise shows in the next one.  Before, every
+  small variant was read as insurance: 16-19% of the bytes used were wasted at 100 Mbit/s and faster; now 0-2.4%
+  (the same bench).  The price: after a drop, the small variants still needed come over the slower link (cachegen:
+  a sixth of raw's bytes).  A load whose link estimate is not this process's own and recent (``FRESH_S``) reads
+  the last chunk's small variant first, to measure the link with a value it needs if the link is slow.
 - A large value is read in pieces (``get_range``) and given up between two pieces once the decoder took that chunk's
   small variant (a video player's abandonment rule), or once its rest can no longer be in in time.  A large read
   starts only where it is in time on a link ``INSURANCE`` times slower than estimated.  Each piece measures the
