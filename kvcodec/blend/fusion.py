@@ -36,8 +36,8 @@ from kvcodec.store.chunks import ChunkShape
 # The share of a prompt's reused tokens recomputed at every layer past the filtering, by default: the knee of
 # quality against work that bench/segment_reuse.py measured on SmolLM2, the last share whose step up still cut the
 # KL more per token-layer than recomputing everything does on average (bench/results/segment_reuse.md, 2,040
-# tokens: 0.050 nats at 0%, 0.035 at 5%, 0.019 at 15%, 0.011 at 30%, 0.0085 at 50%; segment_reuse-4k.md, 3,850
-# tokens: 0.049, 0.026 at 15%, 0.015 at 30%, 0.0054 at 50%, where 30 -> 50% is on the line).
+# tokens: 0.050 nats at 0%, 0.037 at 5%, 0.019 at 15%, 0.011 at 30%, 0.0090 at 50%; segment_reuse-4k.md, 3,850
+# tokens: 0.049, 0.025 at 15%, 0.015 at 30%, 0.0057 at 50%, where 30 -> 50% is on the line).
 DEFAULT_SHARE = 0.3
 # The layer whose deviation is computed over every token (layer 0's KV depends on a token alone, so its deviation
 # is only the codec's error), and how much wider than the final share its selection is before the next layer
