@@ -1,7 +1,7 @@
 """kvtc with `kvcodec calibrate`'s defaults, on every model given, beside cachegen's default, in one run.
 
     python bench/kvtc_defaults.py [--model smollm2 --model gemma3-270m] [--tokens 1536] [--continuation 512]
-                                  [--calibration MODEL=FILE] [--name kvtc_defaults]
+                                  [--calibration MODEL=FILE] [--spec bits=1.0] [--name kvtc_defaults]
 
 Per model: `kvcodec calibrate --model M` with no options (its wall time, CPU-seconds, peak resident memory and
 file size, from the process's own resource usage), then `kvtc` at its default level with that calibration and
@@ -10,7 +10,9 @@ essay, configuration file, data table, code, release notes): bits per element (e
 perplexity change and greedy agreement when the model continues from the decoded cache, and KL from the float16
 cache's next-token distributions, per text and per set.  A kvtc row meets its target when it is at most the rate
 goal (0.6 bits on SmolLM2, 1.0 on other models), at most +1% and at most cachegen's KL on the same texts.
-``--calibration MODEL=FILE`` uses a file made before instead of calibrating; ``--keep DIR`` keeps those made.  Writes bench/results/NAME.md/json.
+``--calibration MODEL=FILE`` uses a file made before instead of calibrating; ``--keep DIR`` keeps those made;
+``--spec OPTIONS`` adds a column of `kvtc:OPTIONS` with the same calibration (e.g. ``bits=1.0``: the rate goal's
+KL).  Writes bench/results/NAME.md/json.
 """
 
 from __future__ import annotations
@@ -47,10 +49,13 @@ def calibrate(model: str, out: str) -> dict[str, float]:
             "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "file_mb": os.path.getsize(out) / 1e6}
 
 
-def measure(model_spec: str, calibration: str, tokens: int, continuation: int) -> dict[str, dict[str, EvalRow]]:
-    """Per text, the kvtc and cachegen rows."""
+def measure(model_spec: str, calibration: str, tokens: int, continuation: int,
+            specs: list[str]) -> dict[str, dict[str, EvalRow]]:
+    """Per text, the rows of kvtc (at its default level, then with each of ``specs``' options) and cachegen."""
     model = load_model(model_spec, progress=False)
-    codecs = {"kvtc": parse_codec(f"kvtc:calibration={calibration}"), "cachegen": parse_codec("cachegen")}
+    codecs = {"kvtc": parse_codec(f"kvtc:calibration={calibration}")}
+    codecs |= {f"kvtc:{s}": parse_codec(f"kvtc:{s},calibration={calibration}") for s in specs}
+    codecs["cachegen"] = parse_codec("cachegen")
     out = {}
     for text in dict.fromkeys(t for texts in SETS.values() for t in texts):
         case = prepare(model, text, tokens, continuation)
@@ -77,6 +82,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1536)
     p.add_argument("--continuation", type=int, default=512)
     p.add_argument("--calibration", action="append", default=[], help="MODEL=FILE: use this file, do not calibrate")
+    p.add_argument("--spec", action="append", default=[], help="OPTIONS: also kvtc:OPTIONS (e.g. bits=1.0)")
     p.add_argument("--keep", help="write the calibrations made into this folder (default: a temporary one)")
     p.add_argument("--name", default="kvtc_defaults", help="results file name in bench/results without suffix")
     args = p.parse_args()
@@ -93,20 +99,23 @@ def main() -> None:
         for model in args.model or [SMOLLM2, "gemma3-270m"]:
             path = given.get(model) or os.path.join(tmp, f"{Path(model).name}.kvtc")
             cost = None if model in given else calibrate(model, path)
-            per_text = measure(model, path, args.tokens, args.continuation)
+            per_text = measure(model, path, args.tokens, args.continuation, args.spec)
             goal = RATE_GOAL.get(model, OTHER_RATE_GOAL)
             lines += [f"## {model} (rate goal {goal} bits)", ""]
             if cost:
                 lines += [f"`kvcodec calibrate --model {model}`: {cost['wall_s']:.0f} s wall, {cost['cpu_s']:.0f} "
                           f"CPU-seconds, peak resident memory {cost['peak_rss_gb']:.2f} GB, file "
                           f"{cost['file_mb']:.1f} MB.", ""]
-            lines += ["| texts | kvtc (default level) | cachegen level 2 | target met |", "|---|---|---|---|"]
+            extra = [f"kvtc:{s}" for s in args.spec]
+            lines += ["| texts | kvtc (default level) | " + "".join(f"`{e}` | " for e in extra)
+                      + "cachegen level 2 | target met |", "|---|---|---|---|" + "---|" * len(extra)]
             for name, texts in [(t, [t]) for t in per_text] + list(SETS.items()):
                 k = mean([per_text[t]["kvtc"] for t in texts])
                 c = mean([per_text[t]["cachegen"] for t in texts])
                 met = k["bits"] <= goal and k["change"] <= PPL_GOAL and k["kl"] <= c["kl"]
                 label = f"**{name}** (mean)" if len(texts) > 1 else f"`{name}`"
-                lines.append(f"| {label} | {cell(k)} | {cell(c)} | {'yes' if met else 'no'} |")
+                more = "".join(f"{cell(mean([per_text[t][e] for t in texts]))} | " for e in extra)
+                lines.append(f"| {label} | {cell(k)} | {more}{cell(c)} | {'yes' if met else 'no'} |")
             lines.append("")
             results[model] = {"calibration": cost, "rows": {t: {c: r.to_dict() for c, r in rows.items()}
                                                             for t, rows in per_text.items()}}
