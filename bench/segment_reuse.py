@@ -19,7 +19,7 @@ greedy continuation (teacher-forced: every method reads the same tokens), greedy
 perplexity of a held-out continuation (the first ``--heldout`` tokens of a text in no prompt).  Time to first token is
 taken side by side in one run (the ratios are what to read on a shared machine) and is the median over prompts.
 
-With ``--ttft-only REPS``, time to first token alone on the first prompt (full prefill, fusion at 0% and 15%,
+With ``--ttft-only REPS``, time to first token alone on the first prompt (full prefill, fusion at ``--shares``,
 prefix-only reuse), interleaved REPS times, the fastest of each: ``bench/results/segment_reuse-ttft.md``.
 
     python bench/segment_reuse.py [--docs 6] [--doc-tokens 600] [--prompts 3] [--shares 0,0.15,0.3]
@@ -89,7 +89,7 @@ def main() -> None:
                     help="fusion's recompute shares, comma-separated (default: %(default)s)")
     ap.add_argument("--heldout", type=int, default=128, help="held-out continuation tokens (default 128)")
     ap.add_argument("--ttft-only", type=int, metavar="REPS", default=0,
-                    help="only time to first token on the first prompt: full prefill, fusion at 0%% and 15%%, "
+                    help="only time to first token on the first prompt: full prefill, fusion at --shares, "
                          "prefix-only reuse, interleaved REPS times, fastest of each (a busy machine slows some "
                          "runs, never speeds one up); writes bench/results/segment_reuse-ttft.md")
     ap.add_argument("--out", type=Path, default=None)
@@ -195,14 +195,15 @@ def ttft(args, lm, hook, prompts, orders) -> None:
     for c, q in prompts[1:]:
         prefix_store.put(c + q, lm.prefill(c + q))
     prefix_hook = TransformersKVHook(lm, prefix_store, save=False)
-    times: dict[str, list[float]] = {"full prefill": [], "fusion 0%": [], "fusion 15%": [], "prefix-only reuse": []}
+    times: dict[str, list[float]] = {"full prefill": [], **{f"fusion {s:.0%}": [] for s in args.shares},
+                                     "prefix-only reuse": []}
     loaded = 0
     for _ in tqdm(range(args.ttft_only), desc="ttft", unit="round"):
         t = time.perf_counter()  # the last position's logits only, as fusion computes the question's only
         with torch.no_grad():
             model(torch.tensor([ids]), cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
         times["full prefill"].append(time.perf_counter() - t)
-        for share in (0.0, 0.15):
+        for share in args.shares:
             times[f"fusion {share:.0%}"].append(hook.fuse(orders[0], question, share=share).report.first_token_s)
         done = prefix_hook.generate(ids, max_new_tokens=1)
         times["prefix-only reuse"].append(done.first_token_s)
@@ -216,7 +217,7 @@ def ttft(args, lm, hook, prompts, orders) -> None:
     out = args.out or OUT.with_name("segment_reuse-ttft.md")
     out.write_text(f"""# Segment reuse: time to first token (SmolLM2, CPU)
 
-`python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts} --ttft-only {args.ttft_only}`
+`python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts} --ttft-only {args.ttft_only}{command_tail(args)}`
 (issue 34; quality: [segment_reuse.md](segment_reuse.md)).  One prompt of {len(ids)} tokens, each way
 {args.ttft_only} times, interleaved; the fastest of each (a shared 2-core machine slows runs, never speeds one up).
 Fusion includes loading and decoding the segments (raw) from the memory tier; prefix-only reuse loaded {loaded}
