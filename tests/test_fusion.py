@@ -98,6 +98,19 @@ def test_the_default_share_beats_reuse_as_is_and_nears_a_full_prefill(hook, orde
     assert _agree(ref, fused.logits) >= max(0.8, _agree(ref, as_is.logits))
 
 
+def test_a_slow_link_buys_more_recompute(hook, order, prompt, full, monkeypatch):
+    """The loading controller in the fusion (issue 34, item 3): a load the store estimates slower than recomputing
+    every layer whole gets every token recomputed, and the report says why."""
+    import kvcodec.blend.fusion as fusion
+
+    monkeypatch.setattr(fusion, "estimated_load_s", lambda store, chunks: 1e3)
+    fused = hook.fuse(order, prompt[2])
+    r = fused.report
+    assert r.share == 1.0 and r.share_reason.startswith("loading-bound"), r.share_reason
+    assert r.recomputed == [r.reused_tokens + 1] * 30
+    assert torch.allclose(fused.logits, full[1], atol=2e-3, rtol=0)
+
+
 def test_a_segment_not_stored_is_computed_at_every_layer(smollm2, hook, order, prompt, full):
     new_doc = smollm2.tokenize(load_text("license:GPL-3")[:800])[:50]
     mixed = order[:2] + [new_doc] + order[2:]
