@@ -22,10 +22,11 @@ Three rules keep both stages busy without a byte or a decode spent where it does
   through the small variants it holds and this one before the large one arrives were the link ``INSURANCE`` times
   slower than estimated (:meth:`PrefixLoad._small_needed`, checked again between every two pieces of a large read,
   so a link that drops makes them needed within one piece), and what it holds would last less than ``DUE_AHEAD``
-  such reads: on a slow link each small read measures the link, so a rise shows in the next one.  Before, every
-  small variant was read as insurance: 16-19% of the bytes used were wasted at 100 Mbit/s and faster; now 0-2.4%
-  (the same bench).  The price: after a drop, the small variants still needed come over the slower link (cachegen:
-  a sixth of raw's bytes).  A load whose link estimate is not this process's own and recent (``FRESH_S``) reads
+  such reads: on a slow link each small read measures the link, so a rise shows in the next one.  A small variant
+  that costs at most ``CHEAP_SHARE`` of the large one's bytes is read even so, as insurance against a drop.
+  Before, every small variant was read as insurance: 16-19% of the bytes used were wasted at 100 Mbit/s and faster
+  (cachegen: a sixth of raw's bytes); now 0-2.4% (the same bench).  The price: after a drop, a dear small variant
+  still needed comes over the slower link.  A load whose link estimate is not this process's own and recent (``FRESH_S``) reads
   the last chunk's small variant first, to measure the link with a value it needs if the link is slow.
 - A large value is read in pieces (``get_range``) and given up between two pieces once the decoder took that chunk's
   small variant (a video player's abandonment rule), or once its rest can no longer be in in time.  A large read
@@ -111,6 +112,11 @@ INSURANCE = 1.25
 # rose from 20 Mbit/s after its small variants were in had only a probe to see it, which a 5% budget cannot pay for
 # behind a shaper's bucket: it loaded every chunk small (2.40 s; raw alone 1.21 s).
 DUE_AHEAD = 2.0
+# A small variant that costs at most this share of its chunk's large one is read even where the large one will be in
+# in time, as insurance against a drop: inside vLLM, on a link falling from 1 Gbit/s to 20 Mbit/s 0.3 s in, loads
+# that had read no kvtc value (2% of raw's bytes) fetched them over the slow link after it and came 5-14% later
+# than kvtc alone.
+CHEAP_SHARE = 0.05
 # An estimate of a link that no read of this process measured within this many seconds (a fresh engine's, restored
 # from its predecessor's) is checked first with the last chunk's small variant: a fresh engine whose predecessor saw
 # a fast link started a raw read at 20 Mbit/s and gave up its first 256 KiB piece (18% of the bytes it used).
@@ -473,7 +479,8 @@ class PrefixLoad:
         """Whether the decoder, working back through the small variants it holds and then chunk ``b``'s, could be
         through ``b`` before ``b``'s large variant is in and decoded were the link ``INSURANCE`` times slower than
         estimated, and what it holds would last less than ``DUE_AHEAD`` reads of ``b``'s small variant on that link
-        (always, where the small variant's decode was never measured: the first load finds out)."""
+        (always, where the small variant's decode was never measured: the first load finds out); or, where it could
+        not, whether the small variant costs at most ``CHEAP_SHARE`` of the large one's bytes (insurance)."""
         small, large = self._options[b]
         if large is None or not self.planner.decode_known(small):
             return True
@@ -482,8 +489,9 @@ class PrefixLoad:
             back_s = self._decodes_queued_s()
             large_s = self._large_eta_s(b, INSURANCE)
         fetch_s = self.planner.fetch_s(small)
-        return back_s + fetch_s + self.planner.decode_s(small, tokens) < large_s and \
-            back_s < DUE_AHEAD * INSURANCE * fetch_s
+        if back_s + fetch_s + self.planner.decode_s(small, tokens) >= large_s:
+            return small.nbytes <= CHEAP_SHARE * large.nbytes  # insurance, where it is cheap
+        return back_s < DUE_AHEAD * INSURANCE * fetch_s
 
     def _large_eta_s(self, j: int, slower: float = 1.0) -> float:
         """Seconds until chunk ``j``'s large variant is in and decoded, the fetch reading large variants in order
