@@ -86,12 +86,14 @@ def test_a_drop_mid_load_turns_the_rest_to_the_small_variant(behind_link):
 def test_a_rise_mid_load_is_followed_within_the_load(behind_link):
     """20 Mbit/s, learnt by the last load, then 10 Gbit/s from 0.3 s in.  The load starts on cachegen from the back;
     a probe of raw sees the rise, and the front chunks come raw.  Before, the load's estimate stayed at 20 Mbit/s
-    for the whole load and every chunk came cachegen, as late as fixed cachegen."""
+    for the whole load and every chunk came cachegen, as late as fixed cachegen.  (The bound was 0.75x cachegen's
+    time until a large read had to be in time on a link 1.25x slower, to stop reads that were given up from wasting
+    bytes: that costs here, probably, one more cachegen decode: 0.40 s against cachegen's 0.54 s and raw's 0.34 s.)"""
     got = _over(behind_link, [(0, 20), (0.3, 10_000)], warm_at=20)
     _, adaptive, _ = got["adaptive"]
     seconds = _seconds(got)
     assert _variants(adaptive)[0] == 1, _variants(adaptive)
-    assert seconds["adaptive"] < 0.75 * seconds["cachegen"], seconds
+    assert seconds["adaptive"] < 0.85 * seconds["cachegen"], seconds
 
 
 def test_a_jittering_link_is_no_later_than_the_fixed_choices(behind_link):
