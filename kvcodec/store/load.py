@@ -598,9 +598,9 @@ class PrefixLoad:
         rule on a link ``INSURANCE`` times slower): a probe whose rest can now be in in time becomes a read by rule,
         its pieces doubling from the probe's; a read whose rest will be late becomes a probe.  A probe reads within
         its budget (``PROBE_SHARE``, ``PROBE_DUTY``) and gives up once it is spent; a probe piece that looks like a
-        rise counts only once a ``CONFIRM_BYTES`` piece confirms it.  Between pieces: read the small
-        variants the decoder could now need, and give the value up once the decoder took the chunk (a video
-        player's abandonment rule).  The chunk, or None; and the rule it was read by."""
+        rise counts only once a ``CONFIRM_BYTES`` piece confirms it.  Between pieces: read the small variants the
+        decoder could now need, and give the value up once the decoder took the chunk (a video player's abandonment
+        rule).  The chunk, or None; and the rule it was read by."""
         outcome, source = self.chunks[i], self.source
         link = self.telemetry.link(large.tier)
         parts: list[bytes] = []
@@ -612,14 +612,15 @@ class PrefixLoad:
                 pass
             with self._cond:  # between pieces: give up what will not be used
                 self._late_from = len(self.chunks) if rule is not None else i
-                if rule is None and self._probe_left < (CONFIRM_BYTES if confirm else PROBE_BYTES):
+                want = CONFIRM_BYTES if confirm else PROBE_BYTES  # a probe's next piece
+                if rule is None and self._probe_left < want:
                     self._probe_left = 0
                 probe = self._probe_left and i >= self._low  # a probe waits: not while small variants are to read
                 if i in self._taken or i >= self._limit or self._stop.is_set() or not (rule or probe):
                     log.debug("chunk %d: the large variant given up after %d of its %d bytes", i, got, large.nbytes)
                     return None, rule
                 if rule is None:
-                    length = CONFIRM_BYTES if confirm else PROBE_BYTES
+                    length = want
                 else:
                     length = PIECE_BYTES[0] if not self._pieces_read else \
                         int(min(max(link.throughput.estimate * PIECE_S, PIECE_BYTES[0]), PIECE_BYTES[1]))
