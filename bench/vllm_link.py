@@ -52,7 +52,7 @@ STRATEGIES = {"kvtc": "kvtc", "raw": "raw", "adaptive": ["kvtc", "raw"]}
 FIXED = ("kvtc", "raw")
 STEADY = (20, 100, 1000, 10_000)
 CHANGING = ("rise", "drop", "jitter")
-LOADED = re.compile(r"loaded tokens (\d+)-(\d+) of \d+-\d+ in [\d.]+ s, (\d+) bytes, variants \[(.*)\], "
+LOADED = re.compile(r"loaded tokens (\d+)-(\d+) of \d+-\d+ in ([\d.]+) s, (\d+) bytes, variants \[(.*)\], "
                     r"(\d+) bytes wasted")
 
 
@@ -66,18 +66,20 @@ def last_load(engine: Engine) -> dict:
     """What the connector's log says of the last request's load."""
     hit = next((m for m in map(LOADED.search, reversed(engine.grep("kvcodec connector: request"))) if m), None)
     if hit is None:
-        return {"loaded": 0, "bytes": 0, "wasted": 0, "variants": ""}
-    variants = [v.strip(" '") for v in hit.group(4).split(",") if v.strip()]
+        return {"loaded": 0, "load_s": 0.0, "bytes": 0, "wasted": 0, "variants": ""}
+    variants = [v.strip(" '") for v in hit.group(5).split(",") if v.strip()]
     counts = {v: variants.count(v) for v in dict.fromkeys(variants)}
-    return {"loaded": int(hit.group(2)) - int(hit.group(1)), "bytes": int(hit.group(3)),
-            "wasted": int(hit.group(5)), "variants": " ".join(f"{v}x{n}" for v, n in counts.items())}
+    return {"loaded": int(hit.group(2)) - int(hit.group(1)), "load_s": float(hit.group(3)),
+            "bytes": int(hit.group(4)), "wasted": int(hit.group(6)),
+            "variants": " ".join(f"{v}x{n}" for v, n in counts.items())}
 
 
 def timed(engine: Engine, ids: list[int], link: ShapedLink, steps: list[tuple[float, float]] | None) -> dict:
     """One request for ``ids`` over the trace ``steps`` (None: vLLM recomputes, the link plays no part)."""
     with link.playing(steps or [(0, link.rate_mbit)]):
         reply = engine.generate(ids, 1, timeout_s=1800)
-    got = last_load(engine) if steps is not None else {"loaded": 0, "bytes": 0, "wasted": 0, "variants": ""}
+    got = last_load(engine) if steps is not None else {"loaded": 0, "load_s": 0.0, "bytes": 0, "wasted": 0,
+                                                       "variants": ""}
     return {"ttft_s": reply["seconds"], **got}
 
 
@@ -179,8 +181,10 @@ def summarize(rows: list[dict], links: list[str], names: list[str]) -> dict:
                 continue
             warm = [sorted(r["warm"], key=lambda w: w["ttft_s"])[len(r["warm"]) // 2] for r in mine if r["warm"]]
             every = [r["first"] for r in mine] + [w for r in mine for w in r["warm"]]
+            load_warm = [_median([w.get("load_s", math.nan) for w in r["warm"]]) for r in mine if r["warm"]]
             out[name, link_name] = {
                 "first": [r["first"]["ttft_s"] for r in mine], "warm": [w["ttft_s"] for w in warm],
+                "load_first": [r["first"].get("load_s", math.nan) for r in mine], "load_warm": load_warm,
                 "first_rows": [r["first"] for r in mine],
                 "bytes": _median([w["bytes"] for w in every]), "wasted": _median([w["wasted"] for w in every]),
                 "wasted_share": max((w["wasted"] / w["bytes"] for w in every if w["bytes"]), default=0.0),
@@ -207,6 +211,11 @@ def targets(cells: dict, links: list[str]) -> list[str]:
                 verdict = "met" if worst_gain >= 0.20 else "missed"
                 lines.append(f"| {link_name} | {kind} | adaptive / best fixed per run {text}; sooner than every "
                              f"fixed choice by at least {worst_gain:.0%} (median of runs) | >= 20% sooner | {verdict} |")
+                # the engine's own part of a request (the same for every strategy) dilutes the ratio: the load
+                # stage alone, from the connector's log line, says what adaptation gained where it acts
+                load_gain = min(1 - _median(ad["load_" + kind]) / _median(f["load_" + kind]) for f in fixed)
+                lines.append(f"| {link_name} | {kind} | the load stage alone: sooner than every fixed choice by at "
+                             f"least {load_gain:.0%} (median of runs) | (not the target: for reading) | |")
             else:
                 verdict = "met" if ratio and max(ratio) <= 1.10 else "missed"
                 lines.append(f"| {link_name} | {kind} | adaptive / best fixed per run {text} | <= 1.10 in every run "
