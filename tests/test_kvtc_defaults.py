@@ -10,7 +10,23 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from kvcodec.codecs.kvtc.levels import DEFAULT_LEVEL, DEFAULT_MIN_STD, LEVELS
-from kvcodec.codecs.kvtc.sensitivity import PartLoss, level_kl_scale, predicted_kl, rounding_error
+from kvcodec.codecs.kvtc.sensitivity import SENSITIVITY_TEXTS, PartLoss, level_kl_scale, predicted_kl, rounding_error
+from kvcodec.texts import DEFAULT_CALIBRATION_TEXTS, DEFAULT_EVAL_TEXTS, OUT_OF_DOMAIN_TEXTS, load_text
+
+
+def test_calibration_texts_share_nothing_with_the_texts_the_defaults_are_judged_on():
+    """The calibration (its moments and its loss measurement) never reads an evaluation or out-of-domain text, nor
+    a copy of a passage of one: no spec in common, and no 300-character piece of one, taken every 300 characters,
+    anywhere in the other (bench/kvtc_defaults.py's out-of-domain numbers would mean nothing otherwise)."""
+    fitted = DEFAULT_CALIBRATION_TEXTS + SENSITIVITY_TEXTS
+    judged = DEFAULT_EVAL_TEXTS + OUT_OF_DOMAIN_TEXTS
+    assert not set(fitted) & set(judged)
+    texts = {spec: load_text(spec) for spec in fitted + judged}
+    for a in fitted:
+        for b in judged:
+            for x, y in ((texts[a], texts[b]), (texts[b], texts[a])):
+                pieces = (x[i:i + 300] for i in range(0, len(x) - 300, 300))
+                assert not any(p in y for p in pieces), (a, b)
 
 
 @given(st.floats(0.05, 30.0), st.integers(0, 2 ** 31))
