@@ -153,3 +153,34 @@ def test_the_command_stores_documents_and_fuses_a_prompt(smollm2, tmp_path, caps
     assert (fused["hits"], fused["misses"], fused["reused_tokens"], fused["forced_tokens"]) == (2, 1, 120, 61)
     assert [s["loaded"] for s in fused["segments"]] == [60, 0, 60] and len(fused["recomputed_per_layer"]) == 30
     assert main(["segments", "fuse", "--text", "pydoc:json"]) == 2  # no --question
+
+
+def test_a_selection_computed_in_blocks_equals_one_block(hook, order, prompt, monkeypatch):
+    """The recompute runs a selection in blocks of consecutive positions, each reading the context up to its last
+    token (issue 34: half the attention of one masked rectangle): the logits and the tokens chosen are those of one
+    block, deviations included (each layer's are weighed over all its blocks together)."""
+    import kvcodec.engines.transformers_fusion as tf
+
+    monkeypatch.setattr(tf, "MAX_BLOCKS", 1)
+    whole = hook.fuse(order, prompt[2], share=0.3)
+    monkeypatch.setattr(tf, "MAX_BLOCKS", 4)
+    monkeypatch.setattr(tf, "MIN_BLOCK", 16)  # the test's selections are ~100 tokens: 4 blocks
+    blocks = hook.fuse(order, prompt[2], share=0.3)
+    assert blocks.report.recomputed == whole.report.recomputed
+    gap = float((blocks.logits - whole.logits).abs().max())
+    assert gap < 1e-4, gap
+    for a, b in zip(whole.cache.layers, blocks.cache.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+
+
+def test_deviation_of_a_layer_in_parts_is_the_whole_layers():
+    from kvcodec.blend.fusion import deviation, token_changes
+
+    g = torch.Generator().manual_seed(0)
+    old_k, new_k, old_v, new_v = (torch.randn(1, 3, 40, 8, generator=g) for _ in range(4))
+    whole = deviation(token_changes(old_k, new_k, old_v, new_v))
+    parts = deviation(torch.cat([token_changes(old_k[:, :, a:b], new_k[:, :, a:b], old_v[:, :, a:b],
+                                               new_v[:, :, a:b]) for a, b in ((0, 7), (7, 30), (30, 40))], 1))
+    assert torch.allclose(whole, parts)
+    # keys and values weigh alike: scaling the keys' scale up changes nothing
+    assert torch.allclose(deviation(token_changes(10 * old_k, 10 * new_k, old_v, new_v)), whole, rtol=1e-5)

@@ -204,16 +204,23 @@ def controlled_share(load_s: float, layers: int, reusable: int, token_layer_s: f
     return ShareChoice(min(1.0, hidden), f"loading-bound: {why}")
 
 
-def deviation(old_k: torch.Tensor, new_k: torch.Tensor, old_v: torch.Tensor, new_v: torch.Tensor) -> torch.Tensor:
-    """Each token's KV deviation, for tensors ``[..., heads, tokens, dim]``: the squared change of its keys and of
-    its values, each over the mean squared norm of the stored ones, so that neither the keys' larger scale nor a
-    layer's decides alone."""
-    def part(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+def token_changes(old_k: torch.Tensor, new_k: torch.Tensor, old_v: torch.Tensor, new_v: torch.Tensor) -> torch.Tensor:
+    """``[4, tokens]`` for tensors ``[..., heads, tokens, dim]``: each token's squared change of its keys, its
+    stored keys' squared norm, and the same two of its values; :func:`deviation` weighs them.  Kept apart so that
+    a layer computed in several calls is weighed as one."""
+    def part(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dims = [d for d in range(old.dim()) if d != old.dim() - 2]
-        energy = old.float().pow(2).sum(dims).mean().clamp_min(1e-12)
-        return (new.float() - old.float()).pow(2).sum(dims) / energy
+        old = old.float()
+        return (new.float() - old).pow(2).sum(dims), old.pow(2).sum(dims)
 
-    return part(old_k, new_k) + part(old_v, new_v)
+    return torch.stack([*part(old_k, new_k), *part(old_v, new_v)])
+
+
+def deviation(changes: torch.Tensor) -> torch.Tensor:
+    """Each token's KV deviation from its :func:`token_changes`: the squared change of its keys and of its values,
+    each over the mean squared norm of the stored ones, so that neither the keys' larger scale nor a layer's decides
+    alone."""
+    return changes[0] / changes[1].mean().clamp_min(1e-12) + changes[2] / changes[3].mean().clamp_min(1e-12)
 
 
 @dataclass(frozen=True)
@@ -241,11 +248,15 @@ class RecomputeSchedule:
         """The tokens (indices, ascending) layer 0 computes."""
         return torch.arange(len(forced)) if self.share is None or self.share > 0 else forced.nonzero().flatten()
 
+    def measures(self, layer: int) -> bool:
+        """Whether :meth:`narrow` reads ``layer``'s deviations (it keeps every token after the other layers)."""
+        return layer in (self.check_layer, self.check_layer + 1)
+
     def narrow(self, layer: int, selected: torch.Tensor, dev: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
         """After ``layer`` computed ``selected`` (indices) with deviations ``dev``: the positions within
         ``selected`` that the next layer computes (ascending), forced tokens always among them."""
         everything = torch.arange(len(selected))
-        if layer not in (self.check_layer, self.check_layer + 1):
+        if not self.measures(layer):
             return everything
         if self.share is None:
             raise InvalidInputError("the share is the loading controller's: set it (dataclasses.replace) once "
