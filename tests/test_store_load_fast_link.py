@@ -13,7 +13,7 @@ from test_store_load_report import CHUNK, PinnedContention, Served, _real
 
 import kvcodec
 from kvcodec.codecs.cachegen import CacheGen
-from kvcodec.store import DenseSink, KVStore, load, plan
+from kvcodec.store import DenseSink, KVStore, MemoryTier, load, plan
 from kvcodec.store.telemetry import Link
 
 MBIT = 1e6 / 8
@@ -209,3 +209,28 @@ def test_on_a_fast_link_cheap_small_variants_are_read_as_insurance_against_a_dro
     assert result.complete and [c.variant for c in result.chunks] == [1] * 4
     assert all(link.served[k] for k in small), link.served
     assert 0 < result.wasted_bytes <= 0.05 * result.nbytes
+
+
+class Stalls(Served):
+    """A link of ``rate`` whose first ranged read stalls ``stall`` seconds first (another flow, a shaper's queue)."""
+
+    def __init__(self, rate: float, stall: float) -> None:
+        super().__init__("link", rate)
+        self.stall = stall
+
+    def get_range(self, key, offset, length, max_bytes=None):
+        time.sleep(self.stall)
+        self.stall = 0.0
+        return super().get_range(key, offset, length, max_bytes)
+
+
+def test_a_large_read_given_up_and_taken_up_again_reads_no_byte_twice(real_kv, monkeypatch):
+    """1 Gbit/s, cachegen 0.3 s a chunk to decode: chunk 0's raw is in time, but its first piece stalls 0.2 s, so
+    the rest looks late and the read is given up; the small variants read next measure the link fast again and
+    chunk 0's raw is read after all.  Before, that read started over (inside vLLM, on the drop trace, a 256 KiB first
+    piece was read twice); now it goes on from the pieces in."""
+    store, ids = _behind_link(real_kv, monkeypatch, link := Stalls(1000 * MBIT, 0.2), 0.3, None)
+    result = store.prefix_load(ids, DenseSink()).start().finish()
+    raw0 = result.chunks[0].keys[1]
+    assert result.complete and result.chunks[0].variant == 1, [c.variant for c in result.chunks]
+    assert link.served[raw0] == len(MemoryTier.get(link, raw0)), (link.served[raw0], len(MemoryTier.get(link, raw0)))

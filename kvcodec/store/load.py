@@ -32,10 +32,13 @@ Three rules keep both stages busy without a byte or a decode spent where it does
   small variant (a video player's abandonment rule), or once its rest can no longer be in in time.  A large read
   starts only where it is in time on a link ``INSURANCE`` times slower than estimated.  Each piece measures the
   link: the estimate follows a change of regime at once, up or down (:data:`~kvcodec.store.telemetry.LINK_FOLLOW`),
-  and the read's own last piece counts until another read measured the link.  Once every small variant is in, the
-  fetch keeps a probe under way: the lowest chunk's large variant in ``PROBE_BYTES`` pieces, within a budget of
-  ``PROBE_SHARE`` of the small variants' bytes spread over the decodes still queued, so that a link that rises is
-  seen within one piece and the rest of that chunk comes large when it can be in in time.  (Before, a load that
+  and the read's own last piece counts until another read measured the link.  A read given up while its chunk may
+  still come large keeps its pieces, and a later read of that value goes on from them (a warm load inside vLLM on
+  the drop trace gave up a first 256 KiB piece that looked slow and then read the same value from its start).  Once
+  every small variant is in, the fetch keeps a probe under way: the lowest chunk's large variant in ``PROBE_BYTES``
+  pieces, within a budget of ``PROBE_SHARE`` of the small variants' bytes spread over the decodes still queued, so
+  that a link that rises is seen within one piece and the rest of that chunk comes large when it can be in in
+  time.  (Before, a load that
   started on a slow link never read the link again once its small variants were in: on a rise from 20 Mbit/s to
   10 Gbit/s 0.1 s in, 1.71x raw's load time; now 1.02x.  A probe without a budget wasted 61-225% of the bytes used
   at 20 Mbit/s inside vLLM; with it, 2-5% over the same link in ``tests/test_shaped_link_adaptation.py``'s setup.)
@@ -290,6 +293,7 @@ class PrefixLoad:
         self._limit = len(self.chunks)  # chunks from here on are the engine's (missing, recomputed or failed)
         self._layers_done = [0] * len(self.chunks)
         self._reading: _Reading | None = None
+        self._resume: dict[int, list[bytes]] = {}  # pieces of a large value whose read was given up, by chunk
         self._low = len(self.chunks)  # the small variants of the chunks from here on are read (or being read)
         self._front_next = 0  # the chunk whose large variant the fetch reads next (or is reading)
         self._pieces_read = 0  # pieces of large variants read so far (the first is the least, to measure the link)
@@ -600,11 +604,13 @@ class PrefixLoad:
         its budget (``PROBE_SHARE``, ``PROBE_DUTY``) and gives up once it is spent; a probe piece that looks like a
         rise counts only once a ``CONFIRM_BYTES`` piece confirms it.  Between pieces: read the small variants the
         decoder could now need, and give the value up once the decoder took the chunk (a video player's abandonment
-        rule).  The chunk, or None; and the rule it was read by."""
+        rule); a value given up otherwise keeps its pieces for the next read of it.  The chunk, or None; and the
+        rule it was read by."""
         outcome, source = self.chunks[i], self.source
         link = self.telemetry.link(large.tier)
-        parts: list[bytes] = []
-        got = last = 0
+        with self._cond:
+            parts = self._resume.pop(i, [])  # what an earlier read of this value gave up: it goes on from there
+        got, last = sum(map(len, parts)), len(parts[-1]) if parts else 0
         confirm = False  # the last probe piece looked like a rise: the next confirms it, at once
         while got < large.nbytes:
             rule = self._arrives_in_time(i, got, slower=1.0 if rule is not None else INSURANCE)
@@ -618,6 +624,8 @@ class PrefixLoad:
                 probe = self._probe_left and i >= self._low  # a probe waits: not while small variants are to read
                 if i in self._taken or i >= self._limit or self._stop.is_set() or not (rule or probe):
                     log.debug("chunk %d: the large variant given up after %d of its %d bytes", i, got, large.nbytes)
+                    if parts and i not in self._taken and i < self._limit:
+                        self._resume[i] = parts  # the chunk may still come large: keep what is in
                     return None, rule
                 if rule is None:
                     length = want
@@ -746,6 +754,7 @@ class PrefixLoad:
                     small = pick not in self._front
                     decision = self._why(pick, small)
                     self._taken.add(pick)
+                    self._resume.pop(pick, None)
                     chunk = self._front.pop(pick, None) or self._back.pop(pick)
                     for other in (self._front.pop(pick, None), self._back.pop(pick, None), chunk):
                         self._held_bytes -= 0 if other is None else len(other.data)
