@@ -234,3 +234,27 @@ def test_a_large_read_given_up_and_taken_up_again_reads_no_byte_twice(real_kv, m
     raw0 = result.chunks[0].keys[1]
     assert result.complete and result.chunks[0].variant == 1, [c.variant for c in result.chunks]
     assert link.served[raw0] == len(MemoryTier.get(link, raw0)), (link.served[raw0], len(MemoryTier.get(link, raw0)))
+
+
+def test_a_fresh_stores_first_load_plans_on_timed_decodes_not_free_ones(real_kv, monkeypatch):
+    """20 Mbit/s, 8 chunks of 64 tokens, cachegen 0.2 s a chunk to decode, a fresh store (no rate measured or
+    restored).  Before, the first load took cachegen to decode for free, so it read raw by the rule "small's decode
+    unmeasured" (here chunk 0's, 0.6 s of the link; inside vLLM, a fresh engine's first load at 100 Mbit/s gave up
+    5.3 MB of raw against the 1.8 MB of kvtc it used).  Now the engine hooks open the store with
+    :meth:`KVStore.measure_decodes`, and the first load plans on this machine's rates."""
+    ids, kv = _real(real_kv, 4 * CHUNK)
+    link = Served("link", 20 * MBIT)
+    store = KVStore([link], model=real_kv.model, codec=["cachegen", "raw"], chunk_tokens=CHUNK // 2,
+                    shape=kvcodec.store.ChunkShape.of(kv))
+    store.put(ids, kv)
+    real = CacheGen.decode_layers
+    monkeypatch.setattr(CacheGen, "decode_layers", lambda self, datas, ctxs: time.sleep(
+        0.2 * len(datas) / len(real_kv.layers)) or real(self, datas, ctxs))
+    measured = store.measure_decodes()
+    assert set(measured) == {"cachegen", "raw"} and measured["cachegen"] < CHUNK // 2 / 0.2, measured
+    assert store.measure_decodes() == {}  # measured once
+    result = store.prefix_load(ids, DenseSink()).start().finish()
+    rules = [c.decision.rule for c in result.chunks]
+    assert result.complete and plan.SMALL_UNMEASURED not in rules, rules
+    assert all(c.decision.decode_tps[0] < CHUNK // 2 / 0.2 for c in result.chunks)
+    assert result.wasted_bytes < 0.10 * result.nbytes, (result.wasted_bytes, result.nbytes)

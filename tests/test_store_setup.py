@@ -57,3 +57,18 @@ def test_codecs_without_a_profile_hear_nothing():
     lines = []
     assert use_model_profile(StoreConfig(codec="raw").store(model="m"), log=lines.append) is None
     assert lines == []
+
+
+def test_a_hooks_store_of_variants_times_their_decodes_before_the_first_load():
+    """Every hook opens its store here, so every hook's first load plans on this machine's decode rates
+    (:meth:`KVStore.measure_decodes`), not on an unmeasured variant decoding for free."""
+    from kvcodec.store import ChunkShape
+
+    lines = []
+    shape = ChunkShape(layers=2, heads=2, key_dim=16, value_dim=16, dtype="float16")
+    store = open_store(StoreConfig(codec=("cachegen", "raw"), telemetry="off"), model="m", identity=CacheIdentity(),
+                       log=lines.append, shape=shape)
+    assert all(store.telemetry.decode_rate(c).samples for c in store.variants)
+    assert any(line.startswith("kvcodec: decode rates timed at start (tokens/s): cachegen ") for line in lines), lines
+    one = open_store(StoreConfig(telemetry="off"), model="m", identity=CacheIdentity(), log=lines.append, shape=shape)
+    assert not one.telemetry.decode_rate(one.codec).samples  # one variant: nothing to choose, nothing timed

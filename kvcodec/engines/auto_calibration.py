@@ -99,6 +99,7 @@ def calibrate_in_background(store: Any, load: Callable[[], Any], log: Callable[[
             variants = [get_codec(i, **{**o, "calibration": digest}) if codec_class(i).needs_model(o) else
                         get_codec(i, **o) for i, o in _specs(codec, codec_options)]
             store.use_codec(variants[0] if isinstance(codec, str) else variants)
+            store.measure_decodes()  # (in this thread: the engine's loads go on meanwhile)
             log(f"kvtc: calibration {digest} of {store.model} installed; saving and loading kvtc chunks from now on")
         except Exception as e:  # noqa: BLE001 - the engine keeps serving with the codec it has
             log(f"kvtc: calibrating {store.model} failed ({type(e).__name__}: {e}); keeping {store.codec.codec_id}")

@@ -54,6 +54,16 @@ def use_model_profile(store: KVStore, *, hf_config: Any = None, model_path: str 
     return None if profile is None else profile.model
 
 
+def time_decodes(store: KVStore, log: Callable[[str], None]) -> None:
+    """Time the decode of each of ``store``'s variants it has no rate of (:meth:`KVStore.measure_decodes`; only a
+    store of several variants with the engine's shape does), so that the engine's first load plans on this
+    machine's rates; ``log`` says which.  A hook that learns the shape after :func:`open_store` calls this then."""
+    measured = store.measure_decodes()
+    if measured:
+        log("kvcodec: decode rates timed at start (tokens/s): "
+            + ", ".join(f"{codec} {tps:.3g}" for codec, tps in measured.items()))
+
+
 def open_store(config: StoreConfig, *, model: str, identity: CacheIdentity, log: Callable[[str], None],
                load_model: Callable[[], Any] | None = None, shape: ChunkShape | None = None,
                engine_chunk_tokens: int | None = None, disk_folder: str | None = None,
@@ -64,7 +74,7 @@ def open_store(config: StoreConfig, *, model: str, identity: CacheIdentity, log:
     CPU; called only then) is calibrated now (``calibrate="now"``), or in the background while the store serves
     with ``fallback_codec`` (``"background"``, the default); ``log`` says which.  ``tiers``: tiers the hook has
     already made (None: the configuration's).  ``hf_config`` or ``model_path`` (the served folder) find the model's
-    profile (:func:`use_model_profile`)."""
+    profile (:func:`use_model_profile`).  Given ``shape``, the store's decodes are timed (:func:`time_decodes`)."""
     codec, options = config.codec, config.codec_options
     name = calibration_name(config, model, identity)
     wanted = wants_calibration(codec, options)
@@ -83,6 +93,7 @@ def open_store(config: StoreConfig, *, model: str, identity: CacheIdentity, log:
         log(store.telemetry_file.restored)  # what a fresh engine's first loads plan on
     use_model_profile(store, hf_config=hf_config, model_path=model_path, log=log)
     if not later:
+        time_decodes(store, log)
         return store
     log(f"kvtc: no calibration of {name} installed; serving with {store.codec.codec_id} while it is made in "
         "the background")

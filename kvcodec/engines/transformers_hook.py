@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvcodec.engines.store_setup import open_store
+from kvcodec.engines.store_setup import open_store, time_decodes
 from kvcodec.errors import InvalidInputError, KVCodecError
 from kvcodec.store import ChunkShape, DenseSink, KVStore, LoadResult, StorageTier
 from kvcodec.store.config import StoreConfig
@@ -176,6 +176,7 @@ class TransformersKVHook:
         shape = model_shape(self.model, save_dtype)
         if store.shape is None:
             store.shape = shape
+            time_decodes(store, log.info)
         elif store.shape != shape:
             raise InvalidInputError(f"the store serves chunks of {store.shape}; this model saves {shape}")
         self.store, self.save, self.save_dtype = store, save, save_dtype

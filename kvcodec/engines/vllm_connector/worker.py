@@ -21,6 +21,7 @@ import torch
 
 from kvcodec.cache import KVCache
 from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
+from kvcodec.engines.store_setup import time_decodes
 from kvcodec.engines.vllm_connector.setup import detect_layout, engine_logger
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
 from kvcodec.store import ChunkShape, KVStore, PagedSink, PrefixLoad
@@ -65,6 +66,7 @@ class WorkerSide:
         _, self.block_size, heads, dim = self.layout.geometry(first)
         # only chunks of exactly this memory's shape are loaded, and their decodes are bounded by its size
         self.store.shape = ChunkShape(len(kv_caches), heads, dim, dim, str(first.dtype).removeprefix("torch."))
+        time_decodes(self.store, log.info)
         log.info("kvcodec connector: %d layers, paged layout %r, block size %d", len(kv_caches), self.layout.name,
                  self.block_size)
 
