@@ -653,8 +653,9 @@ class PrefixLoad:
             parts.append(piece)
             got, last = got + len(piece), len(piece)
             with self._cond:
+                measured = seconds > 0 and link.measures(len(piece), seconds)  # (not a round trip's time)
                 self._reading = _Reading(i, large, time.perf_counter(), 0, large.nbytes - got,
-                                         len(piece) / seconds if seconds > 0 else math.inf,
+                                         len(piece) / seconds if measured else math.inf,
                                          getattr(link.throughput, "measured_at", None))
                 self._cond.notify_all()  # the decoder may be deciding whether to wait for this chunk
                 if rule is None:

@@ -25,6 +25,12 @@ LINK_PRIOR_BPS = 1e9 / 8
 # seen within one read as a drop is.  Plain harmonic mean: three reads at 20 Mbit/s and one at 10 Gbit/s still
 # estimate 27 Mbit/s, and a load that reads 64 KiB pieces to probe (kvcodec.store.load) would never see the rise.
 LINK_FOLLOW = 4.0
+# A read this short that looks slower than the link's estimate does not lower it: its time is mostly the request's
+# round trip, not the link.  Inside vLLM here a 230 KB Redis GET took 4.9 ms on an unshaped link of about 600 MB/s,
+# which read as 47 MB/s and made a fresh engine's first load, once kvtc's decode was timed at start, take kvtc for
+# half its chunks (0.86-0.99 s against raw's 0.26 s).  A slower link shows in a longer read: a 256 KiB piece takes
+# 21 ms at 100 Mbit/s, a 32 KiB probe piece 13 ms at 20 Mbit/s.
+ROUND_TRIP_S = 0.010
 # An unmeasured codec is taken to decode for free (tokens per second), so that the first load that could use it
 # does, and measures it.
 DECODE_PRIOR_TPS = 1e12
@@ -142,6 +148,16 @@ class Link:
         self.throughput = RateEstimator(prior_bps, follow=LINK_FOLLOW)
         self.contention = Contention()
 
+    def measures(self, nbytes: int, seconds: float) -> bool:
+        """Whether a read of ``nbytes`` in ``seconds`` measures the link: any but one shorter than
+        ``ROUND_TRIP_S`` that looks slower than the estimate (its time is the round trip's)."""
+        return seconds >= ROUND_TRIP_S or seconds <= 0 or nbytes / seconds >= self.throughput.estimate
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A read of ``nbytes`` in ``seconds``, into the throughput where it :meth:`measures` the link."""
+        if self.measures(nbytes, seconds):
+            self.throughput.observe(nbytes, seconds)
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -182,7 +198,7 @@ class Telemetry:
     def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
         """A read of ``nbytes`` from ``tier`` in ``seconds`` (a :class:`~kvcodec.store.source.ChunkSource`
         observer)."""
-        self.links[tier].throughput.observe(nbytes, seconds)
+        self.links[tier].observe(nbytes, seconds)
 
     def estimates(self) -> Estimates:
         """What this store has measured (a restored decode rate or contention counts until pushed out; a restored
