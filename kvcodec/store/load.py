@@ -38,10 +38,10 @@ Three rules keep both stages busy without a byte or a decode spent where it does
   every small variant is in, the fetch keeps a probe under way: the lowest chunk's large variant in ``PROBE_BYTES``
   pieces, within a budget of ``PROBE_SHARE`` of the small variants' bytes spread over the decodes still queued, so
   that a link that rises is seen within one piece and the rest of that chunk comes large when it can be in in
-  time.  (Before, a load that
-  started on a slow link never read the link again once its small variants were in: on a rise from 20 Mbit/s to
-  10 Gbit/s 0.1 s in, 1.71x raw's load time; now 1.02x.  A probe without a budget wasted 61-225% of the bytes used
-  at 20 Mbit/s inside vLLM; with it, 2-5% over the same link in ``tests/test_shaped_link_adaptation.py``'s setup.)
+  time.  (Before, a load that started on a slow link never read the link again once its small variants were in:
+  on a rise from 20 Mbit/s to 10 Gbit/s 0.1 s in, 1.71x raw's load time; now 1.02x.  A probe without a budget
+  wasted 61-225% of the bytes used at 20 Mbit/s inside vLLM; with it, 2-5% over the same link in
+  ``tests/test_shaped_link_adaptation.py``'s setup.)
 
 Layer ``l`` is *ready* (:meth:`PrefixLoad.wait_layer`) once every chunk's layer ``l`` is in: each chunk is decoded
 layer by layer, so an engine runs its first layers while the last chunk's later layers are still decoding.  Only

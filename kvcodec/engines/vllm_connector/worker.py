@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from kvcodec.cache import KVCache
-from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
 from kvcodec.engines.store_setup import time_decodes
+from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
 from kvcodec.engines.vllm_connector.setup import detect_layout, engine_logger
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
 from kvcodec.store import ChunkShape, KVStore, PagedSink, PrefixLoad
