@@ -21,15 +21,16 @@ from kvcodec.chunking import layer_context, make_header
 from kvcodec.codecs.kvfetcher.codec import KVFetcher
 from kvcodec.codecs.kvfetcher.restore import restore_paged
 from kvcodec.codecs.kvfetcher.section import SectionHead, decode_codes
+from real_kv import FOLDER
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu_kvfetcher.md"
 
 
 def load_kv(tokens: int, layers: int) -> tuple[kvcodec.KVCache, str]:
-    """Real SmolLM2 KV from the test cache if there, tiled to ``tokens``; else a synthetic random-walk cache."""
-    cache = ROOT / ".cache" / "test-kv"
-    dumps = sorted(cache.glob("license-GPL-3-*-float16-*.safetensors")) if cache.exists() else []
+    """The benches' real SmolLM2 KV (``real_kv``: the GPU machine cannot make it, so it is carried) tiled to
+    ``tokens``; else, when none was carried, a synthetic random-walk cache, said so in the table."""
+    dumps = sorted(FOLDER.glob("license-GPL-3-*-float16-*.safetensors")) if FOLDER.exists() else []
     if dumps:
         kv = kvcodec.KVCache.load_safetensors(dumps[-1])
         reps = -(-tokens // kv.num_tokens)

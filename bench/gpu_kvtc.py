@@ -67,7 +67,7 @@ from gpu_timing import Report, Timer, device_or_none  # noqa: E402
 
 from kvcodec.tools.kvtc_tolerance import assert_within_kvtc_tolerance  # noqa: E402  (as the tests check it)
 
-GOLDEN = ROOT / "formats" / "golden"
+GOLDEN = ROOT / "kvcodec" / "formats" / "golden"
 
 
 def frame_of(blob: bytes, device: torch.device, backend: str):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import kvcodec
@@ -12,7 +13,11 @@ FOLDER = Path(__file__).resolve().parent.parent / ".cache" / "bench-kv"
 
 def gpl3_dump(tokens: int) -> Path:
     """The dump of the first ``tokens`` tokens, made now if missing.  Its name carries kvcodec's and transformers'
-    versions, since either can change what the model computes."""
+    versions, since either can change what the model computes.  ``KVCODEC_BENCH_KV`` names a dump to use instead:
+    a machine that cannot run the model (the GPU machine) reads one carried there (scripts/gpu_check.sh)."""
+    carried = os.environ.get("KVCODEC_BENCH_KV")
+    if carried:
+        return Path(carried)
     import transformers
 
     from kvcodec.cli import main
@@ -32,4 +37,8 @@ def gpl3_dump(tokens: int) -> Path:
 
 def gpl3_kv(tokens: int) -> kvcodec.KVCache:
     """The cache of the first ``tokens`` tokens (see :func:`gpl3_dump`)."""
-    return kvcodec.KVCache.load_safetensors(gpl3_dump(tokens))
+    path = gpl3_dump(tokens)
+    kv = kvcodec.KVCache.load_safetensors(path)
+    if kv.num_tokens != tokens:
+        raise SystemExit(f"{path} holds {kv.num_tokens} tokens, not the {tokens} asked for")
+    return kv

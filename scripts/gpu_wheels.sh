@@ -1,33 +1,37 @@
 #!/usr/bin/env bash
-# Fetch, here, the cp312 wheels that the GPU machine's image lacks, into .whl/ (git-ignored via
-# .git/info/exclude), one folder per bench so each device run carries only what it needs (64 MiB a call), and cut
-# the real test dump to what kvfetcher's bench reads, since its wheels leave only ~3 MB of that (.cache/gpu-kv).
+# Pack, here, the Python packages that the GPU machine's image lacks (constriction; PyAV and PyNvVideoCodec for
+# kvfetcher) into .whl/site.tar.xz (git-ignored via .git/info/exclude), and dump the real KV the benches read
+# (.cache/bench-kv).  The image cannot download, and a device call carries at most 64 MiB: the three cp312 wheels
+# are 62 MB as deflated wheels, 28 MB unpacked, trimmed (samples, bundled sources) and xz-compressed with duplicate
+# libraries stored once.  zstandard (5.5 MB) stays out: only the zstd baseline imports it, and no GPU bench runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-fetch() {
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d ".whl/$1" "${@:2}"
-}
-fetch cachegen constriction zstandard
-fetch kvfetcher av PyNvVideoCodec constriction  # kvcodec imports zstandard only when the zstd codec runs
-fetch kvtc constriction pytest pluggy iniconfig packaging pygments  # gpu_kvtc.py imports tests/test_golden.py (SPEC tolerance)
-du -sh .whl/*
-dump=$(ls .cache/test-kv/license-GPL-3-512-float16-*.safetensors 2>/dev/null | tail -1 || true)
-if [ -n "$dump" ] && [ -x .venv/bin/python ]; then
-    .venv/bin/python - "$dump" <<'EOF'
-import sys
-from pathlib import Path
-
-import kvcodec
-
-kv = kvcodec.KVCache.load_safetensors(sys.argv[1])
-cut = kvcodec.KVCache([(k[:, :256].clone(), v[:, :256].clone()) for k, v in kv.layers[:8]], model=kv.model)
-Path(".cache/gpu-kv").mkdir(parents=True, exist_ok=True)
-cut.save_safetensors(".cache/gpu-kv/license-GPL-3-256-float16-8layers.safetensors")
-EOF
-    du -sh .cache/gpu-kv
-else
-    echo "gpu_wheels.sh: no real dump in .cache/test-kv (run the tests once): the kvfetcher bench will use synthetic KV" >&2
-fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$work/wheels" constriction av PyNvVideoCodec
+mkdir -p "$work/site"
+for w in "$work"/wheels/*.whl; do (cd "$work/site" && python3 -m zipfile -e "$w" .); done
+rm -rf "$work"/site/{samples,benchmarks} "$work"/site/*.data
+python3 - "$work/site" <<'PY'
+# A wheel cannot hold links, so PyNvVideoCodec ships each FFmpeg library three times; tar stores hard links once.
+import hashlib, os, sys
+first = {}
+for root, _, files in os.walk(sys.argv[1]):
+    for name in sorted(files):
+        path = os.path.join(root, name)
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).digest()
+        if digest in first:
+            os.remove(path)
+            os.link(first[digest], path)
+        else:
+            first[digest] = path
+PY
+mkdir -p .whl
+tar -C "$work/site" -cJf .whl/site.tar.xz .
+du -h .whl/site.tar.xz
+.venv/bin/python -c "import sys; sys.path.insert(0, 'bench'); from real_kv import gpl3_dump; print(gpl3_dump(512))"
+du -sh .cache/bench-kv
