@@ -7,7 +7,7 @@ decode of the same chunks bit for bit (cachegen's device and CPU decodes agree e
 starting inside the first chunk leaving the tokens before it untouched.  Then the load's GB/s of KV against the
 dense decode plus a scatter.  ``--device cpu`` runs the same checks on the CPU (no kernel), as a smoke test.
 
-    bash scripts/gpu_check.sh load          (carry .whl/cachegen)
+    bash scripts/gpu_check.sh load          (carry .whl and .cache/bench-kv; scripts/gpu_wheels.sh makes them)
     python bench/gpu_load.py --device cpu --tokens 512
 """
 

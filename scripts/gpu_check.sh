@@ -39,7 +39,7 @@ if [ "$#" -gt 0 ]; then
     run 590 "$name" "$@"
     exit
 fi
-# Limits from the CPU smoke runs and the last device run (cachegen about 2 min at these sizes); sizes cut where a
+# Limits guessed from the CPU smoke runs (none of this has run on a device as one call yet); sizes cut where a
 # default would not fit beside the others.
 status=0
 run 130 cachegen --tokens 256,2048,8192 --repeat 20 || status=1
