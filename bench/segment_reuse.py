@@ -21,18 +21,23 @@ taken side by side in one run (the ratios are what to read on a shared machine) 
 
 With ``--ttft-only REPS``, time to first token alone on the first prompt (full prefill, fusion at ``--shares``,
 prefix-only reuse), interleaved REPS times, the fastest of each and the median of each round's ratio to its full prefill:
-``bench/results/segment_reuse-ttft.md``.
+``bench/results/segment_reuse-ttft.md``.  ``--link MBIT`` keeps the segments in Redis behind a link shaped to that
+rate (root: a network namespace and tc, :mod:`kvcodec.tools.netlab`) instead of a memory tier, and ``--codec``
+stores them in a codec or a list of variants that each load chooses from (``cachegen,raw``: adaptive).
 
     python bench/segment_reuse.py [--docs 6] [--doc-tokens 600] [--prompts 3] [--shares 0,0.15,0.3]
     python bench/segment_reuse.py --docs 4 --doc-tokens 500 --prompts 3 --ttft-only 5
+    python bench/segment_reuse.py --docs 8 --doc-tokens 490 --prompts 2 --ttft-only 3 --link 1000 --codec cachegen,raw
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,8 +48,10 @@ from transformers import DynamicCache
 import kvcodec
 from kvcodec.engines.transformers_hook import TransformersKVHook
 from kvcodec.models import load_model
-from kvcodec.store import KVStore, MemoryTier
+from kvcodec.store import KVStore, MemoryTier, RedisTier
 from kvcodec.texts import load_text
+from kvcodec.tools.netlab import ShapedLink, unavailable
+from kvcodec.tools.redis_server import started_redis
 
 OUT = Path(__file__).parent / "results" / "segment_reuse.md"
 DOCS = ("license:MPL-2.0", "stdlib:textwrap.py", "pydoc:json", "license:Apache-2.0", "stdlib:csv.py",
@@ -87,31 +94,60 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=600, help="tokens of each document (default 600)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts (shuffled orders, one question each; default 3)")
     ap.add_argument("--shares", default=",".join(f"{x:g}" for x in SHARES),
-                    help="fusion's recompute shares, comma-separated (default: %(default)s)")
+                    help="fusion's recompute shares, comma-separated; auto: the loading controller's (default: "
+                         "%(default)s)")
     ap.add_argument("--heldout", type=int, default=128, help="held-out continuation tokens (default 128)")
     ap.add_argument("--ttft-only", type=int, metavar="REPS", default=0,
                     help="only time to first token on the first prompt: full prefill, fusion at --shares, "
                          "prefix-only reuse, interleaved REPS times, fastest of each (a busy machine slows some "
                          "runs, never speeds one up); writes bench/results/segment_reuse-ttft.md")
+    ap.add_argument("--link", type=float, metavar="MBIT", default=None,
+                    help="keep the segments in Redis behind a link shaped to MBIT Mbit/s (root) instead of in memory")
+    ap.add_argument("--codec", default="raw",
+                    help="the segments' codec, or variants separated by commas that each load picks from (default raw)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not 2 <= args.docs <= len(DOCS):
         ap.error(f"--docs is 2 to {len(DOCS)}")
     try:
-        args.shares = [float(x) for x in args.shares.split(",")]
+        args.shares = [None if x == "auto" else float(x) for x in args.shares.split(",")]
     except ValueError:
-        ap.error(f"--shares is fractions separated by commas, not {args.shares!r}")
-    if not all(0 <= x <= 1 for x in args.shares):
-        ap.error("--shares are fractions in 0..1")
+        ap.error(f"--shares is fractions (or auto) separated by commas, not {args.shares!r}")
+    if not all(x is None or 0 <= x <= 1 for x in args.shares):
+        ap.error("--shares are fractions in 0..1, or auto (the loading controller's)")
+    if args.link is not None and (why := unavailable()):
+        ap.error(f"--link: {why}")
+    with contextlib.ExitStack() as stack:
+        run(args, stack)
+
+
+def segment_tier(args, stack: contextlib.ExitStack):
+    """Where the segments are kept: a memory tier, or Redis behind a link of ``--link`` Mbit/s (unshaped while they
+    are stored), with the link (None for memory)."""
+    if args.link is None:
+        return MemoryTier(None), None
+    link = stack.enter_context(ShapedLink(100_000))
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcodec-segment-reuse-")))
+    redis = started_redis(folder, link)
+    stack.callback(redis.stop)
+    # a raw 256-token chunk of SmolLM2 float32 KV is 11.8 MB: about 1 s at 100 Mbit/s, past the tier's 0.2 s default
+    return RedisTier(redis.host, redis.port, timeout_s=60), link
+
+
+def run(args, stack: contextlib.ExitStack) -> None:
     lm = load_model("smollm2", progress=False)
     model, tok = lm.model, lm.tokenize
     system = tok(SYSTEM)
     docs = [tok(load_text(spec)[:args.doc_tokens * 8])[:args.doc_tokens] for spec in DOCS[:args.docs]]
     heldout = tok(load_text(HELDOUT))[:args.heldout]
-    hook = TransformersKVHook(lm, KVStore([MemoryTier(None)], model=lm.model_id, codec="raw"), save=False)
+    tier, link = segment_tier(args, stack)
+    codec = args.codec.split(",") if "," in args.codec else args.codec
+    hook = TransformersKVHook(lm, KVStore([tier], model=lm.model_id, codec=codec), save=False)
     t0 = time.perf_counter()
     hook.put_segments([system] + docs)
     put_s = time.perf_counter() - t0
+    if link is not None:
+        link.set_rate(args.link)
     anchor = list(hook.segments.anchor)
     rng = random.Random(0)
     orders = []
@@ -124,7 +160,7 @@ def main() -> None:
     if args.ttft_only:
         ttft(args, lm, hook, prompts, [[system] + [docs[i] for i in o] for o in orders])
         return
-    methods = [f"fusion {s:.0%}" for s in args.shares] + ["prefix-only reuse", "cachegen level 2 (full prefill's KV)"]
+    methods = [name(s) for s in args.shares] + ["prefix-only reuse", "cachegen level 2 (full prefill's KV)"]
     rows: dict[str, dict[str, list[float]]] = {m: {"kl": [], "agree": [], "ppl": [], "ttft": [], "ratio": [],
                                                    "work": []} for m in methods + ["full prefill"]}
     refs = []
@@ -161,7 +197,7 @@ def main() -> None:
         for share in args.shares:
             fused = hook.fuse(order, question, share=share)
             logits, ppl = scores(model, fused.logits[-1].float(), fused.cache, greedy, heldout)
-            record(f"fusion {share:.0%}", logits, ppl, fused.report.first_token_s, fused.report.recomputed_share)
+            record(name(share), logits, ppl, fused.report.first_token_s, fused.report.recomputed_share)
         # prefix-only reuse: the store's prefix chunks (256 tokens) of the other prompts, so what this prompt shares
         # with them loads (the system text alone is shorter than a chunk: only a prompt that leads with the same
         # document as another finds anything)
@@ -196,8 +232,9 @@ def ttft(args, lm, hook, prompts, orders) -> None:
     for c, q in prompts[1:]:
         prefix_store.put(c + q, lm.prefill(c + q))
     prefix_hook = TransformersKVHook(lm, prefix_store, save=False)
-    times: dict[str, list[float]] = {"full prefill": [], **{f"fusion {s:.0%}": [] for s in args.shares},
+    times: dict[str, list[float]] = {"full prefill": [], **{name(s): [] for s in args.shares},
                                      "prefix-only reuse": []}
+    loads: dict[str, list[tuple[float, int, float]]] = {name(s): [] for s in args.shares}
     loaded = 0
     for _ in tqdm(range(args.ttft_only), desc="ttft", unit="round"):
         t = time.perf_counter()  # the last position's logits only, as fusion computes the question's only
@@ -205,17 +242,26 @@ def ttft(args, lm, hook, prompts, orders) -> None:
             model(torch.tensor([ids]), cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
         times["full prefill"].append(time.perf_counter() - t)
         for share in args.shares:
-            times[f"fusion {share:.0%}"].append(hook.fuse(orders[0], question, share=share).report.first_token_s)
+            r = hook.fuse(orders[0], question, share=share).report
+            times[name(share)].append(r.first_token_s)
+            loads[name(share)].append((r.load_s, r.nbytes, r.share))
         done = prefix_hook.generate(ids, max_new_tokens=1)
         times["prefix-only reuse"].append(done.first_token_s)
         loaded = done.loaded_tokens
     best = {k: min(v) for k, v in times.items()}
     # each round's own ratio as well: a load that changes between rounds moves both sides of it alike
     paired = {k: statistics.median(t / f for t, f in zip(v, times["full prefill"])) for k, v in times.items()}
+
+    def load(k: str) -> str:
+        if k not in loads:
+            return "- | - | -"
+        return (f"{statistics.median(x[0] for x in loads[k]):.3f} | "
+                f"{statistics.median(x[1] for x in loads[k]) / 1e6:.1f} | {statistics.median(x[2] for x in loads[k]):.0%}")
+
     lines = ["| method | fastest TTFT (s) | median (s) | fastest / full prefill's fastest | median of the rounds' "
-             "ratios |", "|---|---|---|---|---|"]
+             "ratios | load, median (s) | MB loaded | share |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {k} | {best[k]:.3f} | {statistics.median(v):.3f} | {best[k] / best['full prefill']:.2f} | "
-              f"{paired[k]:.2f} |" for k, v in times.items()]
+              f"{paired[k]:.2f} | {load(k)} |" for k, v in times.items()]
     table = "\n".join(lines)
     print(table)
     out = args.out or OUT.with_name("segment_reuse-ttft.md")
@@ -225,7 +271,7 @@ def ttft(args, lm, hook, prompts, orders) -> None:
 (issue 34; quality: [segment_reuse.md](segment_reuse.md)).  One prompt of {len(ids)} tokens, each way
 {args.ttft_only} times, interleaved; the fastest of each (a shared 2-core machine slows runs, never speeds one up),
 and the median over the rounds of each round's time against that round's full prefill.
-Fusion includes loading and decoding the segments (raw) from the memory tier; prefix-only reuse loaded {loaded}
+Fusion includes loading and decoding the segments ({kept(args)}); prefix-only reuse loaded {loaded}
 tokens of the other prompts' prefix chunks and computed the rest.
 
 {table}
@@ -233,10 +279,26 @@ tokens of the other prompts' prefix chunks and computed the rest.
     print(f"wrote {out}")
 
 
+def name(share: float | None) -> str:
+    """A fusion's row: its share, or the loading controller's."""
+    return "fusion, the controller's share" if share is None else f"fusion {share:.0%}"
+
+
 def command_tail(args) -> str:
     """The options of this run that are not the defaults, as typed."""
-    tail = "" if args.shares == list(SHARES) else f" --shares {','.join(f'{x:g}' for x in args.shares)}"
+    tail = "" if args.shares == list(SHARES) else \
+        f" --shares {','.join('auto' if x is None else f'{x:g}' for x in args.shares)}"
+    tail += "" if args.link is None else f" --link {args.link:g}"
+    tail += "" if args.codec == "raw" else f" --codec {args.codec}"
     return tail + ("" if args.out is None else f" --out {args.out}")
+
+
+def kept(args) -> str:
+    """Where and how the segments are kept, in words."""
+    where = "a memory tier" if args.link is None else f"Redis behind a link shaped to {args.link:g} Mbit/s"
+    how = "raw" if args.codec == "raw" else (f"as variants {args.codec} (each load picks)" if "," in args.codec
+                                             else args.codec)
+    return f"{how}, in {where}"
 
 
 def report(args, rows, methods, prompts, put_s) -> None:
@@ -267,10 +329,10 @@ def report(args, rows, methods, prompts, put_s) -> None:
 `python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts}{command_tail(args)}`
 (issue 34; [docs/segments.md](../../docs/segments.md)).  {args.prompts} prompts of {min(tokens)}-{max(tokens)} tokens:
 SmolLM2's BOS, a system text, {args.docs} real documents of {args.doc_tokens} tokens ({", ".join(DOCS[:args.docs])})
-in shuffled orders, and a question.  Segments stored once, raw, in a memory tier ({put_s:.1f} s for all); KL and
+in shuffled orders, and a question.  Segments stored once, {kept(args)} ({put_s:.1f} s for all); KL and
 greedy agreement over the full prefill's {CONTINUATION}-token greedy continuation (teacher-forced), perplexity of
 {args.heldout} held-out tokens ({HELDOUT}) read after the prompt; means over the prompts.  TTFT: medians over the
-prompts, fusion's including the segments' load and decode from the memory tier; the ratio is taken within each
+prompts, fusion's including the segments' load and decode; the ratio is taken within each
 prompt (side by side), then its median.  "token-layers computed": the share of the context's tokens times layers
 that ran (a full prefill: 100%); for prefix-only reuse, the share of the context not loaded.  Shared 2-core machine:
 read the ratios.

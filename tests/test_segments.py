@@ -165,18 +165,32 @@ def test_the_load_estimate_is_bytes_over_the_link_plus_tokens_at_the_decode_rate
 def test_the_loading_controller_recomputes_what_hides_under_loading():
     from kvcodec.blend import SHARE_FLOOR, controlled_share
 
-    # 30 layers, 1,000 reusable tokens, 10 us per token-layer: one layer recomputes 1% of them in 0.1 ms
-    slow = controlled_share(0.006 * 30, 30, 1000, 10e-6)  # 6 ms a layer to load: 60% recomputes in 6 ms
-    assert slow.share == pytest.approx(0.6) and slow.reason.startswith("loading-bound")
-    assert controlled_share(10.0, 30, 1000, 10e-6).share == 1.0  # slower than a full prefill: recompute all
+    # 30 layers, 1,000 reusable tokens, 10 us per token-layer: one layer recomputes 1% of them in 0.1 ms, and
+    # recomputing every one takes 0.3 s
+    slow = controlled_share(0.004 * 30, 30, 1000, 10e-6)  # 4 ms a layer to load: 40% recomputes in 4 ms
+    assert slow.share == pytest.approx(0.4) and slow.reason.startswith("loading-bound")
     fast = controlled_share(0.001, 30, 1000, 10e-6)  # in memory: the quality floor
     assert fast.share == SHARE_FLOOR and fast.reason.startswith("quality floor")
     assert controlled_share(0.001, 30, 1000, 10e-6, floor=0.0).share == pytest.approx(0.001 / 30 / 1000 / 10e-6)
     # a slower model hides less under the same load
-    assert controlled_share(0.006 * 30, 30, 1000, 15e-6, floor=0.1).share == pytest.approx(0.4)
+    assert controlled_share(0.004 * 30, 30, 1000, 15e-6, floor=0.1).share == pytest.approx(0.4 / 1.5)
     assert controlled_share(0.0, 30, 0, 10e-6).share == SHARE_FLOOR
     with pytest.raises(InvalidInputError, match="floor"):
         controlled_share(1.0, 30, 1000, 1e-5, floor=1.5)
     with pytest.raises(InvalidInputError, match="non-negative"):
         controlled_share(-1.0, 30, 1000, 1e-5)
+
+
+def test_the_loading_controller_never_makes_the_fusion_slower_than_recomputing_everything():
+    """The loads run before the recompute, so a share that would hide under a slow load adds to it instead: past
+    the share where the two together take as long as recomputing every token, the controller stops (regression:
+    at 100 Mbit/s with raw segments it picked 100% after a 15 s load, 2.9x a 7.8 s full prefill)."""
+    from kvcodec.blend import SHARE_FLOOR, controlled_share
+
+    capped = controlled_share(0.006 * 30, 30, 1000, 10e-6)  # a 0.18 s load hides 60%; 0.12 s of recompute is left
+    assert capped.share == pytest.approx(0.4) and capped.reason.startswith("capped")
+    for load_s in (0.25, 0.3, 10.0):  # nothing or too little is left: the quality floor, no more
+        choice = controlled_share(load_s, 30, 1000, 10e-6)
+        assert choice.share == SHARE_FLOOR and "capped" in choice.reason, choice
+    assert controlled_share(10.0, 30, 1000, 10e-6, floor=0.0).share == 0.0
     assert RecomputeSchedule(None).share is None  # None: the controller's

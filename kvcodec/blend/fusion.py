@@ -14,7 +14,10 @@
 When the caller does not fix the share, the *loading controller* (:func:`controlled_share`) picks it from what
 loading costs here (the store's own estimates of its links and decode rates, :func:`estimated_load_s`) against what
 recomputing costs (measured on the fusion's own first layers, which run over every token): the share whose
-recompute of one layer takes as long as loading one layer, never below :data:`SHARE_FLOOR`.
+recompute of one layer takes as long as loading one layer, never below :data:`SHARE_FLOOR`, and capped (the loads
+still run before the recompute) where load and recompute together would pass recomputing everything.  The loads
+themselves stop where the engine recomputing the rest of a segment is sooner (``recompute_tps``, the store's own
+rule), and what did not load is computed at every layer.
 
 A :class:`FusionReport` says what was reused, recomputed (per layer) and missed, and the share chosen and why.
 """
@@ -133,10 +136,11 @@ class FusionReport:
 
 def assemble(store: SegmentStore, segments: Sequence[Sequence[int]], shape: ChunkShape,
              rotary: Sequence[Rotary | None], *, device: torch.device | str | None = None,
-             dtype: torch.dtype | None = None) -> FusedContext:
+             dtype: torch.dtype | None = None, recompute_tps: float | None = None) -> FusedContext:
     """Load ``segments`` (token id lists, in prompt order, after the store's anchor) into one context of
     ``shape`` (the model's layers, heads and head sizes), each segment's keys moved to its positions in the
-    prompt by ``rotary`` (the model's per-layer setting)."""
+    prompt by ``rotary`` (the model's per-layer setting).  ``recompute_tps`` (the engine's prefill speed, tokens/s)
+    lets each segment's load stop where recomputing its rest is sooner; the rest is then forced."""
     if not segments:
         raise InvalidInputError("a fused prompt needs at least one segment")
     anchor = list(store.anchor)
@@ -150,7 +154,7 @@ def assemble(store: SegmentStore, segments: Sequence[Sequence[int]], shape: Chun
     hits, start, nbytes, estimate_s = [], len(anchor), 0, 0.0
     t0 = time.perf_counter()
     for seg in segments:
-        found = store.load(seg, device=device, dtype=dtype)
+        found = store.load(seg, device=device, dtype=dtype, recompute_tps=recompute_tps)
         nbytes += found.load.nbytes
         estimate_s += estimated_load_s(store.store, found.load.chunks)
         m = found.loaded
@@ -185,12 +189,16 @@ class ShareChoice:
 
 def controlled_share(load_s: float, layers: int, reusable: int, token_layer_s: float,
                      floor: float = SHARE_FLOOR) -> ShareChoice:
-    """The recompute share that hides under loading (CacheBlend's loading controller): loading one layer of the
-    segments takes ``load_s / layers`` (``load_s``: :func:`estimated_load_s` of all of them), recomputing a share
-    ``r`` of the ``reusable`` tokens at one layer ``r * reusable * token_layer_s`` (``token_layer_s``: seconds per
-    token per layer, as the model computes here), so when layer l+1 loads while layer l recomputes, the share that
-    costs nothing more is their ratio.  Slow loading buys more recompute, up to every token; fast loading never
-    less than ``floor``, the quality floor."""
+    """The recompute share that hides under loading (CacheBlend's loading controller), within what keeps the fusion
+    from taking longer than recomputing everything.  Loading one layer of the segments takes ``load_s / layers``
+    (``load_s``: :func:`estimated_load_s` of all of them), recomputing a share ``r`` of the ``reusable`` tokens at one
+    layer ``r * reusable * token_layer_s`` (``token_layer_s``: seconds per token per layer, as the model computes
+    here), so when layer l+1 loads while layer l recomputes, the share that costs nothing more is their ratio: slow
+    loading buys more recompute, fast loading never less than ``floor``, the quality floor.
+
+    The segments still load before the recompute starts (the overlap is not built), so the recompute adds to the
+    load: the share is capped where load and recompute together would take as long as recomputing every reused
+    token (``1 - load_s / (layers * reusable * token_layer_s)``), and never set below ``floor``."""
     if not (0.0 <= floor <= 1.0):
         raise InvalidInputError(f"the share floor is a fraction in 0..1, not {floor!r}")
     if load_s < 0 or token_layer_s < 0 or layers < 1 or reusable < 0:
@@ -200,11 +208,16 @@ def controlled_share(load_s: float, layers: int, reusable: int, token_layer_s: f
     if reusable == 0 or token_layer_s == 0:
         return ShareChoice(1.0 if reusable else floor, "nothing to weigh: no reused tokens or no recompute cost")
     hidden = per_layer / (reusable * token_layer_s)
+    cap = 1.0 - hidden
     why = (f"loading {per_layer * 1e3:.3g} ms/layer hides {min(hidden, 1.0):.1%} of {reusable} tokens at "
            f"{token_layer_s * 1e6:.3g} us/token-layer")
-    if hidden <= floor:
-        return ShareChoice(floor, f"quality floor: {why}")
-    return ShareChoice(min(1.0, hidden), f"loading-bound: {why}")
+    if min(hidden, cap) <= floor:
+        return ShareChoice(floor, f"quality floor: {why}" + (f"; capped at {max(cap, 0.0):.1%}, as the load runs "
+                                                              "before the recompute" if cap < hidden else ""))
+    if cap < hidden:
+        return ShareChoice(cap, f"capped: {why}, but the load runs before the recompute, and past {cap:.1%} the "
+                                "two would take longer than recomputing every token")
+    return ShareChoice(hidden, f"loading-bound: {why}")
 
 
 def token_changes(old_k: torch.Tensor, new_k: torch.Tensor, old_v: torch.Tensor, new_v: torch.Tensor) -> torch.Tensor:

@@ -90,12 +90,14 @@ class SegmentStore:
         return self.store.lookup(_tokens(token_ids), salt=self.domain).num_tokens
 
     def load(self, token_ids: Sequence[int], *, device: torch.device | str | None = None,
-             dtype: torch.dtype | None = None) -> LoadedSegment:
+             dtype: torch.dtype | None = None, recompute_tps: float | None = None) -> LoadedSegment:
         """Load segment ``token_ids`` through the store's load path: its stored chunks up to the first missing or
-        bad one (a bad one is evicted), decoded."""
+        bad one (a bad one is evicted), decoded; with ``recompute_tps`` (the engine's prefill speed, tokens/s),
+        also up to where the engine recomputing the rest would be sooner than loading it."""
         token_ids = _tokens(token_ids)
         sink = DenseSink(device=device, dtype=dtype)
-        result = self.store.prefix_load(token_ids, sink, salt=self.domain, device=device).start().finish()
+        result = self.store.prefix_load(token_ids, sink, salt=self.domain, device=device,
+                                        recompute_tps=recompute_tps).start().finish()
         n = result.loaded_end
         kv = None
         if n:  # a layer may hold more: a chunk that failed after some of its layers were written

@@ -168,12 +168,14 @@ def _blocks(inner: Any, hidden: torch.Tensor, sel: torch.Tensor) -> list[_Block]
 @dataclass
 class Recomputed:
     """The fused context's cache after :func:`recompute` (a ``DynamicCache`` that grows as usual from here), the
-    tokens each layer computed, the seconds it took, and the share used and why."""
+    tokens each layer computed, the seconds it took, the share used and why, and the seconds per token-layer of
+    the layers up to the check layer when they computed every token (else None)."""
 
     cache: Any
     counts: list[int]
     seconds: float
     share: ShareChoice
+    token_layer_s: float | None = None
 
 
 @torch.no_grad()
@@ -196,6 +198,7 @@ def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) ->
     sel = schedule.first(forced)
     counts = []
     choice = ShareChoice(schedule.share, "given") if schedule.share is not None else None
+    token_layer_s = None
     if len(sel):
         hidden = inner.embed_tokens(ids[sel][None])
         blocks = _blocks(inner, hidden, sel.to(dev))
@@ -213,9 +216,11 @@ def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) ->
                               use_cache=True, position_embeddings=b.rotary))
             devs.append(selection.deviation)
         hidden = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+        if i == schedule.check_layer and len(sel) == context.num_tokens:
+            token_layer_s = (time.perf_counter() - t_layers) / sum(counts)
         if choice is None and i == schedule.check_layer:
             choice = controlled_share(context.load_estimate_s, model.config.num_hidden_layers, int((~forced).sum()),
-                                      (time.perf_counter() - t_layers) / sum(counts))
+                                      token_layer_s)
             schedule = dataclasses.replace(schedule, share=choice.share)
         if selection.measure:
             keep = schedule.narrow(i, sel, deviation(torch.cat(devs, 1)).cpu(), forced)
@@ -225,33 +230,38 @@ def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) ->
     selection.selected = None
     if choice is None:  # no layer reached the check (nothing to compute, or a model this shallow)
         choice = ShareChoice(0.0, "nothing computed")
-    return Recomputed(cache, counts, time.perf_counter() - t0, choice)
+    return Recomputed(cache, counts, time.perf_counter() - t0, choice, token_layer_s)
 
 
 @dataclass
 class Fusion:
     """A fused prompt: its ``token_ids`` (anchor, segments, suffix), the model's ``logits`` ``[len(suffix), V]``
     over the suffix (the last row predicts the first new token), the ``cache`` of the whole prompt to continue
-    from, and the :class:`~kvcodec.blend.fusion.FusionReport`."""
+    from, the :class:`~kvcodec.blend.fusion.FusionReport`, and the seconds per token-layer the model took over the
+    whole context at its first layers (None where they did not compute every token): its prefill speed here."""
 
     token_ids: list[int]
     logits: torch.Tensor
     cache: Any
     report: FusionReport
+    token_layer_s: float | None = None
 
 
 @torch.no_grad()
 def fuse(model: Any, store: SegmentStore, segments: Sequence[Sequence[int]], suffix: Sequence[int], *,
-         schedule: RecomputeSchedule, shape: ChunkShape) -> Fusion:
+         schedule: RecomputeSchedule, shape: ChunkShape, recompute_tps: float | None = None) -> Fusion:
     """The prompt ``anchor + segments + suffix``: the segments loaded from ``store`` and fused (forced tokens and
-    those ``schedule`` picks recomputed), then ``suffix`` (at least one token) computed over them."""
+    those ``schedule`` picks recomputed), then ``suffix`` (at least one token) computed over them.
+    ``recompute_tps`` (the model's prefill speed, tokens/s) stops a segment's load where computing its rest is
+    sooner."""
     suffix = [int(t) for t in suffix]
     if not suffix:
         raise InvalidInputError("a fused prompt needs a suffix of at least one token (the question), whose logits "
                                 "continue it")
     check_supported(model)
     t0 = time.perf_counter()
-    context = assemble(store, segments, shape, model_rotary(model), device=model.device, dtype=model.dtype)
+    context = assemble(store, segments, shape, model_rotary(model), device=model.device, dtype=model.dtype,
+                       recompute_tps=recompute_tps)
     done = recompute(model, context, schedule)
     t1 = time.perf_counter()
     logits = model(torch.tensor([suffix], device=model.device), cache=done.cache, use_cache=True).logits[0]
@@ -260,4 +270,4 @@ def fuse(model: Any, store: SegmentStore, segments: Sequence[Sequence[int]], suf
     report = FusionReport(context.num_tokens + len(suffix), context.num_tokens, context.num_tokens - forced, forced,
                           done.share.share, done.counts, context.segments, context.nbytes, context.load_s,
                           done.seconds, now - t1, now - t0, done.share.reason)
-    return Fusion(context.token_ids + suffix, logits, done.cache, report)
+    return Fusion(context.token_ids + suffix, logits, done.cache, report, done.token_layer_s)

@@ -298,8 +298,11 @@ class TransformersKVHook:
         written = 0
         for seg in segments:
             if self.segments.stored_tokens(seg) < len(seg):
+                t0 = time.perf_counter()
                 kv = segment_kv(self.model, self.segments.anchor, seg, model_id=self.store.model,
                                 dtype=self.save_dtype)
+                if self.prefill_tps is None:  # a first estimate; a fusion's own first layers replace it
+                    self.prefill_tps = (len(self.segments.anchor) + len(seg)) / (time.perf_counter() - t0)
                 written += self.segments.put(seg, kv)
         return written
 
@@ -307,9 +310,15 @@ class TransformersKVHook:
         """The prompt ``anchor + segments + suffix`` with the segments' stored KV fused and ``share`` of their
         tokens recomputed (default None: the loading controller's, :func:`~kvcodec.blend.fusion.controlled_share`):
         a :class:`~kvcodec.engines.transformers_fusion.Fusion` (logits over the suffix, the prompt's cache, a
-        report).  Segments not stored are computed in full, and the report says so."""
+        report).  Segments not stored are computed in full, and the report says so; so is the rest of a segment
+        whose load stops where computing it is sooner (at :attr:`prefill_tps`, measured on this hook's own
+        prefills, segments and fusions)."""
         from kvcodec.blend.fusion import RecomputeSchedule
         from kvcodec.engines.transformers_fusion import fuse
 
         schedule = RecomputeSchedule(share)
-        return fuse(self.model, self.segments, segments, suffix, schedule=schedule, shape=self.store.shape)
+        fused = fuse(self.model, self.segments, segments, suffix, schedule=schedule, shape=self.store.shape,
+                     recompute_tps=self.prefill_tps)
+        if fused.token_layer_s:  # the whole context through the first layers: the prefill speed at this length
+            self.prefill_tps = 1.0 / (fused.token_layer_s * self.model.config.num_hidden_layers)
+        return fused

@@ -362,14 +362,30 @@ class PrefixLoad:
             if len(self.variants) > 1:
                 self._fetch_both_ends()
             else:
-                for i, outcome in enumerate(self.chunks):
-                    if self._stop.is_set() or i >= self._limit or not self._read_into(i, outcome.key, front=True):
-                        break
+                self._fetch_in_order()
         except BaseException:  # noqa: BLE001 - the load ends here; the engine recomputes the rest
             log.warning("fetching a stored prefix failed", exc_info=True)
         with self._cond:
             self._fetched_all = True
             self._cond.notify_all()
+
+    def _fetch_in_order(self) -> None:
+        """One variant stored: its chunks from the front, while loading each and the rest ends sooner than the
+        engine recomputing them (when the engine's prefill speed is known: one size question per tier first)."""
+        sizes = None
+        if self.planner.recompute_tps is not None:
+            sizes = self.source.value_sizes([c.key for c in self.chunks], [c.end - c.start for c in self.chunks])
+        for i, outcome in enumerate(self.chunks):
+            if self._stop.is_set() or i >= self._limit:
+                return
+            if sizes is not None and sizes[i] is not None:
+                option = Option(0, *sizes[i])
+                if not self.planner.worth_loading(option, None, outcome.end - outcome.start, self.end - outcome.start):
+                    self._decided(i, self.planner.decide(RECOMPUTE, None, (option,)))
+                    self._end_at(i, "recompute")
+                    return
+            if not self._read_into(i, outcome.key, front=True):
+                return
 
     def _read_into(self, i: int, key: str, *, front: bool) -> bool:
         """Read chunk ``i`` under ``key`` whole and hold it; False (the load ends at ``i``) when no tier holds it
