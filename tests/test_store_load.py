@@ -199,7 +199,7 @@ def test_the_load_stops_where_recomputing_the_rest_is_sooner():
 def test_a_load_of_one_variant_stops_where_recomputing_the_rest_is_sooner():
     """Regression: with one variant stored the load read every chunk whatever the engine's speed; a fused prompt's
     raw segments at 100 Mbit/s took 15 s to load against 7.8 s for the model to compute them (segment_reuse)."""
-    store, ids, kv = _store(MemoryTier(None), codec="raw")
+    store, ids, _ = _store(MemoryTier(None), codec="raw")
     store.telemetry.decode_rate = lambda codec: Pinned(1e6)
     assert _loaded(store, ids, recompute_tps=1e7) == ["recompute", "skipped", "skipped", "skipped"]
     assert "recompute" not in _loaded(store, ids, recompute_tps=1e5) + _loaded(store, ids)

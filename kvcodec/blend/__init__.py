@@ -5,9 +5,11 @@
 """
 
 from kvcodec.blend.fusion import (DEFAULT_SHARE, SHARE_FLOOR, FusedContext, FusionReport, RecomputeSchedule,
-                                  SegmentHit, ShareChoice, assemble, controlled_share, deviation, estimated_load_s)
+                                  SegmentHit, SegmentLoads, ShareChoice, assemble, controlled_share, deviation,
+                                  estimated_load_s, segment_shares)
 from kvcodec.blend.segments import LoadedSegment, SegmentStore, default_anchor
 
 __all__ = ["DEFAULT_SHARE", "SHARE_FLOOR", "FusedContext", "FusionReport", "RecomputeSchedule", "SegmentHit",
-           "ShareChoice", "assemble", "controlled_share", "deviation", "estimated_load_s", "LoadedSegment",
+           "SegmentLoads", "ShareChoice", "assemble", "controlled_share", "deviation", "estimated_load_s", "segment_shares",
+           "LoadedSegment",
            "SegmentStore", "default_anchor"]

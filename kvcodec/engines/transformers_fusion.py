@@ -2,14 +2,15 @@
 with the model, and the selective recompute run through the model's own decoder layers, attention and rotary code.
 
 :func:`recompute` drives the decoder layers itself (embedding, rotary embedding, then each layer) over only the
-tokens a :class:`~kvcodec.blend.fusion.RecomputeSchedule` selects, at their positions in the prompt.  The cache is
-a transformers ``DynamicCache`` whose layers (:class:`FusedLayer`) hold the whole fused context and, when the
-attention writes the selected tokens' new keys and values, scatter them at those tokens' positions, measure how far
-they moved (what narrows the selection for the next layer) and hand the attention the context up to the last
-selected token.  A layer that computes a run of tokens from the context's start (every token, at the first layers)
-takes the model's causal prefill path, without a mask; any other selection is computed in a few blocks of
-consecutive positions, each with a mask that lets a token attend to the context up to its own position.  After
-it, the same cache grows as any ``DynamicCache`` does, so the suffix runs through the model's ordinary forward.
+tokens a :class:`~kvcodec.blend.fusion.RecomputeSchedule` selects, at their positions in the prompt: the anchor,
+then each segment through every layer as soon as :class:`~kvcodec.blend.fusion.SegmentLoads` has it in, while the
+later ones load.  The cache is a transformers ``DynamicCache`` whose layers (:class:`FusedLayer`) hold the whole
+fused context and, when the attention writes the selected tokens' new keys and values, scatter them at those
+tokens' positions, measure how far they moved (what narrows a segment's selection for its next layers) and hand
+the attention the context up to the last selected token.  The anchor takes the model's causal prefill path,
+without a mask; a segment's tokens are computed in a few blocks of consecutive positions, each with a mask that
+lets a token attend to the context up to its own position.  After it, the same cache grows as any
+``DynamicCache`` does, so the suffix runs through the model's ordinary forward.
 
 Supported: decoders whose every layer attends to the whole context with RoPE (Llama's architecture, which
 SmolLM2 has).  Sliding-window layers (Gemma 3) would need the window applied to the selected tokens' mask and
@@ -26,8 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from kvcodec.blend.fusion import (FusedContext, FusionReport, RecomputeSchedule, ShareChoice, assemble,
-                                  controlled_share, deviation, token_changes)
+from kvcodec.blend.fusion import (FusionReport, RecomputeSchedule, SegmentLoads, ShareChoice, controlled_share,
+                                  deviation, segment_shares, token_changes)
 from kvcodec.blend.segments import SegmentStore
 from kvcodec.cache import KVCache
 from kvcodec.errors import InvalidInputError, UnsupportedError
@@ -168,8 +169,9 @@ def _blocks(inner: Any, hidden: torch.Tensor, sel: torch.Tensor) -> list[_Block]
 @dataclass
 class Recomputed:
     """The fused context's cache after :func:`recompute` (a ``DynamicCache`` that grows as usual from here), the
-    tokens each layer computed, the seconds it took, the share used and why, and the seconds per token-layer of
-    the layers up to the check layer when they computed every token (else None)."""
+    tokens each layer computed, the seconds it took (waits for loads included), the share used and why, and the
+    seconds per token-layer of the first layers over the whole context when they computed every token (else
+    None): the model's prefill speed at this length."""
 
     cache: Any
     counts: list[int]
@@ -178,58 +180,93 @@ class Recomputed:
     token_layer_s: float | None = None
 
 
+# Below this many tokens through the first layers, their time says more about the calls than about the tokens: the
+# loading controller then takes the seconds per token-layer from the caller's prefill speed, where it has one.
+MEASURE_TOKENS = 64
+
+
 @torch.no_grad()
-def recompute(model: Any, context: FusedContext, schedule: RecomputeSchedule) -> Recomputed:
-    """Recompute the tokens ``schedule`` selects, layer by layer, over ``context`` (whose tensors become the
-    cache's, written in place).  A schedule without a share gets the loading controller's once its check layer
-    has run, from the context's load estimate and the seconds per token-layer its layers took up to there."""
+def recompute(model: Any, loads: SegmentLoads, schedule: RecomputeSchedule,
+              prefill_tps: float | None = None) -> Recomputed:
+    """Recompute the tokens ``schedule`` selects over the context ``loads`` fills (its tensors become the cache's,
+    written in place): the anchor, then each segment as soon as it is in, each through every layer while the later
+    ones load.  Attention is causal, so a segment's tokens see only the anchor and the segments before it, which
+    are final by then: the result is what computing layer by layer over the whole context gives with the same
+    selection.  Each segment's selection is its own: every token up to the check layer, then its own share of its
+    tokens by deviation.  A schedule without a share gets the loading controller's at each segment's check layer,
+    from the loads still to come and the seconds per token-layer measured so far (``prefill_tps``, tokens/s, the
+    caller's estimate, stands in until enough tokens are measured)."""
     from transformers import DynamicCache
 
     check_supported(model)
     t0 = time.perf_counter()
-    inner = model.model
-    dev = model.device
+    inner, dev = model.model, model.device
+    layers = model.config.num_hidden_layers
     selection = _Selection()
     cls = _fused_layer_class()
     cache = DynamicCache(config=model.config)
-    cache.layers = [cls(k[None].to(dev), v[None].to(dev), selection) for k, v in context.layers]
-    ids = torch.tensor(context.token_ids, device=dev)
-    forced = context.forced
-    sel = schedule.first(forced)
-    counts = []
-    choice = ShareChoice(schedule.share, "given") if schedule.share is not None else None
-    token_layer_s = None
-    if len(sel):
-        hidden = inner.embed_tokens(ids[sel][None])
-        blocks = _blocks(inner, hidden, sel.to(dev))
-    t_layers = time.perf_counter()
-    for i, layer in enumerate(inner.layers[:model.config.num_hidden_layers]):
-        if not len(sel):
-            counts += [0] * (model.config.num_hidden_layers - i)
-            break
-        counts.append(len(sel))
-        selection.measure = schedule.measures(i)
-        outs, devs = [], []
-        for b in blocks:
-            selection.selected, selection.end, selection.prefix = b.selected, b.end, b.mask is None
-            outs.append(layer(hidden[:, b.rows], attention_mask=b.mask, position_ids=b.selected[None], cache=cache,
-                              use_cache=True, position_embeddings=b.rotary))
-            devs.append(selection.deviation)
-        hidden = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-        if i == schedule.check_layer and len(sel) == context.num_tokens:
-            token_layer_s = (time.perf_counter() - t_layers) / sum(counts)
-        if choice is None and i == schedule.check_layer:
-            choice = controlled_share(context.load_estimate_s, model.config.num_hidden_layers, int((~forced).sum()),
-                                      token_layer_s)
-            schedule = dataclasses.replace(schedule, share=choice.share)
-        if selection.measure:
-            keep = schedule.narrow(i, sel, deviation(torch.cat(devs, 1)).cpu(), forced)
-            if len(keep) < len(sel):
-                hidden, sel = hidden[:, keep.to(dev)], sel[keep]
-                blocks = _blocks(inner, hidden, sel.to(dev))
+    cache.layers = [cls(k[None].to(dev), v[None].to(dev), selection) for k, v in loads.layers]
+    ids = torch.tensor(loads.token_ids, device=dev)
+    spans = [(0, len(loads.anchor))] + [(s, s + len(seg)) for s, seg in zip(loads.starts, loads.segments)]
+    total_reusable = None
+    counts, shares, reasons = [0] * layers, [], []
+    measured_s = measured = 0.0  # the first layers' seconds and token-layers over whole segments
+    for g, (a, b) in enumerate(spans):
+        if g:
+            loads.wait(g - 1)
+        forced = loads.forced[a:b]
+        reusable = int((~forced).sum())
+        if reusable and total_reusable is None:
+            total_reusable = int((~loads.forced).sum())  # (the later segments' misses are not known yet)
+        local = schedule
+        if reusable and schedule.share is not None:
+            local = dataclasses.replace(schedule, share=segment_shares(schedule.share, spans[1:])[g - 1])
+        sel = schedule.first(forced) + a
+        whole = len(sel) == b - a
+        t_layers = time.perf_counter()
+        if len(sel):
+            hidden = inner.embed_tokens(ids[sel][None])
+            blocks = _blocks(inner, hidden, sel.to(dev))
+        for i, layer in enumerate(inner.layers[:layers]):
+            if not len(sel):
+                break
+            counts[i] += len(sel)
+            selection.measure = bool(reusable) and local.measures(i)
+            outs, devs = [], []
+            for blk in blocks:
+                selection.selected, selection.end, selection.prefix = blk.selected, blk.end, blk.mask is None
+                outs.append(layer(hidden[:, blk.rows], attention_mask=blk.mask, position_ids=blk.selected[None],
+                                  cache=cache, use_cache=True, position_embeddings=blk.rotary))
+                devs.append(selection.deviation)
+            hidden = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+            if i == schedule.check_layer and whole:
+                measured_s += time.perf_counter() - t_layers
+                measured += (b - a) * (i + 1)
+            if reusable and i == schedule.check_layer and schedule.share is None:
+                tls = measured_s / measured if measured else 0.0
+                if measured < MEASURE_TOKENS * (i + 1) and prefill_tps:
+                    tls = 1.0 / (prefill_tps * layers)
+                left = total_reusable - sum(int((~loads.forced[x:y]).sum()) for x, y in spans[1:g])
+                choice = controlled_share(loads.estimate_left_s(), layers, left, tls)
+                local = dataclasses.replace(schedule, share=segment_shares(choice.share, spans[1:])[g - 1])
+                reasons.append(choice.reason)
+            if selection.measure:
+                keep = local.narrow(i, sel - a, deviation(torch.cat(devs, 1)).cpu(), forced)
+                if len(keep) < len(sel):
+                    hidden, sel = hidden[:, keep.to(dev)], sel[keep]
+                    blocks = _blocks(inner, hidden, sel.to(dev))
+        if reusable:
+            shares.append((reusable, local.share))
     selection.selected = None
-    if choice is None:  # no layer reached the check (nothing to compute, or a model this shallow)
-        choice = ShareChoice(0.0, "nothing computed")
+    each = ", ".join(f"{x:.0%}" for _, x in shares)
+    if schedule.share is not None:
+        choice = ShareChoice(schedule.share, "given" + (f" (per segment: {each})" if len(shares) > 1 else ""))
+    elif shares:  # the share over the reused tokens, the first segment's reason, then each one's share
+        mean = sum(n * x for n, x in shares) / sum(n for n, _ in shares)
+        choice = ShareChoice(mean, reasons[0] + (f" (per segment: {each})" if len(shares) > 1 else ""))
+    else:  # nothing reusable: every token was computed
+        choice = ShareChoice(0.0, "nothing reused")
+    token_layer_s = measured_s / measured if measured >= MEASURE_TOKENS * (schedule.check_layer + 1) else None
     return Recomputed(cache, counts, time.perf_counter() - t0, choice, token_layer_s)
 
 
@@ -260,9 +297,10 @@ def fuse(model: Any, store: SegmentStore, segments: Sequence[Sequence[int]], suf
                                 "continue it")
     check_supported(model)
     t0 = time.perf_counter()
-    context = assemble(store, segments, shape, model_rotary(model), device=model.device, dtype=model.dtype,
-                       recompute_tps=recompute_tps)
-    done = recompute(model, context, schedule)
+    loads = SegmentLoads(store, segments, shape, model_rotary(model), device=model.device, dtype=model.dtype,
+                         recompute_tps=recompute_tps).start()
+    done = recompute(model, loads, schedule, recompute_tps)
+    context = loads.context()
     t1 = time.perf_counter()
     logits = model(torch.tensor([suffix], device=model.device), cache=done.cache, use_cache=True).logits[0]
     now = time.perf_counter()
