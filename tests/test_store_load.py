@@ -222,6 +222,34 @@ def _behind_link(monkeypatch, raw_s: float, cachegen_s: float) -> tuple[KVStore,
     return store, ids, kv
 
 
+@pytest.mark.parametrize("variants", [["cachegen", "raw"], ["raw"]])
+def test_a_load_checks_a_slow_estimate_before_handing_everything_to_the_engine(monkeypatch, variants):
+    """Regression: inside vLLM, after a request at 20 Mbit/s, the link back at 1 Gbit/s was still taken for
+    20 Mbit/s request after request: each load found recomputing sooner on that estimate, so no read measured the
+    link again.  Now a load reads a piece first, sees the link, and loads."""
+    if variants == ["raw"]:
+        store, ids, _ = _store(Link(1e9), codec="raw")
+        store.tiers[0].rate = store.source.value_sizes([store.variant_keys(ids)[0][2][0]])[0][0] / 0.010
+    else:
+        store, ids, _ = _behind_link(monkeypatch, raw_s=0.010, cachegen_s=0.030)
+    link = store.tiers[0]
+    for _ in range(4):  # a fresh estimate of a link 1000x slower than it is now
+        store.telemetry.link(link.name).throughput.observe(link.rate / 1000, 1.0)
+    recompute_tps = len(ids) / 0.5  # the engine: 0.5 s for the prompt; raw over the link: 40 ms
+    loaded = _loaded(store, ids, recompute_tps=recompute_tps)
+    assert "recompute" not in loaded, loaded
+    assert store.telemetry.link(link.name).throughput.estimate > link.rate / 10
+    # a link as slow as estimated (raw 0.2 s a chunk) and an engine that computes the prompt in 20 ms: one piece
+    # read, then the engine's
+    link.rate /= 20
+    store.telemetry.links = {link.name: Measured(link.rate)}
+    for _ in range(4):
+        store.telemetry.link(link.name).throughput.observe(link.rate, 1.0)
+    reads = len(link.reads)
+    assert _loaded(store, ids, recompute_tps=len(ids) / 0.02)[0] == "recompute"
+    assert len(link.reads) - reads <= 2
+
+
 def test_two_variants_load_from_both_ends(monkeypatch):
     """raw takes 30 ms a chunk on the link, cachegen 30 ms a chunk to decode: the link brings raw for the first
     chunks while the decoder works back from the last through cachegen, sooner than either alone."""

@@ -255,8 +255,8 @@ def recompute(model: Any, loads: SegmentLoads, schedule: RecomputeSchedule,
                 if len(keep) < len(sel):
                     hidden, sel = hidden[:, keep.to(dev)], sel[keep]
                     blocks = _blocks(inner, hidden, sel.to(dev))
-        if reusable:
-            shares.append((reusable, local.share))
+        if reusable:  # (a model no deeper than the check layer computed every token: share 1)
+            shares.append((reusable, 1.0 if local.share is None else local.share))
     selection.selected = None
     each = ", ".join(f"{x:.0%}" for _, x in shares)
     if schedule.share is not None:

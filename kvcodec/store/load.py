@@ -294,6 +294,7 @@ class PrefixLoad:
         self._layers_done = [0] * len(self.chunks)
         self._reading: _Reading | None = None
         self._resume: dict[int, list[bytes]] = {}  # pieces of a large value whose read was given up, by chunk
+        self._link_checked = False  # a piece read before handing the load to the engine (_check_link)
         self._low = len(self.chunks)  # the small variants of the chunks from here on are read (or being read)
         self._front_next = 0  # the chunk whose large variant the fetch reads next (or is reading)
         self._pieces_read = 0  # pieces of large variants read so far (the first is the least, to measure the link)
@@ -380,12 +381,48 @@ class PrefixLoad:
                 return
             if sizes is not None and sizes[i] is not None:
                 option = Option(0, *sizes[i])
-                if not self.planner.worth_loading(option, None, outcome.end - outcome.start, self.end - outcome.start):
+                def worth(free_link: bool = False) -> bool:
+                    return self.planner.worth_loading(option, None, outcome.end - outcome.start,
+                                                      self.end - outcome.start, free_link=free_link)
+
+                if not worth() and not (worth(free_link=True) and self._check_link(i, option, outcome.key)
+                                        and worth()):
                     self._decided(i, self.planner.decide(RECOMPUTE, None, (option,)))
                     self._end_at(i, "recompute")
                     return
             if not self._read_into(i, outcome.key, front=True):
                 return
+
+    def _check_link(self, i: int, option: Option, key: str) -> bool:
+        """The load is about to hand chunk ``i`` and the rest to the engine on a link estimate that no read of this
+        load has checked, and a faster link would change that: read a ``PROBE_BYTES`` piece of ``option`` (chunk ``i``'s value under ``key``), and, where
+        it looks like a rise, a ``CONFIRM_BYTES`` piece at once (a shaper's bucket makes a short read after an idle
+        link look fast), which moves the estimate.  Whether it read (then weigh again).  Without it a link that rose
+        after a slow spell is never measured again, as every load recomputes: inside vLLM, after a request at
+        20 Mbit/s, the link back at 1 Gbit/s was still taken for 20 Mbit/s request after request.  The pieces are
+        kept for a large read of the value to go on from."""
+        with self._cond:
+            if self._link_checked or any(c.nbytes or c.wasted_bytes for c in self.chunks):
+                return False
+            self._link_checked = True
+        tokens = self.chunks[i].end - self.chunks[i].start
+        estimate = self.telemetry.link(option.tier).throughput.estimate
+        t0 = time.perf_counter()
+        piece = self.source.read_range(option.tier, key, 0, min(PROBE_BYTES, option.nbytes), tokens, observe=False)
+        seconds = time.perf_counter() - t0
+        if not piece:
+            return False
+        parts = [piece]
+        if len(piece) > LINK_FOLLOW * estimate * seconds and len(piece) < option.nbytes:
+            more = self.source.read_range(option.tier, key, len(piece), CONFIRM_BYTES, tokens)
+            parts += [more] if more else []
+        else:
+            self.source.observe(option.tier, len(piece), seconds)
+        self._served(i, sum(map(len, parts)))
+        if len(self.variants) > 1:
+            with self._cond:
+                self._resume[i] = parts
+        return True
 
     def _read_into(self, i: int, key: str, *, front: bool) -> bool:
         """Read chunk ``i`` under ``key`` whole and hold it; False (the load ends at ``i``) when no tier holds it
@@ -448,6 +485,11 @@ class PrefixLoad:
             if front >= self._limit:
                 return
             if not self._worth_loading(front):  # (as the estimates are now: a link may have dropped)
+                large = self._weighed(front)[-1]
+                checked = self._worth_loading(front, free_link=True) and \
+                    self._check_link(front, large, self.chunks[front].keys[large.variant])
+                if checked and self._worth_loading(front):
+                    continue
                 self._decided(front, self.planner.decide(RECOMPUTE, None, self._weighed(front)))
                 self._end_at(front, "recompute")
                 return
@@ -541,16 +583,16 @@ class PrefixLoad:
                                       and self._options[k][1] is not None)
         return fetch_s + self.planner.decode_s(large, self.chunks[j].end - self.chunks[j].start)
 
-    def _worth_loading(self, i: int) -> bool:
+    def _worth_loading(self, i: int, *, free_link: bool = False) -> bool:
         """Whether loading chunk ``i`` and those after it ends sooner than the engine recomputing them, with the
-        decodes of the small variants held queued."""
+        decodes of the small variants held queued (with ``free_link``, were fetching free)."""
         small, large = self._options[i]
         with self._cond:
             queued = sum(self.planner.decode_s(self._options[j][0], self.chunks[j].end - self.chunks[j].start)
                          for j in self._back)
         outcome = self.chunks[i]
         return self.planner.worth_loading(small, large, outcome.end - outcome.start, self.end - outcome.start,
-                                          queued)
+                                          queued, free_link=free_link)
 
     def _weighed(self, i: int) -> tuple[Option, ...]:
         """The variants the planner weighs for chunk ``i``, smallest first."""

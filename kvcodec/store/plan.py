@@ -124,12 +124,14 @@ class LoadPlanner:
         return f"{chosen} ({decision.rule}): {weighed}; slowdown beside a decode {decision.slowdown:.2f}{recompute}"
 
     def worth_loading(self, small: Option, large: Option | None, tokens: int, remaining_tokens: int,
-                      backlog_s: float = 0.0) -> bool:
+                      backlog_s: float = 0.0, *, free_link: bool = False) -> bool:
         """Whether loading ``remaining_tokens`` more tokens (chunks of ``tokens``, in ``small`` and ``large``) ends
-        sooner than the engine recomputing them, with ``backlog_s`` seconds of decoding already queued."""
+        sooner than the engine recomputing them, with ``backlog_s`` seconds of decoding already queued; with
+        ``free_link``, were fetching free (whether the link's estimate can matter at all)."""
         if self.recompute_tps is None:
             return True
-        stages = [(self.fetch_s(o), self.decode_s(o, tokens)) for o in (small, large) if o is not None]
+        stages = [(0.0 if free_link else self.fetch_s(o), self.decode_s(o, tokens))
+                  for o in (small, large) if o is not None]
         load_s = finish_s(0.0, backlog_s, max(0, remaining_tokens) / tokens, stages)
         return load_s <= backlog_s + remaining_tokens / self.recompute_tps
 
