@@ -255,8 +255,8 @@ def ttft(args, lm, hook, prompts, orders) -> None:
     def load(k: str) -> str:
         if k not in loads:
             return "- | - | -"
-        return (f"{statistics.median(x[0] for x in loads[k]):.3f} | "
-                f"{statistics.median(x[1] for x in loads[k]) / 1e6:.1f} | {statistics.median(x[2] for x in loads[k]):.0%}")
+        seconds, nbytes, share = (statistics.median(x[n] for x in loads[k]) for n in range(3))
+        return f"{seconds:.3f} | {nbytes / 1e6:.1f} | {share:.0%}"
 
     lines = ["| method | fastest TTFT (s) | median (s) | fastest / full prefill's fastest | median of the rounds' "
              "ratios | load, median (s) | MB loaded | share |", "|---|---|---|---|---|---|---|---|"]

@@ -62,6 +62,12 @@ def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
+def _spans(order) -> list[tuple[int, int]]:
+    """The prompt positions of the segments ``order`` after the one-token anchor."""
+    starts = [1 + sum(len(x) for x in order[:j]) for j in range(len(order))]
+    return [(a, a + len(x)) for a, x in zip(starts, order)]
+
+
 def _agree(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((ref.argmax(-1) == got.argmax(-1)).double().mean())
 
@@ -89,8 +95,7 @@ def test_the_default_share_beats_reuse_as_is_and_nears_a_full_prefill(hook, orde
     n = r.reused_tokens + 1
     # gradual filtering, each segment on its own share (spread by position): every token at layers 0 and 1, then
     # twice its share of its tokens, then its share (and the anchor)
-    starts = [1 + sum(len(x) for x in order[:j]) for j in range(len(order))]
-    shares = segment_shares(SHARE_FLOOR, [(a, a + len(x)) for a, x in zip(starts, order)])
+    shares = segment_shares(SHARE_FLOOR, _spans(order))
     assert shares[0] < SHARE_FLOOR < shares[-1]  # the later a segment, the more of it is recomputed
     assert r.recomputed == [n, n, 1 + sum(math.ceil(len(x) * min(1.0, f * 2)) for x, f in zip(order, shares))] + [
         1 + sum(math.ceil(len(x) * f) for x, f in zip(order, shares))] * 27
@@ -115,8 +120,7 @@ def test_a_slow_link_buys_recompute_that_runs_under_the_later_loads(hook, order,
     monkeypatch.setattr(fusion, "estimated_load_s", lambda store, chunks: 1e3)
     monkeypatch.setattr(SegmentStore, "load", lambda self, *a, **k: time.sleep(1.0) or real(self, *a, **k))
     r = hook.fuse(order, prompt[2]).report
-    starts = [1 + sum(len(x) for x in order[:j]) for j in range(len(order))]
-    last = segment_shares(SHARE_FLOOR, [(a, a + len(x)) for a, x in zip(starts, order)])[-1]  # its part of the floor
+    last = segment_shares(SHARE_FLOOR, _spans(order))[-1]  # its part of the floor
     assert r.share_reason.startswith("loading-bound"), r.share_reason
     assert r.share_reason.endswith(f"(per segment: {'100%, ' * (len(order) - 1)}{last:.0%})"), r.share_reason
     assert r.recomputed[-1] == 1 + sum(len(s) for s in order[:-1]) + math.ceil(len(order[-1]) * last)

@@ -5,11 +5,10 @@
 """
 
 from kvcodec.blend.fusion import (DEFAULT_SHARE, SHARE_FLOOR, FusedContext, FusionReport, RecomputeSchedule,
-                                  SegmentHit, SegmentLoads, ShareChoice, assemble, controlled_share, deviation,
-                                  estimated_load_s, segment_shares)
+                                  SegmentHit, SegmentLoads, ShareChoice, controlled_share, deviation, estimated_load_s,
+                                  segment_shares)
 from kvcodec.blend.segments import LoadedSegment, SegmentStore, default_anchor
 
 __all__ = ["DEFAULT_SHARE", "SHARE_FLOOR", "FusedContext", "FusionReport", "RecomputeSchedule", "SegmentHit",
-           "SegmentLoads", "ShareChoice", "assemble", "controlled_share", "deviation", "estimated_load_s", "segment_shares",
-           "LoadedSegment",
-           "SegmentStore", "default_anchor"]
+           "SegmentLoads", "ShareChoice", "controlled_share", "deviation", "estimated_load_s", "segment_shares",
+           "LoadedSegment", "SegmentStore", "default_anchor"]

@@ -225,14 +225,6 @@ class SegmentLoads:
                             self.estimate_s)
 
 
-def assemble(store: SegmentStore, segments: Sequence[Sequence[int]], shape: ChunkShape,
-             rotary: Sequence[Rotary | None], *, device: torch.device | str | None = None,
-             dtype: torch.dtype | None = None, recompute_tps: float | None = None) -> FusedContext:
-    """The context of ``segments`` loaded whole (:class:`SegmentLoads`, waited for)."""
-    return SegmentLoads(store, segments, shape, rotary, device=device, dtype=dtype,
-                        recompute_tps=recompute_tps).start().context()
-
-
 def estimated_load_s(store: Any, chunks: Sequence[Any]) -> float:
     """The seconds ``store`` (a :class:`~kvcodec.store.KVStore`) estimates loading ``chunks`` (a load's
     :class:`~kvcodec.store.load.ChunkOutcome` list; those loaded count) takes on the links and variants they came

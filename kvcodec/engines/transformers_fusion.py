@@ -192,8 +192,9 @@ def recompute(model: Any, loads: SegmentLoads, schedule: RecomputeSchedule,
     written in place): the anchor, then each segment as soon as it is in, each through every layer while the later
     ones load.  Attention is causal, so a segment's tokens see only the anchor and the segments before it, which
     are final by then: the result is what computing layer by layer over the whole context gives with the same
-    selection.  Each segment's selection is its own: every token up to the check layer, then its own share of its
-    tokens by deviation.  A schedule without a share gets the loading controller's at each segment's check layer,
+    selection.  Each segment's selection is its own: every token up to the check layer, then its share of its
+    tokens by deviation, the schedule's share spread over the segments by position
+    (:func:`~kvcodec.blend.fusion.segment_shares`).  A schedule without a share gets the loading controller's at each segment's check layer,
     from the loads still to come and the seconds per token-layer measured so far (``prefill_tps``, tokens/s, the
     caller's estimate, stands in until enough tokens are measured)."""
     from transformers import DynamicCache

@@ -58,6 +58,7 @@ chunk read past where the load ended).  Each decision is logged at DEBUG.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -381,26 +382,28 @@ class PrefixLoad:
                 return
             if sizes is not None and sizes[i] is not None:
                 option = Option(0, *sizes[i])
-                def worth(free_link: bool = False) -> bool:
-                    return self.planner.worth_loading(option, None, outcome.end - outcome.start,
-                                                      self.end - outcome.start, free_link=free_link)
-
-                if not worth() and not (worth(free_link=True) and self._check_link(i, option, outcome.key)
-                                        and worth()):
+                worth = functools.partial(self.planner.worth_loading, option, None, outcome.end - outcome.start,
+                                          self.end - outcome.start)
+                if not self._loading_pays(i, option, outcome.key, worth):
                     self._decided(i, self.planner.decide(RECOMPUTE, None, (option,)))
                     self._end_at(i, "recompute")
                     return
             if not self._read_into(i, outcome.key, front=True):
                 return
 
+    def _loading_pays(self, i: int, option: Option, key: str, worth: Callable[..., bool]) -> bool:
+        """Whether loading chunk ``i`` and the rest ends sooner than the engine recomputing them, by ``worth``
+        (called with ``free_link=`` True or False); where only the link's estimate says no, after
+        :meth:`_check_link` has read a piece of ``option`` (chunk ``i``'s value under ``key``)."""
+        return worth() or (worth(free_link=True) and self._check_link(i, option, key) and worth())
+
     def _check_link(self, i: int, option: Option, key: str) -> bool:
-        """The load is about to hand chunk ``i`` and the rest to the engine on a link estimate that no read of this
-        load has checked, and a faster link would change that: read a ``PROBE_BYTES`` piece of ``option`` (chunk ``i``'s value under ``key``), and, where
-        it looks like a rise, a ``CONFIRM_BYTES`` piece at once (a shaper's bucket makes a short read after an idle
-        link look fast), which moves the estimate.  Whether it read (then weigh again).  Without it a link that rose
-        after a slow spell is never measured again, as every load recomputes: inside vLLM, after a request at
-        20 Mbit/s, the link back at 1 Gbit/s was still taken for 20 Mbit/s request after request.  The pieces are
-        kept for a large read of the value to go on from."""
+        """Once per load, before any other read of it: read a ``PROBE_BYTES`` piece of ``option`` (chunk ``i``'s
+        value under ``key``) and, where it looks like a rise, a ``CONFIRM_BYTES`` piece at once (a shaper's bucket
+        makes a short read after an idle link look fast), which moves the estimate.  Whether it read.  Without it a
+        link that rose after a slow spell is never measured again, as every load recomputes: inside vLLM, after a
+        request at 20 Mbit/s, the link back at 1 Gbit/s was still taken for 20 Mbit/s request after request.  The
+        pieces are kept for a large read of the value to go on from."""
         with self._cond:
             if self._link_checked or any(c.nbytes or c.wasted_bytes for c in self.chunks):
                 return False
@@ -484,12 +487,9 @@ class PrefixLoad:
                 self._front_next = front
             if front >= self._limit:
                 return
-            if not self._worth_loading(front):  # (as the estimates are now: a link may have dropped)
-                large = self._weighed(front)[-1]
-                checked = self._worth_loading(front, free_link=True) and \
-                    self._check_link(front, large, self.chunks[front].keys[large.variant])
-                if checked and self._worth_loading(front):
-                    continue
+            large = self._weighed(front)[-1]  # (as the estimates are now: a link may have dropped)
+            if not self._loading_pays(front, large, self.chunks[front].keys[large.variant],
+                                      functools.partial(self._worth_loading, front)):
                 self._decided(front, self.planner.decide(RECOMPUTE, None, self._weighed(front)))
                 self._end_at(front, "recompute")
                 return
