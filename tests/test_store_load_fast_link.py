@@ -51,6 +51,26 @@ def test_on_a_fast_link_raw_chunks_do_not_wait_behind_a_slow_small_decode(real_k
     assert result.wasted_bytes == 0 and max(c.decode_s for c in result.chunks) < 0.25
 
 
+def test_a_small_decode_is_not_started_where_the_raw_chunks_would_queue_behind_it(real_kv, monkeypatch):
+    """Raw about 50 ms a chunk on the link and 60 ms to write (as into vLLM's paged memory), cachegen 0.22 s to
+    decode.  The last chunk's raw is in and written after about 0.26 s, later than its cachegen decode would end,
+    so the rule before took the cachegen (read first, to measure a link this process had not) and the three raw
+    chunks arriving meanwhile waited behind it: 0.40 s.  (Inside vLLM at 10 Gbit/s a fresh engine's first request
+    decoded one kvtc chunk so, and its load took 1.6x raw's.)  Now the decoder weighs when the whole load ends."""
+    from kvcodec.codecs.raw import Raw
+
+    raw_s, tokens = 0.06, CHUNK
+    raw_bytes = sum(l.keys[:, :tokens].numel() + l.values[:, :tokens].numel() for l in real_kv.layers) * 2
+    store, ids = _behind_link(real_kv, monkeypatch, Served("link", raw_bytes / 0.05), 0.22, raw_bytes / 0.05)
+    store.telemetry.decode_rate = lambda codec: Pinned(tokens / (0.22 if codec.codec_id == "cachegen" else raw_s))
+    real = Raw.decode_layer
+    monkeypatch.setattr(Raw, "decode_layer", lambda self, data, ctx: time.sleep(raw_s / len(real_kv.layers))
+                        or real(self, data, ctx))
+    result = store.prefix_load(ids, DenseSink()).start().finish()
+    variants = [c.variant for c in result.chunks]
+    assert result.complete and variants == [1] * 4, (variants, [c.decision.rule for c in result.chunks])
+
+
 class Rising(Served):
     """A link of ``rate`` that rises to ``risen`` once it has served ``after`` values whole (the small variants)."""
 

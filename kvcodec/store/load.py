@@ -848,10 +848,28 @@ class PrefixLoad:
         return large is None or self.planner.small_pays(small, large, self.chunks[i].end - self.chunks[i].start)
 
     def _large_sooner(self, i: int) -> bool:
-        """Whether chunk ``i``'s large variant, coming in the fetch's order, will be in and decoded before its small
-        variant would be decoded.  Under ``_cond``."""
+        """Whether the load ends sooner with chunk ``i``'s large variant, coming in the fetch's order, than with the
+        decoder taking its small variant now.  The small decode holds the decoder: the large chunks before ``i``
+        that arrive meanwhile wait behind it, and its contention slows their reads.  Under ``_cond``."""
         small, tokens = self._options[i][0], self.chunks[i].end - self.chunks[i].start
-        return self._large_eta_s(i) < self.planner.decode_s(small, tokens)
+        large = self._options[i][1]
+        large_end = self._large_eta_s(i)
+        if large is None or math.isinf(large_end):
+            return False
+        # The decodes of the large chunks before i, still to come: on a fast link they all arrive during a slow
+        # small decode and then queue (inside vLLM at 10 Gbit/s, raw chunks about 20 ms each behind a 0.25 s kvtc
+        # decode: the first request's load 1.6x raw's).  Comparing the large ETA with the small decode alone missed it.
+        front = [k for k in range(min(i, self._late_from)) if k not in self._taken and self._options[k][1] is not None]
+        behind = sum(self.planner.decode_s(self._options[k][1], self.chunks[k].end - self.chunks[k].start)
+                     for k in front)
+        small_s = self.planner.decode_s(small, tokens)
+        before = self._large_eta_s(front[-1]) if front else 0.0
+        if math.isinf(before):
+            before = 0.0
+        before += min(small_s, before) * (1 - 1 / self.planner.slowdown(large))  # its reads, slowed beside the decode
+        with_small = max(before, small_s + behind)
+        with_large = max(large_end, behind + self.planner.decode_s(large, tokens))
+        return with_large < with_small
 
     def _check_shape(self, chunk: FetchedChunk) -> None:
         """Without an engine shape the store checked against, every chunk must match the first one's."""
