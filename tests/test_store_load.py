@@ -207,7 +207,7 @@ def test_a_load_of_one_variant_stops_where_recomputing_the_rest_is_sooner():
 
 def _behind_link(monkeypatch, raw_s: float, cachegen_s: float) -> tuple[KVStore, list[int], KVCache]:
     """Four float32 chunks kept as cachegen and raw (6x its bytes, as for a float32 model) behind a :class:`Link`
-    that takes ``raw_s`` per raw chunk; cachegen takes ``cachegen_s`` a chunk to decode, as the store has learnt."""
+    that takes ``raw_s`` per raw chunk; cachegen takes ``cachegen_s`` a chunk to decode; the store has learnt both."""
     store = KVStore([MemoryTier(None)], model="m", codec=["cachegen", "raw"], chunk_tokens=CHUNK)
     ids, kv = list(range(1000, 1000 + 4 * CHUNK)), _kv(4 * CHUNK)
     kv = KVCache([(l.keys.float(), l.values.float()) for l in kv.layers], model="m")
@@ -216,7 +216,9 @@ def _behind_link(monkeypatch, raw_s: float, cachegen_s: float) -> tuple[KVStore,
     link = Link(raw_bytes / raw_s)
     for key in [k for _, _, ks in store.variant_keys(ids) for k in ks]:
         link.put(key, store.tiers[0].get(key))
-    store.tiers[0], store.telemetry.links = link, {link.name: Measured(link.rate)}
+    learnt = Measured(link.rate)
+    learnt.observe(int(link.rate), 1.0)  # timed by this process just now
+    store.tiers[0], store.telemetry.links = link, {link.name: learnt}
     _slow_cachegen(monkeypatch, cachegen_s / LAYERS)
     store.telemetry.decode_rate = lambda codec: Pinned(CHUNK / cachegen_s if codec.codec_id == "cachegen" else 1e9)
     return store, ids, kv

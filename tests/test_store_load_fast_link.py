@@ -71,6 +71,31 @@ def test_a_small_decode_is_not_started_where_the_raw_chunks_would_queue_behind_i
     assert result.complete and variants == [1] * 4, (variants, [c.decision.rule for c in result.chunks])
 
 
+class RoundTrips(Served):
+    """A link whose every request first costs ``round_trip_s`` (Redis and the interpreter, per request)."""
+
+    def __init__(self, rate: float | None, round_trip_s: float) -> None:
+        super().__init__("link", rate)
+        self.round_trip_s = round_trip_s
+
+    def _serve(self, key: str, value: bytes | None) -> bytes | None:
+        time.sleep(self.round_trip_s)
+        return super()._serve(key, value)
+
+
+def test_a_fresh_store_starts_no_small_decode_before_a_read_timed_the_link(real_kv, monkeypatch):
+    """A fresh store plans on the 1 Gbit/s prior; the link costs 2 ms a request and nothing a byte.  Its first read,
+    the last chunk's 120 KB cachegen, takes the request's round trip: slower than the prior, too short to lower it.
+    Before, the decoder took that cachegen at once, on the prior (the 16 raw chunks in 94 ms, its decode 80 ms);
+    inside vLLM such a decode slowed the raw reads beside it 4.5-5.8x.  Now it waits until the reads add up to a
+    round trip's time, which shows the link: every chunk comes raw.  (On cores this test shares with busy
+    processes the reads themselves slow to where the decode pays, and it can fail.)"""
+    store, ids = _behind_link(real_kv, monkeypatch, RoundTrips(None, 0.002), 0.08, None, chunk=CHUNK // 4)
+    result = store.prefix_load(ids, DenseSink()).start().finish()
+    variants = [c.variant for c in result.chunks]
+    assert result.complete and variants == [1] * len(variants), (variants, result.chunks[-1].decision)
+
+
 class Rising(Served):
     """A link of ``rate`` that rises to ``risen`` once it has served ``after`` values whole (the small variants)."""
 

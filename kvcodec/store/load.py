@@ -12,12 +12,14 @@ With one stored variant, chunks are fetched and decoded in order.  With several,
 decoder works back from the last chunk through the smallest variant, which is dear to decode and cheap on the link.
 Three rules keep both stages busy without a byte or a decode spent where it does not pay (issue 33):
 
-- The decoder starts a small variant's decode only where it ends before the large variants the fetch is bringing
-  would have that chunk in and decoded (:meth:`PrefixLoad._large_sooner`); otherwise it stays free for them, so on
-  a fast link a cheap-to-restore chunk is written as it arrives, never behind a slow decode.  (Before: the load read
-  every chunk's small variant first, and the decoder, with nothing else in, started on the last one; at 10 Gbit/s
-  the raw chunks waited behind a cachegen decode (about 50 ms a 64-token chunk): 2.59x raw's load time in
-  ``bench/adaptive_inprocess.py``, now 0.92x.)
+- The decoder starts a small variant's decode only where the whole load then ends sooner than with the large
+  variants the fetch is bringing, those that would arrive during the decode and wait behind it counted
+  (:meth:`PrefixLoad._large_sooner`); otherwise it stays free for them, so on a fast link a cheap-to-restore chunk
+  is written as it arrives, never behind a slow decode; and none before the link was timed
+  (:meth:`PrefixLoad._link_timed`, ``UNTIMED_WAIT_S``).  (Before: the load read every chunk's small variant first,
+  and the decoder, with nothing else in, started on the last one; at 10 Gbit/s the raw chunks waited behind a
+  cachegen decode (about 50 ms a 64-token chunk): 2.59x raw's load time in ``bench/adaptive_inprocess.py``, now
+  0.92x.)
 - The fetch reads a chunk's small variant, from the back, only once the decoder could need it: once it could be
   through the small variants it holds and this one before the large one arrives were the link ``INSURANCE`` times
   slower than estimated (:meth:`PrefixLoad._small_needed`, checked again between every two pieces of a large read,
@@ -125,6 +127,12 @@ CHEAP_SHARE = 0.05
 # from its predecessor's) is checked first with the last chunk's small variant: a fresh engine whose predecessor saw
 # a fast link started a raw read at 20 Mbit/s and gave up its first 256 KiB piece (18% of the bytes it used).
 FRESH_S = 10.0
+# Until the link is timed over a round trip of reads (or this long into the load), the decoder starts no small
+# decode by the estimates: a fresh engine plans on its predecessor's estimate or the prior, and a small value's read,
+# mostly its round trip, cannot show a fast link.  Inside vLLM on an unshaped link a fresh engine's first load took
+# the last chunk's kvtc at once, on the 1 Gbit/s prior, while the link gave 0.6-1 GB/s: the decode (0.5 s on a cold
+# engine) slowed the raw reads beside it 4.5-5.8x, and the load took 0.73-0.95 s against a warm one's 0.3 s.
+UNTIMED_WAIT_S = 0.05
 
 
 @dataclass
@@ -802,7 +810,8 @@ class PrefixLoad:
                 if pick is None:
                     backs = [i for i in live if i in self._back]
                     if backs and (self._fetched_all or self._full or
-                                  (self._small_pays(backs[-1]) and not self._large_sooner(backs[-1]))):
+                                  (self._link_timed(backs[-1]) and self._small_pays(backs[-1])
+                                   and not self._large_sooner(backs[-1]))):
                         pick = backs[-1]
                     elif not backs and self._fetched_all:
                         self._limit = live[0]  # nothing more is coming for it: the engine's
@@ -846,6 +855,16 @@ class PrefixLoad:
     def _small_pays(self, i: int) -> bool:
         small, large = self._options[i]
         return large is None or self.planner.small_pays(small, large, self.chunks[i].end - self.chunks[i].start)
+
+    def _link_timed(self, i: int) -> bool:
+        """Whether the estimates may start chunk ``i``'s small decode: its large variant's link was timed within
+        ``FRESH_S`` (:meth:`~kvcodec.store.telemetry.Link.timed`), or the load is ``UNTIMED_WAIT_S`` old."""
+        large = self._options[i][1]
+        if large is None or time.perf_counter() - self._t0 >= UNTIMED_WAIT_S:
+            return True
+        link = self.telemetry.link(large.tier)
+        # (a test's pinned estimate has no time: it is what the planner believes)
+        return not hasattr(link.throughput, "measured_at") or link.timed(FRESH_S)
 
     def _large_sooner(self, i: int) -> bool:
         """Whether the load ends sooner with chunk ``i``'s large variant, coming in the fetch's order, than with the
