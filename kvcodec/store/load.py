@@ -127,7 +127,7 @@ CHEAP_SHARE = 0.05
 # from its predecessor's) is checked first with the last chunk's small variant: a fresh engine whose predecessor saw
 # a fast link started a raw read at 20 Mbit/s and gave up its first 256 KiB piece (18% of the bytes it used).
 FRESH_S = 10.0
-# Until the link is timed over a round trip of reads (or this long into the load), the decoder starts no small
+# Until the link is timed over a round trip of reads (or the load has read this long), the decoder starts no small
 # decode by the estimates: a fresh engine plans on its predecessor's estimate or the prior, and a small value's read,
 # mostly its round trip, cannot show a fast link.  Inside vLLM on an unshaped link a fresh engine's first load took
 # the last chunk's kvtc at once, on the 1 Gbit/s prior, while the link gave 0.6-1 GB/s: the decode (0.5 s on a cold
@@ -315,6 +315,7 @@ class PrefixLoad:
         self._finished = False
         self._stop = threading.Event()
         self._t0 = 0.0
+        self._reads_t0 = math.inf  # when the fetch thread began reading chunks
         self._seconds = 0.0
         self._threads = [threading.Thread(target=self._fetch, name="kvcodec-fetch", daemon=True),
                          threading.Thread(target=self._decode, name="kvcodec-decode", daemon=True)]
@@ -368,6 +369,7 @@ class PrefixLoad:
             self._cond.notify_all()
 
     def _fetch(self) -> None:
+        self._reads_t0 = time.perf_counter()  # (after the side data: a first load may fetch a calibration first)
         try:
             if len(self.variants) > 1:
                 self._fetch_both_ends()
@@ -858,9 +860,9 @@ class PrefixLoad:
 
     def _link_timed(self, i: int) -> bool:
         """Whether the estimates may start chunk ``i``'s small decode: its large variant's link was timed within
-        ``FRESH_S`` (:meth:`~kvcodec.store.telemetry.Link.timed`), or the load is ``UNTIMED_WAIT_S`` old."""
+        ``FRESH_S`` (:meth:`~kvcodec.store.telemetry.Link.timed`), or the load has read for ``UNTIMED_WAIT_S``."""
         large = self._options[i][1]
-        if large is None or time.perf_counter() - self._t0 >= UNTIMED_WAIT_S:
+        if large is None or time.perf_counter() - self._reads_t0 >= UNTIMED_WAIT_S:
             return True
         link = self.telemetry.link(large.tier)
         # (a test's pinned estimate has no time: it is what the planner believes)
