@@ -127,12 +127,13 @@ CHEAP_SHARE = 0.05
 # from its predecessor's) is checked first with the last chunk's small variant: a fresh engine whose predecessor saw
 # a fast link started a raw read at 20 Mbit/s and gave up its first 256 KiB piece (18% of the bytes it used).
 FRESH_S = 10.0
-# Until the link is timed over a round trip of reads (or the load has read this long), the decoder starts no small
-# decode by the estimates: a fresh engine plans on its predecessor's estimate or the prior, and a small value's read,
-# mostly its round trip, cannot show a fast link.  Inside vLLM on an unshaped link a fresh engine's first load took
-# the last chunk's kvtc at once, on the 1 Gbit/s prior, while the link gave 0.6-1 GB/s: the decode (0.5 s on a cold
-# engine) slowed the raw reads beside it 4.5-5.8x, and the load took 0.73-0.95 s against a warm one's 0.3 s.
-UNTIMED_WAIT_S = 0.05
+# Until a read of a round trip or longer timed the link within FRESH_S (or the load has read this long), the
+# decoder starts no small decode by the estimates: a fresh engine plans on its predecessor's estimate or the prior,
+# and a small value's read, mostly its round trip, cannot show a fast link.  Inside vLLM on an unshaped link a fresh
+# engine's first load took the last chunk's kvtc at once, on the 1 Gbit/s prior, while the link gave 0.6-1 GB/s:
+# the decode (0.5 s on a cold engine) slowed the raw reads beside it 4.5-5.8x, and the load took 0.73-0.95 s against
+# a warm one's 0.3 s.  Within this wait, short pieces that come faster than the estimate raise it.
+UNTIMED_WAIT_S = 0.02
 
 
 @dataclass
