@@ -127,13 +127,14 @@ CHEAP_SHARE = 0.05
 # from its predecessor's) is checked first with the last chunk's small variant: a fresh engine whose predecessor saw
 # a fast link started a raw read at 20 Mbit/s and gave up its first 256 KiB piece (18% of the bytes it used).
 FRESH_S = 10.0
-# Until a read of a round trip or longer timed the link within FRESH_S (or the load has read this long), the
-# decoder starts no small decode by the estimates: a fresh engine plans on its predecessor's estimate or the prior,
-# and a small value's read, mostly its round trip, cannot show a fast link.  Inside vLLM on an unshaped link a fresh
-# engine's first load took the last chunk's kvtc at once, on the 1 Gbit/s prior, while the link gave 0.6-1 GB/s:
-# the decode (0.5 s on a cold engine) slowed the raw reads beside it 4.5-5.8x, and the load took 0.73-0.95 s against
-# a warm one's 0.3 s.  Within this wait, short pieces that come faster than the estimate raise it.
-UNTIMED_WAIT_S = 0.02
+# Until a read of a round trip or longer timed the link within FRESH_S (a small value on a slow link, or a large value
+# read whole in pieces), or the load has read this long, the decoder starts no small decode by the estimates: a fresh
+# engine plans on its predecessor's estimate or the prior, and a small value's read, mostly its round trip, cannot
+# show a fast link.  Inside vLLM on an unshaped link a fresh engine's first load took the last chunk's kvtc at once,
+# on the 1 Gbit/s prior, while the link gave 0.6-1 GB/s: the decode (0.5 s on a cold engine) slowed the raw reads
+# beside it 5-14x, and the load took 0.73-0.95 s against a warm one's 0.3 s.  Within this wait, short pieces that
+# come faster than the estimate raise it; the first reads of a fresh engine are slow (cold), and 20 ms was not enough.
+UNTIMED_WAIT_S = 0.2
 
 
 @dataclass
@@ -681,6 +682,7 @@ class PrefixLoad:
             parts = self._resume.pop(i, [])  # what an earlier read of this value gave up: it goes on from there
         got, last = sum(map(len, parts)), len(parts[-1]) if parts else 0
         confirm = False  # the last probe piece looked like a rise: the next confirms it, at once
+        read_s = 0.0  # this read's pieces' seconds
         while got < large.nbytes:
             rule = self._arrives_in_time(i, got, slower=1.0 if rule is not None else INSURANCE)
             while self._read_small(i):  # the insurance: a link that slowed makes small variants needed
@@ -720,6 +722,7 @@ class PrefixLoad:
                 self._observe(large, len(piece), seconds, decoding)
             self._pieces_read += 1
             parts.append(piece)
+            read_s += seconds
             got, last = got + len(piece), len(piece)
             with self._cond:
                 measured = seconds > 0 and link.measures(len(piece), seconds)  # (not a round trip's time)
@@ -735,6 +738,7 @@ class PrefixLoad:
                                                       self._decodes_queued_s() / pieces_left)
                     while i not in self._taken and not self._stop.is_set() and time.perf_counter() < until:
                         self._cond.wait(until - time.perf_counter())
+        link.read_whole(read_s)
         chunk = source.accept(key, large.tier, b"".join(parts), outcome.start, outcome.end, evict=False)
         if chunk is None:
             return self._read(i, key), rule

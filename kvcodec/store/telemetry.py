@@ -163,6 +163,12 @@ class Link:
             if seconds >= ROUND_TRIP_S:
                 self.timed_at = time.time()
 
+    def read_whole(self, seconds: float) -> None:
+        """A value read whole in pieces over ``seconds`` of reading: it timed the link where that is a round trip or
+        longer, however short each piece (the pieces measure the throughput themselves)."""
+        if seconds >= ROUND_TRIP_S:
+            self.timed_at = time.time()
+
     def timed(self, within_s: float) -> bool:
         """Whether a read of at least ``ROUND_TRIP_S`` measured the link within the last ``within_s`` seconds (an
         estimate restored from another process, or moved by short reads alone, was not timed)."""
