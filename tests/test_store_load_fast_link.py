@@ -292,12 +292,16 @@ def test_a_fresh_stores_first_load_plans_on_timed_decodes_not_free_ones(real_kv,
     store = KVStore([link], model=real_kv.model, codec=["cachegen", "raw"], chunk_tokens=CHUNK // 2,
                     shape=kvcodec.store.ChunkShape.of(kv))
     store.put(ids, kv)
-    real = CacheGen.decode_layers
-    monkeypatch.setattr(CacheGen, "decode_layers", lambda self, datas, ctxs: time.sleep(
-        0.2 * len(datas) / len(real_kv.layers)) or real(self, datas, ctxs))
+    real, layers_decoded = CacheGen.decode_layers, []
+    monkeypatch.setattr(CacheGen, "decode_layers", lambda self, datas, ctxs: layers_decoded.append(len(datas)) or
+                        time.sleep(0.2 * len(datas) / len(real_kv.layers)) or real(self, datas, ctxs))
     measured = store.measure_decodes()
     assert set(measured) == {"cachegen", "raw"} and measured["cachegen"] < CHUNK // 2 / 0.2, measured
-    assert store.measure_decodes() == {}  # measured once
+    rate, before = store.telemetry.decode_rate(store.variants[0]), sum(layers_decoded)
+    samples = rate.samples
+    assert store.measure_decodes() == {}  # measured once ...
+    # ... and decoded once more, untimed: a restarted engine's first use of a codec is paid at its start
+    assert sum(layers_decoded) - before == len(real_kv.layers) and rate.samples == samples
     result = store.prefix_load(ids, DenseSink()).start().finish()
     rules = [c.decision.rule for c in result.chunks]
     assert result.complete and plan.SMALL_UNMEASURED not in rules, rules
