@@ -884,7 +884,7 @@ class PrefixLoad:
             return False
         # The decodes of the large chunks before i, still to come: on a fast link they all arrive during a slow
         # small decode and then queue (inside vLLM at 10 Gbit/s, raw chunks about 20 ms each behind a 0.25 s kvtc
-        # decode: the first request's load 1.6x raw's).  Comparing the large ETA with the small decode alone missed it.
+        # decode: a first request's load 1.5-3x raw's).  Comparing the large ETA with the small decode alone missed it.
         front = [k for k in range(min(i, self._late_from)) if k not in self._taken and self._options[k][1] is not None]
         behind = sum(self.planner.decode_s(self._options[k][1], self.chunks[k].end - self.chunks[k].start)
                      for k in front)
