@@ -110,10 +110,10 @@ def test_a_fresh_process_first_load_plans_on_the_persisted_estimates(behind_link
     """A store that loaded at 20 Mbit/s (decoding cachegen) and then at 10 Gbit/s persists its estimates, cachegen's
     decode rate among them; a new store (a restarted engine) reading the same file plans its first load on them (no
     chunk by the rule for a decode never measured) and loads it raw (but for the last chunk, which it reads first in
-    cachegen to check the link).  A
-    store without the file starts on the priors (free decoding for a variant never decoded here) and reads cachegen
-    values by that rule.  (It decoded some of them too, at the load's start, before any read had timed the link;
-    now the decoder waits for the link's timing, by which time the raw chunks arrive, and it writes them.)"""
+    cachegen to check the link).  A store without the file starts on the priors (free decoding for a variant never
+    decoded here) and reads cachegen values by that rule.  (It decoded some of them too, at the load's start, before
+    any read had timed the link; now the decoder waits for the link's timing, by which time the raw chunks arrive,
+    and it writes them.)"""
     link, server, ids, model = behind_link
     path = str(tmp_path / "telemetry.json")
     before = _store(server, model, VARIANTS["adaptive"], "adaptive", telemetry_file=path)

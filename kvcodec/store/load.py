@@ -889,9 +889,7 @@ class PrefixLoad:
         behind = sum(self.planner.decode_s(self._options[k][1], self.chunks[k].end - self.chunks[k].start)
                      for k in front)
         small_s = self.planner.decode_s(small, tokens)
-        before = self._large_eta_s(front[-1]) if front else 0.0
-        if math.isinf(before):
-            before = 0.0
+        before = self._large_eta_s(front[-1]) if front else 0.0  # (finite: front holds chunks whose large comes)
         before += min(small_s, before) * (1 - 1 / self.planner.slowdown(large))  # its reads, slowed beside the decode
         with_small = max(before, small_s + behind)
         with_large = max(large_end, behind + self.planner.decode_s(large, tokens))

@@ -285,7 +285,7 @@ class KVStore:
         measured: dict[str, float] = {}
         for codec in variants:
             rate = self.telemetry.decode_rate(codec)
-            known = bool(rate.samples)
+            known = bool(rate.samples)  # (restored: decoded once, untimed)
             try:
                 value = self.encode_chunk(MEASURE_KEY, kv, codec)
                 # the second decode is timed: a process's first pays for first use (SmolLM2's kvtc: 0.16 s, then 0.10;
@@ -297,10 +297,9 @@ class KVStore:
             except Exception as err:  # noqa: BLE001 - a codec that cannot code noise here is measured by a load
                 log.warning("could not time a decode of %s: %s: %s", codec.codec_id, type(err).__name__, err)
                 continue
-            if known:
-                continue
-            rate.observe(tokens, seconds)
-            measured[codec.codec_id] = tokens / seconds if seconds > 0 else math.inf
+            if not known:
+                rate.observe(tokens, seconds)
+                measured[codec.codec_id] = tokens / seconds if seconds > 0 else math.inf
         return measured
 
     def fetch_side_data(self) -> None:

@@ -25,7 +25,7 @@ LINK_PRIOR_BPS = 1e9 / 8
 # seen within one read as a drop is.  Plain harmonic mean: three reads at 20 Mbit/s and one at 10 Gbit/s still
 # estimate 27 Mbit/s, and a load that reads 64 KiB pieces to probe (kvcodec.store.load) would never see the rise.
 LINK_FOLLOW = 4.0
-# A read this short that looks slower than the link's estimate does not lower it alone: its time is mostly the
+# A read this short that looks slower than the link's estimate does not lower it: its time is mostly the
 # request's round trip, not the link.  Inside vLLM here a 230 KB Redis GET took 4.9 ms on an unshaped link of about
 # 600 MB/s, which read as 47 MB/s and made a fresh engine's first load, once kvtc's decode was timed at start, take
 # kvtc for half its chunks (0.86-0.99 s against raw's 0.26 s).  A slower link shows in a longer read: a 256 KiB
@@ -152,7 +152,7 @@ class Link:
         self.timed_at: float | None = None  # wall-clock time of the latest read of a round trip or longer
 
     def measures(self, nbytes: int, seconds: float) -> bool:
-        """Whether a read of ``nbytes`` in ``seconds`` measures the link alone: any but one shorter than
+        """Whether a read of ``nbytes`` in ``seconds`` measures the link: any but one shorter than
         ``ROUND_TRIP_S`` that looks slower than the estimate (its time is the round trip's)."""
         return seconds >= ROUND_TRIP_S or seconds <= 0 or nbytes / seconds >= self.throughput.estimate
 
