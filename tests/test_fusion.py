@@ -190,7 +190,7 @@ def test_a_selection_computed_in_blocks_equals_one_block(hook, order, prompt, mo
     """The recompute runs a selection in blocks of consecutive positions, each reading the context up to its last
     token (issue 34: half the attention of one masked rectangle): the logits and the tokens chosen are those of one
     block, deviations included (each layer's are weighed over all its blocks together)."""
-    import kvcodec.engines.transformers_fusion as tf
+    import kvcodec.blend.fusion as tf
 
     monkeypatch.setattr(tf, "MAX_BLOCKS", 1)
     whole = hook.fuse(order, prompt[2], share=0.3)
