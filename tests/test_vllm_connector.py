@@ -699,3 +699,75 @@ def test_a_save_logs_one_line_as_a_load_does(caplog):
         _saved_by(sched, worker, caches, "again", _ids(100), _kv(100), stored=96)
     assert store.stats["put_bytes"] == value_bytes
     assert not [r for r in caplog.records if "saved" in r.getMessage()]
+
+
+# --- segments (issue 34): stored by one request, fused into another's blocks --------------------------------------
+
+def _segment_request(rid: str, ids: list[int], **ours) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=ids, kv_transfer_params={"kvcodec": ours})
+
+
+def _store_segments(sched, worker, caches, docs: list[list[int]]) -> None:
+    for j, doc in enumerate(docs):
+        req = _segment_request(f"doc{j}", doc, store_segment=True)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.update_state_after_alloc(req, None, 0)
+        blocks = _table(len(doc), seed=j)
+        for name, layer in zip(NAMES, _kv(len(doc), seed=j).layers):
+            write_paged(caches[name], layer.keys, layer.values, slot_mapping(torch.tensor(blocks), 0, len(doc), BS))
+        meta = sched.build_connector_meta(_sched_out(req.request_id, doc, blocks))
+        assert [(s.req_id, s.segment) for s in meta.saves] == [(req.request_id, True)]
+        assert _forward(worker, meta, caches) == set()
+        sched.request_finished(req, (blocks,))
+
+
+def test_a_request_that_stores_a_segment_saves_it_under_the_segment_key_only():
+    from kvcodec.blend import SegmentStore
+
+    store = KVStore([MemoryTier(None)], model="m", codec=Raw(), chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    doc = _ids(45, seed=3)
+    _store_segments(sched, worker, caches, [doc])
+    assert SegmentStore(store).stored_tokens(doc) == 45  # found whatever precedes it in a prompt
+    assert store.lookup(doc).num_tokens == 0  # never as a prefix
+    assert worker.stats["saved_segments"] == 1
+
+
+def test_a_request_naming_stored_segments_claims_them_and_its_fused_kv_is_never_saved(caplog):
+    """The scheduler claims the segments (whole blocks) and hands the worker a fusion; here, without vLLM, the
+    worker has no model to recompute with, so the claimed blocks are load errors and vLLM computes them."""
+    store = KVStore([MemoryTier(None)], model="m", codec=Raw(), chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    a, b = _ids(40, seed=3), _ids(30, seed=4)
+    _store_segments(sched, worker, caches, [a, b])
+    question = _ids(5, seed=5)
+    ids = b + a + question
+    req = _segment_request("fused", ids, segments=[30, 40], share=0.3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (70 // BS * BS, False)
+    sched.update_state_after_alloc(req, None, 70 // BS * BS)
+    blocks = _table(len(ids), seed=9)
+    meta = sched.build_connector_meta(_sched_out("fused", ids, blocks, computed=64))
+    assert [(l.segments, l.share, l.end, len(l.token_ids)) for l in meta.loads] == [((30, 40), 0.3, 64, 70)]
+    assert meta.saves == []
+    with caplog.at_level("WARNING"):
+        errors = _forward(worker, meta, caches)
+    assert errors == set(blocks[:64 // BS]) and "no model to recompute with" in caplog.text
+    # the same prompt without segment parameters finds nothing: the fusion saved nothing under its keys
+    assert _hit(sched, "plain", ids) == 0
+
+
+@pytest.mark.parametrize("request_kw, why", [
+    ({"kv_transfer_params": {"kvcodec": {"segments": [40, 0]}}}, "positive integers"),
+    ({"kv_transfer_params": {"kvcodec": {"segments": [40], "share": float("nan")}}}, "0..1"),
+    ({"kv_transfer_params": {"kvcodec": {"segments": [40], "store_segment": True}}}, "not both"),
+    ({"kv_transfer_params": {"kvcodec": {"segments": [45]}}}, "no token of the prompt"),
+    ({"kv_transfer_params": {"kvcodec": {"segments": [40]}}, "cache_salt": "tenant-a"}, "salted"),
+])
+def test_segment_parameters_that_cannot_be_served_are_warned_about_and_ignored(caplog, request_kw, why):
+    store = KVStore([MemoryTier(None)], model="m", codec=Raw(), chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    a = _ids(40, seed=3)
+    _store_segments(sched, worker, caches, [a])
+    with caplog.at_level("WARNING"):
+        assert _hit(sched, "bad", a + _ids(5, seed=5), **request_kw) == 0
+    assert why in caplog.text

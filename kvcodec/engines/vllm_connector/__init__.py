@@ -21,7 +21,10 @@ tier, where the scheduler's lookup finds it.  The parts:
 - :mod:`.scheduler`: lookups, and each step's loads and saves (:mod:`.metadata`);
 - :mod:`.worker`: the paged KV memory, loads into it through the store's one load path, saves out of it; nothing
   that goes wrong is raised into vLLM, its blocks are reported as load errors and recomputed;
-- :mod:`.requests`: a request's salt (``cache_salt``, prompt embeddings, LoRA adapter, multimodal items);
+- :mod:`.requests`: a request's salt (``cache_salt``, prompt embeddings, LoRA adapter, multimodal items) and what
+  it asks of segments (``kv_transfer_params={"kvcodec": ...}``);
+- :mod:`.fusion`: a prompt's stored segments fused into its blocks, with selective recompute through vLLM's own
+  decoder layers, and :mod:`.model`, which records the worker's model for it (docs/segments.md, "In vLLM");
 - :mod:`.setup`: the store, the caches' identity (the model's configuration and weights, KV dtype, rank), the
   model's channel profile and the paged layout, once at start-up;
 - :mod:`.base`: vLLM's base classes, or stand-ins when vLLM is not installed.

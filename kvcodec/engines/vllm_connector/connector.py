@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
+from kvcodec.blend.segments import default_anchor
 from kvcodec.engines.vllm_connector.base import ConnectorBase, KVConnectorRole
 from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata
+from kvcodec.engines.vllm_connector.model import capture_model
 from kvcodec.engines.vllm_connector.scheduler import SchedulerSide
 from kvcodec.engines.vllm_connector.setup import connector_store, engine_logger, served_model, vllm_identity
 from kvcodec.engines.vllm_connector.worker import WorkerSide
@@ -34,8 +36,11 @@ class KVCodecConnector(ConnectorBase):
                         "damaged fails its request; set \"kv_load_failure_policy\": \"recompute\" in "
                         "--kv-transfer-config and vLLM recomputes those blocks instead")
         block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16)
-        self.scheduler = None if is_worker else SchedulerSide(self.store, block_size)
-        self.worker = WorkerSide(self.store, vllm_config, block_size) if is_worker else None
+        anchor = default_anchor(hf_config)  # segments are computed after the model's BOS
+        self.scheduler = None if is_worker else SchedulerSide(self.store, block_size, anchor)
+        self.worker = WorkerSide(self.store, vllm_config, block_size, anchor) if is_worker else None
+        if is_worker:  # segment fusion recomputes with the model, which vLLM hands no connector
+            capture_model()
 
     @property
     def stats(self) -> dict[str, int]:

@@ -10,7 +10,9 @@ from kvcodec.engines.vllm_connector.base import MetadataBase
 @dataclass
 class LoadSpec:
     """Load tokens ``start .. end-1`` of ``token_ids`` (the prompt up to the end of the chunk holding token
-    ``end-1``) into the blocks ``block_ids``; ``salt`` keys the request (:mod:`.requests`)."""
+    ``end-1``) into the blocks ``block_ids``; ``salt`` keys the request (:mod:`.requests`).  With ``segments``
+    (token counts after the anchor), ``token_ids`` are the anchor and those segments, fused with recompute ``share``
+    (None: the loading controller's) instead of loaded as a prefix."""
 
     req_id: str
     token_ids: list[int]
@@ -18,16 +20,20 @@ class LoadSpec:
     start: int
     end: int
     salt: str | None = None
+    segments: tuple[int, ...] = ()
+    share: float | None = None
 
 
 @dataclass
 class SaveSpec:
-    """Save the KV of ``token_ids`` (a prompt), held in the blocks ``block_ids``, under ``salt``."""
+    """Save the KV of ``token_ids`` (a prompt), held in the blocks ``block_ids``, under ``salt``; with
+    ``segment``, the prompt after the anchor as a segment instead."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     salt: str | None = None
+    segment: bool = False
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What keys one vLLM request's chunks besides its token ids: :func:`request_key_salt`.
+"""What one vLLM request asks of the store besides its token ids: what keys its chunks (:func:`request_key_salt`)
+and what it asks of segments (:func:`segment_request`).
 
 vLLM 0.32 lets a request's KV depend on more than its token ids: prompt embeddings (whose positions carry
 placeholder ids), a LoRA adapter and multimodal items.  Each is folded into the request's salt with its
@@ -10,12 +11,14 @@ request unkeyable: it is neither loaded nor saved.
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvcodec.errors import UnsupportedError
+from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.store.identity import model_identity, request_salt, weight_files
 
 # attributes of older vLLM requests that carried multimodal inputs (0.32 has ``mm_features``)
@@ -66,3 +69,43 @@ def _multimodal(feature: Any) -> list[Any]:
     item: list[Any] = [str(getattr(feature, "modality", "")), identifier, int(position.offset), int(position.length)]
     mask = getattr(position, "is_embed", None)  # which placeholder positions take the item's embeddings
     return item if mask is None else item + [mask.to(torch.bool)]
+
+
+# the key of kvcodec's part of a request's ``kv_transfer_params``
+PARAMS_KEY = "kvcodec"
+
+
+@dataclass(frozen=True)
+class SegmentRequest:
+    """What a request's ``kv_transfer_params["kvcodec"]`` asks of segments (docs/segments.md, "vLLM").  Either
+    ``segments``: the token counts of the stored segments that follow the model's anchor (its BOS) in the prompt,
+    in prompt order, to fuse with recompute ``share`` (None: the loading controller's); the rest of the prompt (at
+    least one token, the question) is computed by vLLM.  Or ``store_segment``: the prompt after the anchor is a
+    document, saved as a segment once its prefill is done."""
+
+    segments: tuple[int, ...] = ()
+    share: float | None = None
+    store_segment: bool = False
+
+
+def segment_request(request: Any) -> SegmentRequest | None:
+    """``request``'s segment parameters, or None where it has none.  Raises
+    :class:`~kvcodec.errors.InvalidInputError` for parameters that are not as :class:`SegmentRequest` says."""
+    params = getattr(request, "kv_transfer_params", None)
+    ours = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+    if ours is None:
+        return None
+    if not isinstance(ours, dict) or set(ours) - {"segments", "share", "store_segment"}:
+        raise InvalidInputError(f"kv_transfer_params[{PARAMS_KEY!r}] is a dict of 'segments', 'share' and "
+                                f"'store_segment', not {ours!r}")
+    segments, share, store = ours.get("segments") or (), ours.get("share"), ours.get("store_segment", False)
+    if not isinstance(segments, (list, tuple)) or not all(type(n) is int and n > 0 for n in segments):
+        raise InvalidInputError(f"'segments' lists each segment's token count (positive integers), not {segments!r}")
+    if share is not None and not (type(share) in (int, float) and math.isfinite(share) and 0 <= share <= 1):
+        raise InvalidInputError(f"'share' is a recompute share in 0..1, not {share!r}")
+    if type(store) is not bool or (store and segments):
+        raise InvalidInputError("'store_segment' is true or false, and a request either stores a segment or fuses "
+                                "segments, not both")
+    if not store and not segments:
+        raise InvalidInputError(f"kv_transfer_params[{PARAMS_KEY!r}] names neither 'segments' nor 'store_segment'")
+    return SegmentRequest(tuple(segments), None if share is None else float(share), store)

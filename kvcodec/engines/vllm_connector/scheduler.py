@@ -4,16 +4,24 @@
 down to whole vLLM blocks, keeps at least one prompt token for vLLM to compute and subtracts what vLLM already has;
 ``after_alloc`` records the load; ``build_meta`` turns loads and, once a prompt's prefill completes, saves into the
 step's :class:`~.metadata.KVCodecConnectorMetadata` with the request's block table.
+
+A request that names its segments (:func:`~.requests.segment_request`) and has any of them stored claims the
+anchor and the segments instead, where that is more than its prefix hit: vLLM's scheduler takes a connector's hit
+as a count of leading tokens, so the worker fills those blocks with the fused context (:mod:`.fusion`) and vLLM
+computes the question over them.  Its KV is not a prefill's, so it is never saved under the prompt's keys.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from collections.abc import Sequence
+
+from kvcodec.blend.segments import SegmentStore
 from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
-from kvcodec.engines.vllm_connector.requests import request_key_salt
+from kvcodec.engines.vllm_connector.requests import SegmentRequest, request_key_salt, segment_request
 from kvcodec.engines.vllm_connector.setup import engine_logger
-from kvcodec.errors import UnsupportedError
+from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.store import KVStore
 
 log = engine_logger(__name__)
@@ -29,11 +37,15 @@ def first_block_ids(block_ids: Any) -> list[int]:
 
 
 class SchedulerSide:
-    """The scheduler process's state over ``store``; ``block_size`` is vLLM's (hits are whole blocks)."""
+    """The scheduler process's state over ``store``; ``block_size`` is vLLM's (hits are whole blocks); segments
+    are computed after ``anchor`` (the model's BOS)."""
 
-    def __init__(self, store: KVStore, block_size: int) -> None:
+    def __init__(self, store: KVStore, block_size: int, anchor: Sequence[int] = ()) -> None:
         self.store, self.block_size = store, block_size
-        self.stats = {"lookups": 0, "lookup_hit_tokens": 0}
+        self.segments = SegmentStore(store, anchor) if store.save_partial else None
+        self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "fusions": 0}
+        self._asks: dict[str, SegmentRequest | None] = {}  # req id -> what it asks of segments
+        self._fusing: set[str] = set()  # requests whose hit is their segments fused
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (num_computed_tokens, external tokens)
         self._need_load: dict[str, tuple[int, int]] = {}  # req id -> (start, end)
         self._unsaved: dict[str, dict[str, Any]] = {}  # req id -> prompt ids, block ids, tokens done, salt
@@ -69,17 +81,69 @@ class SchedulerSide:
             log.warning("store lookup failed; treating it as a miss", exc_info=True)
             hit = 0
         hit = hit // self.block_size * self.block_size
+        ask = self._ask(request, salt, ids)
+        self._fusing.discard(request.request_id)
+        if ask is not None and ask.segments and not num_computed_tokens:
+            fused = self._fusion_hit(ids, ask)
+            if fused > hit:
+                hit = fused
+                self._fusing.add(request.request_id)
         self.stats["lookups"] += 1
         self.stats["lookup_hit_tokens"] += hit
         ext = max(0, hit - int(num_computed_tokens))
         self._matched[request.request_id] = (int(num_computed_tokens), ext)
         return ext, False
 
+    def _ask(self, request: Any, salt: str | None, ids: list[int]) -> SegmentRequest | None:
+        """What ``request`` asks of segments, where it can be done (warned once per request where not)."""
+        rid = request.request_id
+        if rid in self._asks:
+            return self._asks[rid]
+        try:
+            ask = segment_request(request)
+        except InvalidInputError as e:
+            log.warning("kvcodec connector: request %s: %s; its segment parameters are ignored", rid, e)
+            ask = None
+        problem = None
+        if ask is not None:
+            anchor = list(self.segments.anchor) if self.segments is not None else []
+            if self.segments is None:
+                problem = "the store does not save partial chunks (save_partial), which segments need"
+            elif salt is not None:  # segments are keyed by their own tokens and the model only
+                problem = "it is salted (cache_salt, prompt embeddings, LoRA or multimodal inputs)"
+            elif ids[:len(anchor)] != anchor:
+                problem = f"its prompt does not start with the model's anchor {anchor}"
+            elif len(anchor) + sum(ask.segments) >= len(ids):
+                problem = "its segments leave no token of the prompt (the question) for vLLM to compute"
+            elif ask.store_segment and len(ids) == len(anchor):
+                problem = "its prompt holds no token after the anchor"
+        if problem is not None:
+            log.warning("kvcodec connector: request %s asks for segments, but %s: served without them", rid, problem)
+            ask = None
+        self._asks[rid] = ask
+        return ask
+
+    def _fusion_hit(self, ids: list[int], ask: SegmentRequest) -> int:
+        """The tokens a fusion of ``ask``'s segments supplies (whole blocks of the anchor and the segments), or 0
+        where none of them is stored."""
+        start = len(self.segments.anchor)
+        try:
+            stored = False
+            for n in ask.segments:
+                stored = stored or self.segments.stored_tokens(ids[start:start + n]) > 0
+                start += n
+        except Exception:
+            log.warning("segment lookup failed; treating it as a miss", exc_info=True)
+            return 0
+        return start // self.block_size * self.block_size if stored else 0
+
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         computed, _ = self._matched.pop(rid, (0, 0))
         if num_external_tokens > 0:
             self._need_load[rid] = (computed, computed + int(num_external_tokens))
+        else:
+            self._fusing.discard(rid)
 
     def build_meta(self, scheduler_output: Any) -> KVCodecConnectorMetadata:
         """This step's loads (new requests with a hit) and saves (prompts whose prefill completes in it)."""
@@ -96,7 +160,7 @@ class SchedulerSide:
                 if not self.store.save_partial:
                     ids = ids[: len(ids) // self.store.chunk_tokens * self.store.chunk_tokens]
                 if ids:
-                    meta.saves.append(SaveSpec(rid, ids, st["blocks"], st["salt"]))
+                    meta.saves.append(SaveSpec(rid, ids, st["blocks"], st["salt"], st["segment"]))
                 del self._unsaved[rid]
         return meta
 
@@ -107,13 +171,20 @@ class SchedulerSide:
         salt = self._keyed[rid]
         ids = [int(t) for t in (req.prompt_token_ids or [])]
         blocks = first_block_ids(req.block_ids)
+        ask = self._asks.get(rid)
         if rid in self._need_load:
             start, end = self._need_load.pop(rid)
+            if rid in self._fusing:
+                self.stats["fusions"] += 1
+                fused_end = len(self.segments.anchor) + sum(ask.segments)
+                meta.loads.append(LoadSpec(rid, ids[:fused_end], blocks, start, end, None, ask.segments, ask.share))
+                return  # a fused context is not a prefill's KV: never saved under the prompt's keys
             # the chunks that hold tokens start..end-1, as they were stored (a chunk's key covers its tokens)
             chunk_end = min(len(ids), -(-end // self.store.chunk_tokens) * self.store.chunk_tokens)
             meta.loads.append(LoadSpec(rid, ids[:chunk_end], blocks, start, end, salt))
         done = int(getattr(req, "num_computed_tokens", 0)) + int(scheduled.get(rid, len(ids)))
-        self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done, "salt": salt}
+        self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done, "salt": salt,
+                              "segment": bool(ask is not None and ask.store_segment)}
 
     def _cached_requests(self, cached: Any, scheduled: dict[str, int]) -> None:
         """Follow running requests' new blocks and progress (a request resumed from preemption has new blocks)."""
@@ -136,5 +207,6 @@ class SchedulerSide:
     def finished(self, request: Any) -> None:
         """Forget ``request`` (saves finish within the forward pass, so its blocks can be freed now)."""
         rid = request.request_id
-        for state in (self._unsaved, self._need_load, self._matched, self._keyed):
+        for state in (self._unsaved, self._need_load, self._matched, self._keyed, self._asks):
             state.pop(rid, None)
+        self._fusing.discard(rid)

@@ -7,6 +7,11 @@ of another shape, not decodable, or left to vLLM because recomputing is sooner) 
 blocks from its first unloaded token on are reported by :meth:`WorkerSide.load_errors` and vLLM recomputes them.
 Saves gather each layer's prompt tokens out of the paged memory and ``put`` them once the forward pass ends.
 Loads and saves finish within the forward pass.
+
+A load of segments is a fusion (:mod:`.fusion`): it runs in ``start_loads``, before vLLM's forward pass, with the
+model :mod:`.model` recorded, and writes the fused context into the request's blocks; what stops it is a load error
+of its blocks, as for a prefix load.  A save of a segment stores the prompt after the anchor under the segment's
+own key.
 """
 
 from __future__ import annotations
@@ -19,10 +24,15 @@ from typing import Any
 
 import torch
 
+from kvcodec.blend.fusion import RecomputeSchedule
+from kvcodec.blend.segments import SegmentStore
 from kvcodec.cache import KVCache
 from kvcodec.engines.store_setup import time_decodes
+from kvcodec.engines.vllm_connector.fusion import fuse_into_blocks
 from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
+from kvcodec.engines.vllm_connector.model import worker_model
 from kvcodec.engines.vllm_connector.setup import detect_layout, engine_logger
+from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
 from kvcodec.store import ChunkShape, KVStore, PagedSink, PrefixLoad
 from kvcodec.store.telemetry import RateEstimator
@@ -43,10 +53,12 @@ class WorkerSide:
     for its saves, and vLLM's prefill speed here (tokens per second of steps without loads: a load stops where
     recomputing the rest would be sooner, :mod:`kvcodec.store.plan`)."""
 
-    def __init__(self, store: KVStore, vllm_config: Any, block_size: int) -> None:
+    def __init__(self, store: KVStore, vllm_config: Any, block_size: int, anchor: Sequence[int] = ()) -> None:
         self.store, self.vllm_config, self.block_size = store, vllm_config, block_size
+        self.segments = SegmentStore(store, anchor) if store.save_partial else None
         self.layout = FLASH
-        self.stats = {"loaded_tokens": 0, "load_error_blocks": 0, "saved_chunks": 0}
+        self.stats = {"loaded_tokens": 0, "load_error_blocks": 0, "saved_chunks": 0, "fused_tokens": 0,
+                      "saved_segments": 0}
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_names: list[str] = []
         # (its prior is never planned with: a load has no recompute option until a step was timed)
@@ -85,6 +97,9 @@ class WorkerSide:
         layers = [self.kv_caches[name] for name in self.layer_names]
         recompute_tps = self.prefill.estimate if self.prefill.samples else None
         for spec in meta.loads:
+            if spec.segments:
+                self._fuse(spec, layers, recompute_tps)
+                continue
             try:
                 sink = PagedSink(layers, spec.block_ids, self.block_size, self.layout)
                 load = self.store.prefix_load(spec.token_ids, sink, start=spec.start, end=spec.end, salt=spec.salt,
@@ -93,6 +108,30 @@ class WorkerSide:
             except Exception as e:
                 log.warning("kvcodec connector: request %s: its load did not start", spec.req_id, exc_info=True)
                 self._fail(spec, spec.start, f"its load did not start: {e}")
+
+    def _fuse(self, spec: LoadSpec, layers: list[torch.Tensor], recompute_tps: float | None) -> None:
+        """Fuse ``spec``'s segments into its blocks now, before vLLM's forward pass; what stops it is a load error
+        of its blocks."""
+        try:
+            model = worker_model()
+            if model is None or self.segments is None:
+                raise UnsupportedError("this worker has no model to recompute with (vLLM's model runner was not "
+                                       "seen initializing its KV cache)" if model is None else
+                                       "the store does not save partial chunks")
+            start, segments = len(self.segments.anchor), []
+            for n in spec.segments:
+                segments.append(spec.token_ids[start:start + n])
+                start += n
+            sink = PagedSink(layers, spec.block_ids, self.block_size, self.layout)
+            done = fuse_into_blocks(model, self.segments, segments, sink, spec.end,
+                                    schedule=RecomputeSchedule(share=spec.share), recompute_tps=recompute_tps)
+        except Exception as e:
+            log.warning("kvcodec connector: request %s: its segments were not fused", spec.req_id, exc_info=True)
+            self._fail(spec, spec.start, f"its fusion failed: {e}")
+            return
+        self.stats["fused_tokens"] += done.written
+        log.info("kvcodec connector: request %s: fused %d segments into tokens 0-%d: %s", spec.req_id,
+                 len(segments), done.written, done.report.summary())
 
     def wait_layer(self, layer_name: str) -> None:
         """Return once this layer of every load is in vLLM's memory (or its load ended short: reported later)."""
@@ -148,6 +187,17 @@ class WorkerSide:
         return out
 
     # -- saves -------------------------------------------------------------------------------------------
+    def _save_segment(self, spec: SaveSpec, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store ``spec``'s prompt after the anchor as a segment (its KV computed after the anchor, as segments
+        are)."""
+        a = len(self.segments.anchor)
+        kv = KVCache([(k[:, a:], v[:, a:]) for k, v in layers], model=self.store.model, rope="post",
+                     positions=range(a, len(spec.token_ids)))
+        saved = self.segments.put(spec.token_ids[a:], kv)
+        self.stats["saved_segments"] += 1
+        log.info("kvcodec connector: request %s: stored tokens %d-%d as a segment (%d new chunk(s))", spec.req_id, a,
+                 len(spec.token_ids), saved)
+
     def _gather(self, spec: SaveSpec, paged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots = slot_mapping(torch.tensor(spec.block_ids, dtype=torch.long, device=paged.device), 0,
                              len(spec.token_ids), self.block_size)
@@ -180,6 +230,9 @@ class WorkerSide:
                 # a layer whose save_kv_layer was not called is read now
                 layers = [got[name] if name in got else self._gather(spec, self.kv_caches[name])
                           for name in self.layer_names]
+                if spec.segment:
+                    self._save_segment(spec, layers)
+                    continue
                 kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
                 t0, bytes_before = time.perf_counter(), self.store.stats["put_bytes"]
                 saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt)

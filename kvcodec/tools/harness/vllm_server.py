@@ -103,10 +103,15 @@ class Engine:
         return [line for line in self.log if text in line]
 
     def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, *, prompt_embeds: Any = None,
-                 prompt_is_token_ids: list[bool] | None = None, timeout_s: float = 600) -> dict[str, Any]:
+                 prompt_is_token_ids: list[bool] | None = None, kv_transfer_params: dict[str, Any] | None = None,
+                 prompt_logprobs: int | None = None, timeout_s: float = 600) -> dict[str, Any]:
         """Greedy tokens for ``prompt_token_ids``; with ``prompt_embeds`` (a ``(len, hidden)`` tensor) and
-        ``prompt_is_token_ids``, the ids marked False are placeholders whose inputs are those rows."""
-        req: dict[str, Any] = {"prompt_token_ids": prompt_token_ids, "max_tokens": max_tokens}
+        ``prompt_is_token_ids``, the ids marked False are placeholders whose inputs are those rows.
+        ``kv_transfer_params`` reach the connector; with ``prompt_logprobs`` (k), the reply's ``prompt_logprobs``
+        holds, for each prompt position vLLM computed, its top k and actual tokens' log-probabilities
+        (``{token id: logprob}``; None where vLLM gave none), with loads from the connector still allowed."""
+        req: dict[str, Any] = {"prompt_token_ids": prompt_token_ids, "max_tokens": max_tokens,
+                               "kv_transfer_params": kv_transfer_params, "prompt_logprobs": prompt_logprobs}
         if prompt_embeds is not None:
             import torch
 
@@ -171,14 +176,23 @@ def _serve(cfg: dict[str, Any]) -> None:
         if req.get("op") == "quit":
             break
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]), logprobs=0)
+            extra = {}
+            if req.get("prompt_logprobs") is not None:
+                # vLLM would skip every cache read for them; its detokenizer fails on the placeholder ids of the
+                # positions a connector loaded (OverflowError), and the ids are all a test reads
+                extra = {"prompt_logprobs": int(req["prompt_logprobs"]), "skip_reading_prefix_cache": False,
+                         "detokenize": False}
+            params = SamplingParams(temperature=0.0, max_tokens=int(req["max_tokens"]), logprobs=0,
+                                    extra_args={"kv_transfer_params": req.get("kv_transfer_params")}, **extra)
             start = time.perf_counter()
             out = llm.generate([_prompt(req)], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - start
             gen = out.outputs[0]
             logprobs = [float(step[t].logprob) for step, t in zip(gen.logprobs or [], gen.token_ids)]
+            prompt = [None if p is None else {int(t): float(x.logprob) for t, x in p.items()}
+                      for p in (out.prompt_logprobs or [])]
             _reply({"token_ids": list(gen.token_ids), "logprobs": logprobs, "seconds": seconds,
-                    "num_cached_tokens": out.num_cached_tokens})
+                    "num_cached_tokens": out.num_cached_tokens, "prompt_logprobs": prompt})
         except Exception as e:  # the test sees it in the reply, with the engine's log
             _reply({"error": f"{type(e).__name__}: {e}"})
 
