@@ -82,3 +82,13 @@ def test_the_store_carries_identity_namespace_shape_and_placement(tmp_path):
 
 def test_chunk_tokens_overrides_the_engines_unit():
     assert StoreConfig(chunk_tokens=128).store(model="m", engine_chunk_tokens=64).chunk_tokens == 128
+
+
+def test_regression_a_single_codec_spec_with_options_was_an_unknown_codec():
+    """``"codec": "cachegen:level=2"`` named no codec (the spec was looked up whole), though a variant list's specs
+    and the docs' ``"kivi:bits=4"`` parse: found writing bench/vllm_segments.py."""
+    store = StoreConfig(codec="cachegen:level=4").store(model="m")
+    assert store.codec.codec_id == "cachegen" and store.codec.get_config()["level"] == 4
+    assert StoreConfig(codec="cachegen", codec_options={"level": 4}).store(model="m").codec.get_config()["level"] == 4
+    with pytest.raises(InvalidInputError, match="not both"):
+        StoreConfig(codec="cachegen:level=4", codec_options={"level": 2}).store(model="m")

@@ -491,10 +491,16 @@ def _variants(codec: str | Codec | Sequence[str | Codec], options: dict[str, Any
               digest: str) -> list[Codec]:
     """The store's codecs: one, or a list of variants (smallest first), each resolved for ``model`` of weights
     ``digest`` (e.g. kvtc's calibration)."""
-    from kvcodec.codecs.registry import codec_from_spec
+    from kvcodec.codecs.registry import codec_from_spec, parse_spec
 
-    if isinstance(codec, (str, Codec)):
-        codecs = [codec if isinstance(codec, Codec) else get_codec(codec, **(options or {}))]
+    if isinstance(codec, Codec):
+        codecs = [codec]
+    elif isinstance(codec, str):
+        codec_id, inline = parse_spec(codec)  # "cachegen:level=2", as a variant list's specs are
+        if inline and options:
+            raise InvalidInputError(f"codec {codec!r} has its options in its spec; give them there or in "
+                                    f"codec_options {dict(options)!r}, not both")
+        codecs = [get_codec(codec_id, **(inline or options or {}))]
     else:
         codecs = [c if isinstance(c, Codec) else codec_from_spec(str(c)) for c in codec]
         if not codecs or options:
