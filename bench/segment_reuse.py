@@ -105,6 +105,8 @@ def main() -> None:
                     help="keep the segments in Redis behind a link shaped to MBIT Mbit/s (root) instead of in memory")
     ap.add_argument("--codec", default="raw",
                     help="the segments' codec, or variants separated by commas that each load picks from (default raw)")
+    ap.add_argument("--model", default="smollm2", help="the model (kvcodec.models.load_model's names: smollm2, "
+                                                       "gemma3-270m; default smollm2)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if not 2 <= args.docs <= len(DOCS):
@@ -135,7 +137,7 @@ def segment_tier(args, stack: contextlib.ExitStack):
 
 
 def run(args, stack: contextlib.ExitStack) -> None:
-    lm = load_model("smollm2", progress=False)
+    lm = load_model(args.model, progress=False)
     model, tok = lm.model, lm.tokenize
     system = tok(SYSTEM)
     docs = [tok(load_text(spec)[:args.doc_tokens * 8])[:args.doc_tokens] for spec in DOCS[:args.docs]]
@@ -265,7 +267,7 @@ def ttft(args, lm, hook, prompts, orders) -> None:
     table = "\n".join(lines)
     print(table)
     out = args.out or OUT.with_name("segment_reuse-ttft.md")
-    out.write_text(f"""# Segment reuse: time to first token (SmolLM2, CPU)
+    out.write_text(f"""# Segment reuse: time to first token ({lm.model_id}, CPU)
 
 `python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts} --ttft-only {args.ttft_only}{command_tail(args)}`
 (issue 34; quality: [segment_reuse.md](segment_reuse.md)).  One prompt of {len(ids)} tokens, each way
@@ -290,6 +292,7 @@ def command_tail(args) -> str:
         f" --shares {','.join('auto' if x is None else f'{x:g}' for x in args.shares)}"
     tail += "" if args.link is None else f" --link {args.link:g}"
     tail += "" if args.codec == "raw" else f" --codec {args.codec}"
+    tail += "" if args.model == "smollm2" else f" --model {args.model}"
     return tail + ("" if args.out is None else f" --out {args.out}")
 
 
@@ -324,11 +327,11 @@ def report(args, rows, methods, prompts, put_s) -> None:
                      + ("-" if math.isnan(ttft) else f"{med(r['ratio']):.2f}") + " |")
     table = "\n".join(lines)
     print(table)
-    text = f"""# Segment reuse: fusion with selective recompute against a full prefill (SmolLM2, CPU)
+    text = f"""# Segment reuse: fusion with selective recompute against a full prefill ({args.model}, CPU)
 
 `python bench/segment_reuse.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts}{command_tail(args)}`
 (issue 34; [docs/segments.md](../../docs/segments.md)).  {args.prompts} prompts of {min(tokens)}-{max(tokens)} tokens:
-SmolLM2's BOS, a system text, {args.docs} real documents of {args.doc_tokens} tokens ({", ".join(DOCS[:args.docs])})
+the model's BOS, a system text, {args.docs} real documents of {args.doc_tokens} tokens ({", ".join(DOCS[:args.docs])})
 in shuffled orders, and a question.  Segments stored once, {kept(args)} ({put_s:.1f} s for all); KL and
 greedy agreement over the full prefill's {CONTINUATION}-token greedy continuation (teacher-forced), perplexity of
 {args.heldout} held-out tokens ({HELDOUT}) read after the prompt; means over the prompts.  TTFT: medians over the

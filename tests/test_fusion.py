@@ -153,20 +153,34 @@ def test_a_segment_not_stored_is_computed_at_every_layer(smollm2, hook, order, p
     assert "1 missed" in r.summary()
 
 
-def test_sliding_window_models_are_refused():
+def test_models_whose_attention_the_driver_does_not_build_are_refused():
+    """Gemma 3's windowed layers run (tests/test_gemma.py); a window on every layer without ``layer_types``, logit
+    soft-capping (Gemma 2) and another architecture are refused, not computed wrongly."""
     class Gemma3:
         class config:
             model_type = "gemma3_text"
             layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(UnsupportedError, match="gemma3_text"):
-        check_supported(Gemma3())
+            sliding_window = 512
+    check_supported(Gemma3())
 
     class SlidingLlama:
         class config:
             model_type = "llama"
             sliding_window = 4096
-    with pytest.raises(UnsupportedError, match="sliding-window"):
+    with pytest.raises(UnsupportedError, match="a window on every layer"):
         check_supported(SlidingLlama())
+
+    class SoftCapped(Gemma3):
+        class config(Gemma3.config):
+            attn_logit_softcapping = 50.0
+    with pytest.raises(UnsupportedError, match="soft-capping"):
+        check_supported(SoftCapped())
+
+    class Qwen:
+        class config:
+            model_type = "qwen2"
+    with pytest.raises(UnsupportedError, match="qwen2"):
+        check_supported(Qwen())
 
 
 def test_the_command_stores_documents_and_fuses_a_prompt(smollm2, tmp_path, capsys):

@@ -325,3 +325,58 @@ def level2_against_cachegen(loaded, calibrations, text: str, prefix: int, contin
     case = prepare(loaded, text, prefix, continuation)
     codecs = [KVTC(calibration=c) for c in calibrations] + [get_codec("cachegen")]
     return evaluate(loaded, [case], codecs)
+
+
+# --- segment fusion (issue 34) on sliding-window layers ---------------------------------------------------------
+
+FUSION_DOC_TOKENS = 220  # three documents and a system text: past the window, so sliding layers cut across them
+
+
+@pytest.fixture(scope="module")
+def fusion_case(gemma):
+    """A hook with a system text and three documents stored as segments, the prompt with them in another order,
+    and the full prefill's logits over its question."""
+    from transformers import DynamicCache
+
+    from kvcodec.engines.transformers_hook import TransformersKVHook
+    from kvcodec.store import KVStore, MemoryTier
+    from kvcodec.texts import load_text
+
+    tok = gemma.tokenize
+    system = tok("You are a helpful assistant. Answer the question using the documents below.\n\n")
+    docs = [tok(load_text(spec)[:2000])[:FUSION_DOC_TOKENS] for spec in ("license:MPL-2.0", "stdlib:textwrap.py",
+                                                                         "license:Apache-2.0")]
+    question = tok("\n\nQuestion: which of these documents is a license, and what does it allow? Answer:")
+    hook = TransformersKVHook(gemma, KVStore([MemoryTier(None)], model=gemma.model_id, codec="raw"), save=False)
+    assert hook.put_segments([system] + docs) == 4
+    order = [system, docs[2], docs[0], docs[1]]
+    ids = list(hook.segments.anchor) + [t for s in order for t in s] + question
+    assert len(ids) - len(question) > gemma.model.config.sliding_window
+    with torch.no_grad():
+        out = gemma.model(torch.tensor([ids]), cache=DynamicCache(config=gemma.model.config), use_cache=True)
+    return hook, order, question, out.logits[0, -len(question):]
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@needs_gemma
+def test_fusion_recomputing_every_token_is_gemmas_full_prefill(fusion_case):
+    """Sliding-window layers: the selected tokens' masks carry the window and the fused cache holds the whole
+    context, so a fusion at share 1 gives the full prefill's logits, the question's forward over the fused cache
+    included (its masks apply the window over the whole length)."""
+    hook, order, question, full = fusion_case
+    fused = hook.fuse(order, question, share=1.0)
+    gap = float((fused.logits - full).abs().max())
+    assert gap < 2e-2 * float(full.abs().max()), gap
+    assert _kl(full, fused.logits) < 1e-5
+
+
+@needs_gemma
+def test_fusion_at_the_default_share_beats_gemmas_segments_as_they_are(fusion_case):
+    hook, order, question, full = fusion_case
+    as_is = _kl(full, hook.fuse(order, question, share=0.0).logits)
+    default = _kl(full, hook.fuse(order, question).logits)
+    assert default < 0.5 * as_is, (default, as_is)

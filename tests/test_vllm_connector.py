@@ -762,12 +762,17 @@ def test_a_request_naming_stored_segments_claims_them_and_its_fused_kv_is_never_
     ({"kv_transfer_params": {"kvcodec": {"segments": [40], "store_segment": True}}}, "not both"),
     ({"kv_transfer_params": {"kvcodec": {"segments": [45]}}}, "no token of the prompt"),
     ({"kv_transfer_params": {"kvcodec": {"segments": [40]}}, "cache_salt": "tenant-a"}, "salted"),
+    ({"kv_transfer_params": {"kvcodec": {"segments": [40]}}}, "prefix caching is on"),
 ])
 def test_segment_parameters_that_cannot_be_served_are_warned_about_and_ignored(caplog, request_kw, why):
     store = KVStore([MemoryTier(None)], model="m", codec=Raw(), chunk_tokens=CHUNK)
     sched, worker, caches = _pair(store)
     a = _ids(40, seed=3)
     _store_segments(sched, worker, caches, [a])
+    if why == "prefix caching is on":  # vLLM would hand the fused blocks to later prompts as computed KV
+        config = _config()
+        config.cache_config.enable_prefix_caching = True
+        sched = KVCodecConnector(config, KVConnectorRole.SCHEDULER, store=store)
     with caplog.at_level("WARNING"):
         assert _hit(sched, "bad", a + _ids(5, seed=5), **request_kw) == 0
     assert why in caplog.text

@@ -392,11 +392,12 @@ class QueryBlock:
     mask: torch.Tensor | None
 
 
-def query_blocks(selected: torch.Tensor, dtype: torch.dtype) -> list[QueryBlock]:
+def query_blocks(selected: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> list[QueryBlock]:
     """How an engine computes the attention of ``selected`` (ascending context positions): in up to
-    :data:`MAX_BLOCKS` blocks of at least :data:`MIN_BLOCK` rows, each reading the context up to its last row."""
+    :data:`MAX_BLOCKS` blocks of at least :data:`MIN_BLOCK` rows, each reading the context up to its last row;
+    with ``window``, a row sees only the last ``window`` positions up to its own (a sliding-window layer)."""
     n = len(selected)
-    if int(selected[-1]) + 1 == n:
+    if int(selected[-1]) + 1 == n and (window is None or n <= window):
         return [QueryBlock(0, n, n, None)]
     count = max(1, min(MAX_BLOCKS, n // MIN_BLOCK))
     cuts = [round(n * b / count) for b in range(count + 1)]
@@ -407,6 +408,8 @@ def query_blocks(selected: torch.Tensor, dtype: torch.dtype) -> list[QueryBlock]
         # additive, as SDPA turns a boolean mask into one at every call (2.7% of a 30% recompute's time, 3,831
         # tokens)
         allowed = torch.arange(end, device=selected.device)[None, :] <= part[:, None]
+        if window is not None:
+            allowed &= torch.arange(end, device=selected.device)[None, :] > part[:, None] - window
         mask = torch.zeros(allowed.shape, dtype=dtype, device=selected.device).masked_fill_(~allowed, -math.inf)
         out.append(QueryBlock(a, b, end, mask))
     return out

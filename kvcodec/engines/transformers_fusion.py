@@ -12,9 +12,10 @@ without a mask; a segment's tokens are computed in a few blocks of consecutive p
 lets a token attend to the context up to its own position.  After it, the same cache grows as any
 ``DynamicCache`` does, so the suffix runs through the model's ordinary forward.
 
-Supported: decoders whose every layer attends to the whole context with RoPE (Llama's architecture, which
-SmolLM2 has).  Sliding-window layers (Gemma 3) would need the window applied to the selected tokens' mask and
-segments longer than a window kept whole; they are refused, not computed wrongly.
+Supported: decoders whose layers attend to the whole context or to a sliding window of it, with RoPE: Llama's
+architecture (SmolLM2) and Gemma 3's (five sliding-window layers to one global, a rotary setting per kind).  A
+sliding-window layer's selected tokens see the window in their masks, and its cache holds the whole context as a
+full layer's does.
 """
 
 from __future__ import annotations
@@ -33,28 +34,46 @@ from kvcodec.positions import Rotary
 from kvcodec.store.chunks import ChunkShape
 
 # Model types whose decoder layers this driver has been checked against (a fusion at share 1 equals a full
-# prefill: tests/test_fusion.py).
-SUPPORTED_MODEL_TYPES = ("llama",)
+# prefill: tests/test_fusion.py, tests/test_gemma.py).
+SUPPORTED_MODEL_TYPES = ("llama", "gemma3_text")
+# The kinds of layers it runs: full attention, and attention to the last ``config.sliding_window`` tokens.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def check_supported(model: Any) -> None:
-    """Raise :class:`UnsupportedError` for a model :func:`recompute` cannot run correctly."""
+    """Raise :class:`UnsupportedError` for a model :func:`fuse` cannot run correctly."""
     config = model.config
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedError(f"segment fusion runs on {', '.join(SUPPORTED_MODEL_TYPES)} models (every layer full "
-                               f"attention with RoPE); this is a {kind!r} model")
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])) or \
-            getattr(config, "sliding_window", None):
-        raise UnsupportedError("segment fusion does not handle sliding-window layers yet")
+        raise UnsupportedError(f"segment fusion runs on {', '.join(SUPPORTED_MODEL_TYPES)} models (full or "
+                               f"sliding-window attention with RoPE); this is a {kind!r} model")
+    types = set(getattr(config, "layer_types", None) or ())
+    if types - set(LAYER_TYPES) or (getattr(config, "sliding_window", None) and not types):
+        raise UnsupportedError(f"segment fusion runs layers of kinds {', '.join(LAYER_TYPES)} (a window only where "
+                               f"config.layer_types says so), not {sorted(types) or 'a window on every layer'}")
+    # the masks the driver builds carry what the model's attention would otherwise add
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedError("segment fusion does not handle attention logit soft-capping or bidirectional "
+                               "attention")
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each layer's kind (:data:`LAYER_TYPES`)."""
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
 
 
 def model_rotary(model: Any) -> list[Rotary]:
-    """The rotary setting of each of ``model``'s layers, read from its rotary embedding (one for every layer: the
-    supported models have one kind of layer)."""
+    """The rotary setting of each of ``model``'s layers, read from its rotary embedding (per kind of layer where
+    it has one per kind, as Gemma 3's local and global layers)."""
     emb = model.model.rotary_emb
-    rotary = Rotary(emb.inv_freq.detach().double().cpu().numpy(), float(getattr(emb, "attention_scaling", 1.0)))
-    return [rotary] * model.config.num_hidden_layers
+    out = []
+    for kind in layer_types(model.config):
+        inv = getattr(emb, f"{kind}_inv_freq", None)
+        scaling = getattr(emb, f"{kind}_attention_scaling", None) if inv is not None else None
+        if inv is None:
+            inv, scaling = emb.inv_freq, getattr(emb, "attention_scaling", 1.0)
+        out.append(Rotary(inv.detach().double().cpu().numpy(), float(1.0 if scaling is None else scaling)))
+    return out
 
 
 @torch.no_grad()
@@ -65,7 +84,7 @@ def segment_kv(model: Any, anchor: Sequence[int], token_ids: Sequence[int], *, m
     from transformers import DynamicCache
 
     ids = [int(t) for t in anchor] + [int(t) for t in token_ids]
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # every layer kept whole: a sliding layer's cache of the model's config keeps its window
     model(torch.tensor([ids], device=model.device), cache=cache, use_cache=True)
     a = len(anchor)
     layers = [(l.keys[0, :, a:], l.values[0, :, a:]) for l in cache.layers]
@@ -126,10 +145,15 @@ class _Runner:
         self.inner, dev = model.model, model.device
         self.selection = _Selection()
         cls = _fused_layer_class()
+        # every layer holds the whole context, a sliding-window one too: the selected tokens sit anywhere in it,
+        # and the model's masks for the suffix apply the window over the whole length
         self.cache = DynamicCache(config=model.config)
         self.cache.layers = [cls(k[None].to(dev), v[None].to(dev), self.selection) for k, v in loads.layers]
         self.ids = torch.tensor(loads.token_ids, device=dev)
         self.device = dev
+        self.kinds = layer_types(model.config)
+        window = getattr(model.config, "sliding_window", None)
+        self.windows = {k: window if k == "sliding_attention" else None for k in set(self.kinds)}
 
     def start(self, selected: torch.Tensor) -> None:
         self.sel = selected.to(self.device)
@@ -137,18 +161,23 @@ class _Runner:
         self._blocks()
 
     def _blocks(self) -> None:
-        # built once per selection, as the selection changes at two layers only
-        cos, sin = self.inner.rotary_emb(self.hidden, position_ids=self.sel[None])
-        self.blocks = [(blk, (cos[:, blk.start:blk.stop], sin[:, blk.start:blk.stop]),
-                        None if blk.mask is None else blk.mask[None, None])
-                       for blk in query_blocks(self.sel, self.hidden.dtype)]
+        # built once per selection, as the selection changes at two layers only; one set per kind of layer
+        emb, pos = self.inner.rotary_emb, self.sel[None]
+        self.blocks = {}
+        for kind, window in self.windows.items():
+            cos, sin = emb(self.hidden, pos, kind) if hasattr(emb, "layer_types") else emb(self.hidden, pos)
+            self.blocks[kind] = [(blk, (cos[:, blk.start:blk.stop], sin[:, blk.start:blk.stop]),
+                                  None if blk.mask is None else blk.mask[None, None])
+                                 for blk in query_blocks(self.sel, self.hidden.dtype, window)]
 
     def layer(self, index: int, measure: bool) -> torch.Tensor | None:
         s, layer = self.selection, self.inner.layers[index]
         s.measure = measure
         outs, changes = [], []
-        for blk, rotary, mask in self.blocks:
-            s.selected, s.end, s.prefix = self.sel[blk.start:blk.stop], blk.end, blk.mask is None
+        first = int(self.sel[-1]) + 1 == len(self.sel)  # the context's first tokens: written as a slice
+        for blk, rotary, mask in self.blocks[self.kinds[index]]:
+            s.selected, s.end = self.sel[blk.start:blk.stop], blk.end
+            s.prefix = first and blk.start == 0 and blk.stop == blk.end
             outs.append(layer(self.hidden[:, blk.start:blk.stop], attention_mask=mask,
                               position_ids=s.selected[None], cache=self.cache, use_cache=True,
                               position_embeddings=rotary))

@@ -37,7 +37,8 @@ class KVCodecConnector(ConnectorBase):
                         "--kv-transfer-config and vLLM recomputes those blocks instead")
         block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16)
         anchor = default_anchor(hf_config)  # segments are computed after the model's BOS
-        self.scheduler = None if is_worker else SchedulerSide(self.store, block_size, anchor)
+        caching = bool(getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False))
+        self.scheduler = None if is_worker else SchedulerSide(self.store, block_size, anchor, prefix_caching=caching)
         self.worker = WorkerSide(self.store, vllm_config, block_size, anchor) if is_worker else None
         if is_worker:  # segment fusion recomputes with the model, which vLLM hands no connector
             capture_model()

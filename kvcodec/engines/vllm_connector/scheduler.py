@@ -38,10 +38,12 @@ def first_block_ids(block_ids: Any) -> list[int]:
 
 class SchedulerSide:
     """The scheduler process's state over ``store``; ``block_size`` is vLLM's (hits are whole blocks); segments
-    are computed after ``anchor`` (the model's BOS)."""
+    are computed after ``anchor`` (the model's BOS).  ``prefix_caching``: vLLM's own prefix cache is on, which
+    would keep a fused prompt's blocks and hand them to later prompts as computed KV, so nothing is fused."""
 
-    def __init__(self, store: KVStore, block_size: int, anchor: Sequence[int] = ()) -> None:
-        self.store, self.block_size = store, block_size
+    def __init__(self, store: KVStore, block_size: int, anchor: Sequence[int] = (), *,
+                 prefix_caching: bool = False) -> None:
+        self.store, self.block_size, self.prefix_caching = store, block_size, prefix_caching
         self.segments = SegmentStore(store, anchor) if store.save_partial else None
         self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "fusions": 0}
         self._asks: dict[str, SegmentRequest | None] = {}  # req id -> what it asks of segments
@@ -109,6 +111,9 @@ class SchedulerSide:
             anchor = list(self.segments.anchor) if self.segments is not None else []
             if self.segments is None:
                 problem = "the store does not save partial chunks (save_partial), which segments need"
+            elif ask.segments and self.prefix_caching:
+                problem = ("vLLM's prefix caching is on, and it would serve the fused blocks to later prompts as "
+                           "computed KV (start vLLM with --no-enable-prefix-caching to fuse)")
             elif salt is not None:  # segments are keyed by their own tokens and the model only
                 problem = "it is salted (cache_salt, prompt embeddings, LoRA or multimodal inputs)"
             elif ids[:len(anchor)] != anchor:

@@ -104,14 +104,17 @@ class Engine:
 
     def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, *, prompt_embeds: Any = None,
                  prompt_is_token_ids: list[bool] | None = None, kv_transfer_params: dict[str, Any] | None = None,
-                 prompt_logprobs: int | None = None, timeout_s: float = 600) -> dict[str, Any]:
+                 prompt_logprobs: int | None = None, cache_salt: str | None = None,
+                 timeout_s: float = 600) -> dict[str, Any]:
         """Greedy tokens for ``prompt_token_ids``; with ``prompt_embeds`` (a ``(len, hidden)`` tensor) and
         ``prompt_is_token_ids``, the ids marked False are placeholders whose inputs are those rows.
         ``kv_transfer_params`` reach the connector; with ``prompt_logprobs`` (k), the reply's ``prompt_logprobs``
         holds, for each prompt position vLLM computed, its top k and actual tokens' log-probabilities
-        (``{token id: logprob}``; None where vLLM gave none), with loads from the connector still allowed."""
+        (``{token id: logprob}``; None where vLLM gave none), with loads from the connector still allowed.
+        ``cache_salt`` is vLLM's per-request salt."""
         req: dict[str, Any] = {"prompt_token_ids": prompt_token_ids, "max_tokens": max_tokens,
-                               "kv_transfer_params": kv_transfer_params, "prompt_logprobs": prompt_logprobs}
+                               "kv_transfer_params": kv_transfer_params, "prompt_logprobs": prompt_logprobs,
+                               "cache_salt": cache_salt}
         if prompt_embeds is not None:
             import torch
 
@@ -154,13 +157,14 @@ def _reply(obj: dict[str, Any]) -> None:
 
 def _prompt(req: dict[str, Any]) -> dict[str, Any]:
     """vLLM's prompt for ``req``: its token ids, and its embeddings with the mask of real ids when it has them."""
+    salt = {"cache_salt": req["cache_salt"]} if req.get("cache_salt") else {}
     if "prompt_embeds" not in req:
-        return {"prompt_token_ids": req["prompt_token_ids"]}
+        return {"prompt_token_ids": req["prompt_token_ids"], **salt}
     import torch
 
     embeds = torch.load(io.BytesIO(base64.b64decode(req["prompt_embeds"])), weights_only=True)
     return {"prompt_embeds": embeds, "prompt_token_ids": req["prompt_token_ids"],
-            "prompt_is_token_ids": req["prompt_is_token_ids"]}
+            "prompt_is_token_ids": req["prompt_is_token_ids"], **salt}
 
 
 def _serve(cfg: dict[str, Any]) -> None:
