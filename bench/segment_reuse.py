@@ -66,6 +66,11 @@ SHARES = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
 CONTINUATION = 64
 
 
+# Every cache here is a DynamicCache without the model's config: each layer holds the whole sequence, a
+# sliding-window one (Gemma 3) too, whose window the model's masks apply; a windowed layer of the config's kind
+# keeps only its window, and could not be cropped back after the continuation is read.
+
+
 @torch.no_grad()
 def read(model, cache, ids):
     """Logits ``[len(ids), V]`` of ``model`` reading ``ids`` after ``cache`` (which grows)."""
@@ -168,7 +173,7 @@ def run(args, stack: contextlib.ExitStack) -> None:
     refs = []
     for context, question in tqdm(prompts, desc="full prefills", unit="prompt"):
         ids = context + question
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()
         last = read(model, cache, ids)[-1]
         kv = kvcodec.KVCache.from_hf(cache, model=lm.model_id, token_ids=ids, rope="post")
         greedy = [int(last.argmax())]
@@ -193,7 +198,7 @@ def run(args, stack: contextlib.ExitStack) -> None:
             r["work"].append(work)
 
         t = time.perf_counter()  # the full prefill's time to first token, beside the others'
-        read(model, DynamicCache(config=model.config), ids)
+        read(model, DynamicCache(), ids)
         full_s = time.perf_counter() - t
         rows["full prefill"]["ttft"].append(full_s)
         for share in args.shares:
@@ -210,14 +215,14 @@ def run(args, stack: contextlib.ExitStack) -> None:
         done = prefix_hook.generate(ids, max_new_tokens=1)
         n = done.loaded_tokens
         loaded = prefix_hook.store.get(ids[:n]) if n else None
-        c = loaded.to_hf(model.config) if loaded is not None else DynamicCache(config=model.config)
+        c = loaded.to_hf() if loaded is not None else DynamicCache()
         last = read(model, c, ids[n:])[-1]
         logits, ppl = scores(model, last, c, greedy, heldout)
         record("prefix-only reuse", logits, ppl, done.first_token_s, 1 - n / len(context))
         # cachegen level 2 over the full prefill's context KV
         ctx_kv = kvcodec.KVCache([(l.keys[:, :len(context)], l.values[:, :len(context)]) for l in kv.layers],
                                  model=lm.model_id, rope="post")
-        c = kvcodec.decode(kvcodec.encode(ctx_kv, codec="cachegen")).to(dtype=model.dtype).to_hf(model.config)
+        c = kvcodec.decode(kvcodec.encode(ctx_kv, codec="cachegen")).to(dtype=model.dtype).to_hf()
         last = read(model, c, question)[-1]
         logits, ppl = scores(model, last, c, greedy, heldout)
         record(methods[-1], logits, ppl, float("nan"), float("nan"))
@@ -241,7 +246,7 @@ def ttft(args, lm, hook, prompts, orders) -> None:
     for _ in tqdm(range(args.ttft_only), desc="ttft", unit="round"):
         t = time.perf_counter()  # the last position's logits only, as fusion computes the question's only
         with torch.no_grad():
-            model(torch.tensor([ids]), cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+            model(torch.tensor([ids]), cache=DynamicCache(), use_cache=True, logits_to_keep=1)
         times["full prefill"].append(time.perf_counter() - t)
         for share in args.shares:
             r = hook.fuse(orders[0], question, share=share).report
