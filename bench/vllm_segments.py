@@ -61,9 +61,11 @@ def divergence(got: list, want: list, ids: list[int], start: int) -> tuple[float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=8, help="documents per prompt (default 8)")
-    ap.add_argument("--doc-tokens", type=int, default=490, help="tokens per document (default 490: 3,850-token prompts)")
+    ap.add_argument("--doc-tokens", type=int, default=490,
+                    help="tokens per document (default 490: 3,850-token prompts)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts, each its own shuffled order (default 2)")
     ap.add_argument("--shares", default="0,0.15,0.3,auto", help="recompute shares; auto: the loading controller's")
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of time to first token (default 3)")

@@ -3,13 +3,13 @@ with the model, and the selective recompute run through the model's own decoder 
 
 :func:`fuse` has :func:`kvcodec.blend.fusion.recompute` drive the decoder layers (embedding, rotary embedding, then
 each layer) over only the tokens a :class:`~kvcodec.blend.fusion.RecomputeSchedule` selects, at their positions in
-the prompt: the anchor, then each segment through every layer as soon as
-:class:`~kvcodec.blend.fusion.SegmentLoads` has it in, while the later ones load.  The cache is a transformers
-``DynamicCache`` whose layers (:class:`FusedLayer`) hold the whole fused context and, when the attention writes the selected tokens' new keys and values, scatter them at those
-tokens' positions, measure how far they moved (what narrows a segment's selection for its next layers) and hand
-the attention the context up to the last selected token.  The anchor takes the model's causal prefill path,
-without a mask; a segment's tokens are computed in a few blocks of consecutive positions, each with a mask that
-lets a token attend to the context up to its own position.  After it, the same cache grows as any
+the prompt: the anchor, then each segment through every layer as soon as :class:`~kvcodec.blend.fusion.SegmentLoads`
+has it in, while the later ones load. The cache is a transformers ``DynamicCache`` whose layers
+(:class:`FusedLayer`) hold the whole fused context and, when the attention writes the selected tokens' new keys and
+values, scatter them at those tokens' positions, measure how far they moved (what narrows a segment's selection for
+its next layers) and hand the attention the context up to the last selected token. The anchor takes the model's
+causal prefill path, without a mask; a segment's tokens are computed in a few blocks of consecutive positions, each
+with a mask that lets a token attend to the context up to its own position. After it, the same cache grows as any
 ``DynamicCache`` does, so the suffix runs through the model's ordinary forward.
 
 Supported: decoders whose layers attend to the whole context or to a sliding window of it, with RoPE: Llama's
