@@ -734,7 +734,7 @@ def test_a_request_that_stores_a_segment_saves_it_under_the_segment_key_only():
 
 
 def test_a_request_naming_stored_segments_claims_them_and_its_fused_kv_is_never_saved(caplog):
-    """The scheduler claims the segments (whole blocks) and hands the worker a fusion; here, without vLLM, the
+    """The scheduler claims the segments and hands the worker a fusion; here, without vLLM, the
     worker has no model to recompute with, so the claimed blocks are load errors and vLLM computes them."""
     store = KVStore([MemoryTier(None)], model="m", codec=Raw(), chunk_tokens=CHUNK)
     sched, worker, caches = _pair(store)
@@ -743,6 +743,11 @@ def test_a_request_naming_stored_segments_claims_them_and_its_fused_kv_is_never_
     question = _ids(5, seed=5)
     ids = b + a + question
     req = _segment_request("fused", ids, segments=[30, 40], share=0.3)
+    # whole blocks for a request that asks for its prompt's log-probabilities (vLLM's are garbage after a hit
+    # that ends inside a block), to the token for any other
+    wants = SimpleNamespace(prompt_logprobs=5)
+    assert sched.get_num_new_matched_tokens(_segment_request("other", ids, segments=[30, 40]), 0) == (70, False)
+    req.sampling_params = wants
     assert sched.get_num_new_matched_tokens(req, 0) == (70 // BS * BS, False)
     sched.update_state_after_alloc(req, None, 70 // BS * BS)
     blocks = _table(len(ids), seed=9)

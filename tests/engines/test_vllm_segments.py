@@ -19,7 +19,7 @@ import pytest
 
 from kvcodec.tools.harness.vllm_server import Engine, connector_config
 
-BLOCK = 128  # vLLM CPU's block size: a fusion's hit is whole blocks
+BLOCK = 128  # vLLM CPU's block size: a fusion's hit is whole blocks where prompt log-probabilities are asked for
 DOC_TOKENS = 140
 CONTINUATION = 12
 TOP = 20  # log-probabilities per position compared
@@ -94,6 +94,18 @@ def test_recomputing_every_token_gives_the_full_prefill(engine, reference, parts
     assert gap < 2e-3 and abs(kl) < 1e-4, (kl, gap)
 
 
+def test_without_prompt_log_probabilities_the_hit_is_to_the_token_and_still_the_full_prefill(engine, reference,
+                                                                                             parts):
+    """A request that asks for no prompt log-probabilities gets every token of the segments from the connector, not
+    whole blocks (vLLM computes only the question), and at share 1 the same greedy tokens and log-probabilities
+    as vLLM's full prefill."""
+    got = engine.generate(parts["context"] + parts["question"], CONTINUATION, kv_transfer_params={
+        "kvcodec": {"segments": [len(s) for s in parts["order"]], "share": 1.0}})
+    assert got["num_cached_tokens"] == len(parts["context"]) > len(parts["context"]) // BLOCK * BLOCK
+    assert got["token_ids"] == reference["greedy"]["token_ids"]
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], reference["greedy"]["logprobs"])) < 2e-3
+
+
 def test_the_default_share_nears_the_full_prefill_and_beats_reuse_as_is(engine, reference, parts):
     """Measured when written: KL 0.052 as is, 0.018 at 15%, 0.0076 at the default (30%), 0.0058 at 50%."""
     as_is, _ = _fused(engine, reference, parts, share=0.0)
@@ -108,7 +120,7 @@ def test_a_segment_not_stored_is_computed(engine, reference, parts, tokenizer):
     prompt = [parts["bos"]] + [t for s in order for t in s] + parts["question"]
     got = engine.generate(prompt, 4, kv_transfer_params={"kvcodec": {"segments": [len(s) for s in order],
                                                                      "share": 1.0}})
-    assert got["num_cached_tokens"] == (len(prompt) - len(parts["question"])) // BLOCK * BLOCK
+    assert got["num_cached_tokens"] == len(prompt) - len(parts["question"])
     assert len(engine.grep("4 hit, 1 missed")) == 1, engine.tail()
 
 

@@ -6,9 +6,10 @@ down to whole vLLM blocks, keeps at least one prompt token for vLLM to compute a
 step's :class:`~.metadata.KVCodecConnectorMetadata` with the request's block table.
 
 A request that names its segments (:func:`~.requests.segment_request`) and has any of them stored claims the anchor
-and the segments instead, where that is more than its prefix hit: vLLM's scheduler takes a connector's hit as a
-count of leading tokens, so the worker fills those blocks with the fused context (:mod:`.fusion`) and vLLM computes
-the question over them. Its KV is not a prefill's, so it is never saved under the prompt's keys.
+and the segments instead (to the token), where that is more than its prefix hit: vLLM's scheduler takes a
+connector's hit as a count of leading tokens, so the worker fills those blocks with the fused context
+(:mod:`.fusion`) and vLLM computes the question over them. Its KV is not a prefill's, so it is never saved under the
+prompt's keys.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class SchedulerSide:
         ask = self._ask(request, salt, ids)
         self._fusing.discard(request.request_id)
         if ask is not None and ask.segments and not num_computed_tokens:
-            fused = self._fusion_hit(ids, ask)
+            fused = self._fusion_hit(request, ids, ask)
             if fused > hit:
                 hit = fused
                 self._fusing.add(request.request_id)
@@ -128,11 +129,13 @@ class SchedulerSide:
         self._asks[rid] = ask
         return ask
 
-    def _fusion_hit(self, ids: list[int], ask: SegmentRequest) -> int:
-        """The tokens a fusion of ``ask``'s segments supplies (whole blocks of the anchor and the segments), or 0
-        where none of them is stored.  Whole blocks: a hit to the token is taken by vLLM 0.32, but its prompt
-        log-probabilities then came back as uninitialized memory (tests/engines/test_vllm_segments.py), so the
-        last partial block (up to 127 tokens, 0.4 s of a 3,850-token prompt's 7.7 s at 30%) is left to vLLM."""
+    def _fusion_hit(self, request: Any, ids: list[int], ask: SegmentRequest) -> int:
+        """The tokens a fusion of ``ask``'s segments supplies (the anchor and the segments), or 0 where none of them
+        is stored.  To the token: vLLM 0.32 takes such a hit, and its greedy tokens and log-probabilities then equal
+        its full prefill's (share 1, tests/engines/test_vllm_segments.py), where whole blocks would leave it up to
+        127 stored tokens to compute (0.4 s of a 3,850-token prompt's 7.7 s at 30%).  But after a hit that ends
+        inside a block vLLM returns uninitialized memory as the prompt's log-probabilities, so a request that asks
+        for them gets whole blocks."""
         start = len(self.segments.anchor)
         try:
             stored = False
@@ -142,7 +145,10 @@ class SchedulerSide:
         except Exception:
             log.warning("segment lookup failed; treating it as a miss", exc_info=True)
             return 0
-        return start // self.block_size * self.block_size if stored else 0
+        if not stored:
+            return 0
+        prompt_logprobs = getattr(getattr(request, "sampling_params", None), "prompt_logprobs", None)
+        return start if prompt_logprobs is None else start // self.block_size * self.block_size
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         rid = request.request_id
