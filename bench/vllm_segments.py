@@ -16,7 +16,9 @@ Time to first token: a request for one token, ``--reps`` rounds interleaved, the
 the rounds' ratios to the full prefill.  Quality: the reference's 32-token greedy continuation appended to the
 prompt, teacher-forced, and each method's log-probabilities of its positions (vLLM's ``prompt_logprobs``, top 20):
 the KL divergence from the reference over the reference's top 20 tokens (the rest of the vocabulary left out), and
-how often the two agree on the most likely token.
+how often the two agree on the most likely token.  (A fusion's timed requests get the segments from the connector to
+the token; its quality requests, which ask for prompt log-probabilities, whole blocks: see
+kvcodec/engines/vllm_connector/scheduler.py.)
 
     python bench/vllm_segments.py [--docs 8] [--doc-tokens 490] [--prompts 2] [--shares 0,0.15,0.3,auto] [--reps 3]
 """
