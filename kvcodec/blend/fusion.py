@@ -115,6 +115,16 @@ class FusionReport:
     first_token_s: float = 0.0
     share_reason: str = "given"
 
+    @classmethod
+    def of(cls, context: FusedContext, done: Recomputed, *, suffix_tokens: int = 0, suffix_s: float = 0.0,
+           first_token_s: float) -> FusionReport:
+        """The report of ``context`` fused by ``done`` (:func:`recompute`), then ``suffix_tokens`` computed in
+        ``suffix_s``, ``first_token_s`` in all."""
+        forced = int(context.forced.sum())
+        return cls(context.num_tokens + suffix_tokens, context.num_tokens, context.num_tokens - forced, forced,
+                   done.share.share, done.counts, context.segments, context.nbytes, context.load_s, done.seconds,
+                   suffix_s, first_token_s, done.share.reason)
+
     @property
     def hits(self) -> int:
         return sum(s.hit for s in self.segments)

@@ -227,8 +227,5 @@ def fuse(model: Any, store: SegmentStore, segments: Sequence[Sequence[int]], suf
     t1 = time.perf_counter()
     logits = model(torch.tensor([suffix], device=model.device), cache=runner.cache, use_cache=True).logits[0]
     now = time.perf_counter()
-    forced = int(context.forced.sum())
-    report = FusionReport(context.num_tokens + len(suffix), context.num_tokens, context.num_tokens - forced, forced,
-                          done.share.share, done.counts, context.segments, context.nbytes, context.load_s,
-                          done.seconds, now - t1, now - t0, done.share.reason)
+    report = FusionReport.of(context, done, suffix_tokens=len(suffix), suffix_s=now - t1, first_token_s=now - t0)
     return Fusion(context.token_ids + suffix, logits, runner.cache, report, done.token_layer_s)

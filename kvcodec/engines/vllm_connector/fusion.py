@@ -152,9 +152,4 @@ def fuse_into_blocks(model: Any, store: SegmentStore, segments: Sequence[Sequenc
     end = min(end, context.num_tokens)
     for i, (k, v) in enumerate(context.layers):
         sink.write(i, 0, k[:, :end], v[:, :end])
-    forced = int(context.forced.sum())
-    seconds = time.perf_counter() - t0
-    report = FusionReport(context.num_tokens, context.num_tokens, context.num_tokens - forced, forced,
-                          done.share.share, done.counts, context.segments, context.nbytes, context.load_s,
-                          done.seconds, 0.0, seconds, done.share.reason)
-    return BlockFusion(report, end)
+    return BlockFusion(FusionReport.of(context, done, first_token_s=time.perf_counter() - t0), end)

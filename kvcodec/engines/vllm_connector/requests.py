@@ -88,6 +88,16 @@ class SegmentRequest:
     store_segment: bool = False
 
 
+def segment_spans(start: int, lengths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The prompt positions (start, end) of segments of ``lengths`` tokens that follow ``start`` tokens (the
+    anchor)."""
+    spans = []
+    for n in lengths:
+        spans.append((start, start + n))
+        start += n
+    return spans
+
+
 def segment_request(request: Any) -> SegmentRequest | None:
     """``request``'s segment parameters, or None where it has none.  Raises
     :class:`~kvcodec.errors.InvalidInputError` for parameters that are not as :class:`SegmentRequest` says."""

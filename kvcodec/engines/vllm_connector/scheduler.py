@@ -14,13 +14,12 @@ prompt's keys.
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Sequence
+from typing import Any
 
 from kvcodec.blend.segments import SegmentStore
 from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
-from kvcodec.engines.vllm_connector.requests import SegmentRequest, request_key_salt, segment_request
+from kvcodec.engines.vllm_connector.requests import SegmentRequest, request_key_salt, segment_request, segment_spans
 from kvcodec.engines.vllm_connector.setup import engine_logger
 from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.store import KVStore
@@ -109,7 +108,7 @@ class SchedulerSide:
             ask = None
         problem = None
         if ask is not None:
-            anchor = list(self.segments.anchor) if self.segments is not None else []
+            anchor = list(self.segments.anchor if self.segments is not None else ())
             if self.segments is None:
                 problem = "the store does not save partial chunks (save_partial), which segments need"
             elif ask.segments and self.prefix_caching:
@@ -136,19 +135,17 @@ class SchedulerSide:
         127 stored tokens to compute (0.4 s of a 3,850-token prompt's 7.7 s at 30%).  But after a hit that ends
         inside a block vLLM returns uninitialized memory as the prompt's log-probabilities, so a request that asks
         for them gets whole blocks."""
-        start = len(self.segments.anchor)
+        spans = segment_spans(len(self.segments.anchor), ask.segments)
         try:
-            stored = False
-            for n in ask.segments:
-                stored = stored or self.segments.stored_tokens(ids[start:start + n]) > 0
-                start += n
+            stored = any(self.segments.stored_tokens(ids[a:b]) > 0 for a, b in spans)
         except Exception:
             log.warning("segment lookup failed; treating it as a miss", exc_info=True)
             return 0
         if not stored:
             return 0
+        end = spans[-1][1]
         prompt_logprobs = getattr(getattr(request, "sampling_params", None), "prompt_logprobs", None)
-        return start if prompt_logprobs is None else start // self.block_size * self.block_size
+        return end if prompt_logprobs is None else end // self.block_size * self.block_size
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -189,7 +186,7 @@ class SchedulerSide:
             start, end = self._need_load.pop(rid)
             if rid in self._fusing:
                 self.stats["fusions"] += 1
-                fused_end = len(self.segments.anchor) + sum(ask.segments)
+                fused_end = segment_spans(len(self.segments.anchor), ask.segments)[-1][1]
                 meta.loads.append(LoadSpec(rid, ids[:fused_end], blocks, start, end, None, ask.segments, ask.share))
                 return  # a fused context is not a prefill's KV: never saved under the prompt's keys
             # the chunks that hold tokens start..end-1, as they were stored (a chunk's key covers its tokens)

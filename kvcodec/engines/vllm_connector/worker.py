@@ -31,6 +31,7 @@ from kvcodec.engines.store_setup import time_decodes
 from kvcodec.engines.vllm_connector.fusion import fuse_into_blocks
 from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
 from kvcodec.engines.vllm_connector.model import worker_model
+from kvcodec.engines.vllm_connector.requests import segment_spans
 from kvcodec.engines.vllm_connector.setup import detect_layout, engine_logger
 from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
@@ -118,10 +119,7 @@ class WorkerSide:
                 raise UnsupportedError("this worker has no model to recompute with (vLLM's model runner was not "
                                        "seen initializing its KV cache)" if model is None else
                                        "the store does not save partial chunks")
-            start, segments = len(self.segments.anchor), []
-            for n in spec.segments:
-                segments.append(spec.token_ids[start:start + n])
-                start += n
+            segments = [spec.token_ids[a:b] for a, b in segment_spans(len(self.segments.anchor), spec.segments)]
             sink = PagedSink(layers, spec.block_ids, self.block_size, self.layout)
             done = fuse_into_blocks(model, self.segments, segments, sink, spec.end,
                                     schedule=RecomputeSchedule(share=spec.share), recompute_tps=recompute_tps)
