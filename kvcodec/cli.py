@@ -566,8 +566,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvcodec.codecs.kvtc import install
     from kvcodec.codecs.kvtc.fit import DEFAULT_CALIBRATION_TEXTS, calibrate, collect_statistics
     from kvcodec.codecs.kvtc.sensitivity import fisher_diagonals
+    from kvcodec.memory import map_large_blocks
     from kvcodec.models import load_model
 
+    map_large_blocks()  # the peak stays that of one phase, not of what earlier phases left in the heaps
     model = load_model(args.model, progress=not args.quiet, cached=False)
     identity = _model_identity(args.model)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
