@@ -13,7 +13,9 @@ shuffled orders, a question).  Two engines run side by side, idle but for the re
   the full prefill's own KV through the lossy codec, the issue's yardstick for quality.
 
 Time to first token: a request for one token, ``--reps`` rounds interleaved, the fastest of each and the median of
-the rounds' ratios to the full prefill.  Quality: the reference's 32-token greedy continuation appended to the
+the rounds' ratios to the full prefill; then a fresh engine's first request (``--fresh`` starts of each, one after
+another, nothing else running): vLLM without the connector prefilling the first prompt, and vLLM with the connector
+on the same disk folder fusing it at the loading controller's share.  Quality: the reference's 32-token greedy continuation appended to the
 prompt, teacher-forced, and each method's log-probabilities of its positions (vLLM's ``prompt_logprobs``, top 20):
 the KL divergence from the reference over the reference's top 20 tokens (the rest of the vocabulary left out), and
 how often the two agree on the most likely token.  (A fusion's timed requests get the segments from the connector to
@@ -21,6 +23,7 @@ the token; its quality requests, which ask for prompt log-probabilities, whole b
 kvcodec/engines/vllm_connector/scheduler.py.)
 
     python bench/vllm_segments.py [--docs 8] [--doc-tokens 490] [--prompts 2] [--shares 0,0.15,0.3,auto] [--reps 3]
+                                  [--fresh 2]
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="prompts, each its own shuffled order (default 2)")
     ap.add_argument("--shares", default="0,0.15,0.3,auto", help="recompute shares; auto: the loading controller's")
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of time to first token (default 3)")
+    ap.add_argument("--fresh", type=int, default=2,
+                    help="fresh engines of each kind timed on their first request (default 2; 0: none)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"the result table (default {OUT.relative_to(REPO)})")
     args = ap.parse_args()
     shares = parse_shares(args.shares)
@@ -98,8 +103,10 @@ def main() -> None:
     lossy = "cachegen level 2 (the full prefill's KV)"
     quality: dict[str, list[tuple[float, float]]] = {m: [] for m in methods[1:] + [lossy]}
     cached: dict[str, list[int]] = {m: [] for m in methods}
+    folder = tempfile.mkdtemp()
+    ours_config = connector_config(codec="raw", tiers=[f"disk:{folder}"])
     with Engine(model) as full, \
-            Engine(model, connector_config(codec="raw", tiers=[f"disk:{tempfile.mkdtemp()}"])) as ours, \
+            Engine(model, ours_config) as ours, \
             Engine(model, connector_config(codec="cachegen:level=2", tiers=[f"disk:{tempfile.mkdtemp()}"])) as cg:
         for seg in tqdm([system] + docs, desc="storing segments", unit="doc"):
             ours.generate([bos] + seg, 1, kv_transfer_params={"kvcodec": {"store_segment": True}})
@@ -137,10 +144,23 @@ def main() -> None:
             assert got["num_cached_tokens"] >= len(context) // 256 * 256, got["num_cached_tokens"]
             quality[lossy].append(divergence(got["prompt_logprobs"], ref, forced, len(context)))
             fusions = ours.grep("fused ")
-    report(args, prompts, methods, times, quality, cached, fusions)
+    # the first prompt as a fresh engine's first request; the folder holds the segments (and the salted prompts
+    # prefix-only reuse saved, which this request's keys never name)
+    segments, question = prompts[0]
+    first_ids = [bos] + [t for s in segments for t in s] + question
+    auto = {"kvcodec": {"segments": [len(s) for s in segments]}}
+    first: dict[str, list[float]] = {"full prefill": [], "fusion, the controller's share": []}
+    for _ in tqdm(range(args.fresh), desc="fresh engines", unit="pair"):
+        with Engine(model) as fresh:
+            first["full prefill"].append(fresh.generate(first_ids, 1)["seconds"])
+        with Engine(model, ours_config) as fresh:
+            first["fusion, the controller's share"].append(
+                fresh.generate(first_ids, 1, kv_transfer_params=auto)["seconds"])
+            fusions.append(fresh.grep("fused ")[-1])
+    report(args, prompts, methods, times, quality, cached, fusions, first)
 
 
-def report(args, prompts, methods, times, quality, cached, fusions) -> None:
+def report(args, prompts, methods, times, quality, cached, fusions, first) -> None:
     lengths = [1 + sum(len(s) for s in seg) + len(q) for seg, q in prompts]
     lines = [
         "# Segment reuse inside vLLM: time to first token and quality (SmolLM2, CPU)", "",
@@ -171,8 +191,15 @@ def report(args, prompts, methods, times, quality, cached, fusions) -> None:
         lines.append(f"| {m} | {statistics.median(best):.3f} | "
                      f"{statistics.median(b / f for b, f in zip(best, full_best)):.2f} | "
                      f"{statistics.median(ratios):.2f} | {', '.join(map(str, cached[m]))} | {kl} | {agree} |")
-    lines += ["", "The connector's fusion lines (the last prompt's requests):", "", "```"]
-    lines += [f[f.index("request "):] for f in fusions[-(len(methods) + 2):]] + ["```", ""]
+    if args.fresh:
+        lines += ["", f"A fresh engine's first request (the first prompt; {args.fresh} engine starts of each, one at a "
+                  "time, nothing else running):", "",
+                  "| method | first requests' TTFT (s) | / the fresh full prefills' (median) |", "|---|---|---|"]
+        for m, got in first.items():
+            ratio = statistics.median(t / f for t, f in zip(got, first["full prefill"]))
+            lines.append(f"| {m} | {', '.join(f'{t:.3f}' for t in got)} | {ratio:.2f} |")
+    lines += ["", "The connector's fusion lines (the last prompt's requests, then the fresh engines' first):", "", "```"]
+    lines += [f[f.index("request "):] for f in fusions[-(len(methods) + 2 + args.fresh):]] + ["```", ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"wrote {args.out}")
