@@ -45,7 +45,8 @@ class LoadedModel:
 
         cache = DynamicCache(config=self.model.config)
         # one token's logits, not every token's: Gemma 3's over 1,024 tokens are 1.07 GB (a 262k-token vocabulary)
-        self.model(torch.tensor([token_ids]), use_cache=True, logits_to_keep=1, **self._cache_arg(cache))
+        keep = {"logits_to_keep": 1} if self._takes("logits_to_keep") else {}
+        self.model(torch.tensor([token_ids]), use_cache=True, **keep, **self._cache_arg(cache))
         kv = KVCache.from_hf(cache, model=self.model_id, token_ids=token_ids, rope="post")
         return kv if dtype is None else kv.to(dtype=dtype)
 
@@ -59,10 +60,13 @@ class LoadedModel:
     def _cache_arg(self, cache: Any) -> dict[str, Any]:
         """The cache as the model takes it: ``cache=`` from transformers 5.2x, ``past_key_values=`` before (the
         engine environment's vLLM pins transformers below 5.20)."""
+        return {"cache" if self._takes("cache") else "past_key_values": cache}
+
+    def _takes(self, argument: str) -> bool:
+        """Whether the model's forward takes ``argument`` (a model's own code may lack transformers' newer ones)."""
         import inspect
 
-        takes_cache = "cache" in inspect.signature(self.model.forward).parameters
-        return {"cache" if takes_cache else "past_key_values": cache}
+        return argument in inspect.signature(self.model.forward).parameters
 
 
 def resolve(spec: str) -> tuple[str, str | None]:
