@@ -38,10 +38,12 @@ PPL_GOAL = 0.01
 SETS = {"evaluation texts": list(DEFAULT_EVAL_TEXTS), "out-of-domain kinds": list(OUT_OF_DOMAIN_TEXTS)}
 
 
-def calibrate(model: str, out: str) -> dict[str, float]:
-    """Run `kvcodec calibrate --model MODEL -o OUT` with its defaults; its wall time, CPU-seconds and peak RSS."""
+def calibrate(model: str, out: str, options: list[str] | None = None) -> dict[str, float]:
+    """Run `kvcodec calibrate --model MODEL -o OUT [OPTIONS]` (no options: its defaults); its wall time,
+    CPU-seconds and peak RSS."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "kvcodec", "calibrate", "--model", model, "-o", out, "--quiet"])
+    proc = subprocess.Popen([sys.executable, "-m", "kvcodec", "calibrate", "--model", model, "-o", out, "--quiet",
+                             *(options or [])])
     _, status, usage = os.wait4(proc.pid, 0)
     if status:
         raise SystemExit(f"kvcodec calibrate --model {model} failed ({status})")
