@@ -186,7 +186,7 @@ def _load_model(spec: str) -> LoadedModel:
     except ImportError:
         raise InvalidInputError("running a model needs the hf extra: pip install 'kvcodec[hf]'") from None
     kwargs = {"gguf_file": gguf} if gguf else {}
-    with _dequantized_by_rows():
+    with _dequantized_by_rows() if gguf else contextlib.nullcontext():  # (a folder needs no gguf package)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
     # after the model: the tokenizer's parse of a GGUF file's metadata (0.75 GB for Gemma's 262k-token vocabulary,
     # freed once parsed) then comes on top of the model alone, not of the model's load

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -37,3 +38,16 @@ def test_float_tensors_are_not_copied_and_the_dequantize_is_put_back_after_an_er
             assert np.shares_memory(gguf.dequantize(tensor.data, tensor.tensor_type), tensor.data)
             raise RuntimeError("a failed load")
     assert gguf.dequantize is whole
+
+
+def test_regression_a_model_folder_loaded_without_the_gguf_package(tmp_path, smollm2, monkeypatch):
+    # the rows-at-a-time dequantize imported gguf for every model, so a folder failed where gguf is not installed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=len(smollm2.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now fails
+    loaded = models.load_model(str(tmp_path), progress=False, cached=False)
+    assert loaded.prefill(loaded.tokenize("a folder's model")).num_tokens > 0
