@@ -2,7 +2,7 @@
 quality of fused prompts against vLLM's own full prefill and against prefix-only reuse (SmolLM2, float32).
 
 The prompts are segment_reuse.py's (the model's BOS, a system text, ``--docs`` real documents of ``--doc-tokens`` in
-shuffled orders, a question).  Two engines run side by side, idle but for the request at hand:
+shuffled orders, a question).  Three engines run side by side, idle but for the request at hand:
 
 - vLLM without the connector: the full prefill, the reference;
 - vLLM with kvcodec's connector (``raw`` in a disk folder, the segments stored once by a request each with
@@ -15,12 +15,12 @@ shuffled orders, a question).  Two engines run side by side, idle but for the re
 Time to first token: a request for one token, ``--reps`` rounds interleaved, the fastest of each and the median of
 the rounds' ratios to the full prefill; then a fresh engine's first request (``--fresh`` starts of each, one after
 another, nothing else running): vLLM without the connector prefilling the first prompt, and vLLM with the connector
-on the same disk folder fusing it at the loading controller's share.  Quality: the reference's 32-token greedy continuation appended to the
-prompt, teacher-forced, and each method's log-probabilities of its positions (vLLM's ``prompt_logprobs``, top 20):
-the KL divergence from the reference over the reference's top 20 tokens (the rest of the vocabulary left out), and
-how often the two agree on the most likely token.  (A fusion's timed requests get the segments from the connector to
-the token; its quality requests, which ask for prompt log-probabilities, whole blocks: see
-kvcodec/engines/vllm_connector/scheduler.py.)
+on the same disk folder fusing it at the loading controller's share.  Quality: the reference's 32-token greedy
+continuation appended to the prompt, teacher-forced, and each method's log-probabilities of its positions (vLLM's
+``prompt_logprobs``, top 20): the KL divergence from the reference over the reference's top 20 tokens (the rest of
+the vocabulary left out), and how often the two agree on the most likely token.  (A fusion's timed requests get
+the segments from the connector to the token; its quality requests, which ask for prompt log-probabilities, whole
+blocks: see kvcodec/engines/vllm_connector/scheduler.py.)
 
     python bench/vllm_segments.py [--docs 8] [--doc-tokens 490] [--prompts 2] [--shares 0,0.15,0.3,auto] [--reps 3]
                                   [--fresh 2]
@@ -198,7 +198,8 @@ def report(args, prompts, methods, times, quality, cached, fusions, first) -> No
         for m, got in first.items():
             ratio = statistics.median(t / f for t, f in zip(got, first["full prefill"]))
             lines.append(f"| {m} | {', '.join(f'{t:.3f}' for t in got)} | {ratio:.2f} |")
-    lines += ["", "The connector's fusion lines (the last prompt's requests, then the fresh engines' first):", "", "```"]
+    lines += ["", "The connector's fusion lines (the last prompt's requests, then the fresh engines' first):", "",
+              "```"]
     lines += [f[f.index("request "):] for f in fusions[-(len(methods) + 2 + args.fresh):]] + ["```", ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
