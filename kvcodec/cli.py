@@ -570,7 +570,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from kvcodec.models import load_model
 
     map_large_blocks()  # the peak stays that of one phase, not of what earlier phases left in the heaps
-    model = load_model(args.model, progress=not args.quiet, cached=False)
+    model = load_model(args.model, progress=not args.quiet, cached=False, stored_weights=True)
     identity = _model_identity(args.model)
     texts = args.text or list(DEFAULT_CALIBRATION_TEXTS)
     loss_weights = {"auto": None, "yes": True, "no": False}[args.loss_weights]

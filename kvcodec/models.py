@@ -35,6 +35,11 @@ class LoadedModel:
     tokenizer: Any
     model_id: str
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in: float32, whatever its weights are held in (see :func:`load_model`)."""
+        return torch.float32
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
@@ -53,7 +58,7 @@ class LoadedModel:
     @torch.no_grad()
     def continue_from(self, kv: KVCache, token_ids: list[int]) -> torch.Tensor:
         """Logits ``[len(token_ids), vocab]`` of the model reading ``token_ids`` after the cached prefix."""
-        cache = kv.to(dtype=self.model.dtype).to_hf(self.model.config)
+        cache = kv.to(dtype=self.dtype).to_hf(self.model.config)
         out = self.model(torch.tensor([token_ids]), use_cache=True, **self._cache_arg(cache))
         return out.logits[0].float()
 
@@ -111,15 +116,22 @@ def _assembled_gemma3() -> tuple[str, str]:
     return os.path.dirname(os.fspath(path)), os.path.basename(os.fspath(path))
 
 
-def load_model(spec: str = SMOLLM2, *, progress: bool = True, cached: bool = True) -> LoadedModel:
-    """Load a model on the CPU in float32, offline (cached per process).  ``progress=False`` hides
+def load_model(spec: str = SMOLLM2, *, progress: bool = True, cached: bool = True,
+               stored_weights: bool = False) -> LoadedModel:
+    """Load a model on the CPU to compute in float32, offline (cached per process).  ``progress=False`` hides
     transformers' progress bars (loading weights, converting GGUF tensors); ``cached=False`` loads a copy the
-    cache does not keep, whose memory goes when the caller lets it go."""
+    cache does not keep, whose memory goes when the caller lets it go.
+
+    ``stored_weights=True``: a folder whose weights are all stored in one 16-bit dtype keeps them so, mapped from
+    its files, and each module upcasts its own to float32 while it runs.  The model computes what the float32 load
+    computes (the upcast is exact) in half the weights' memory, for a copy of each weight at each use: for the long
+    jobs that run a model a few times (calibrating it), not for generating token by token.  A GGUF file's weights
+    are dequantized to float32 either way."""
     load = _load_model if cached else _load_model.__wrapped__
     if progress:
-        return load(spec)
+        return load(spec, stored_weights)
     with _no_progress_bars():
-        return load(spec)
+        return load(spec, stored_weights)
 
 
 @contextlib.contextmanager
@@ -178,16 +190,58 @@ def _dequantized_by_rows(rows: int = DEQUANTIZE_ROWS) -> Iterator[None]:
         gguf.dequantize = whole
 
 
+def _stored_dtype(folder: str) -> torch.dtype:
+    """The one dtype every floating-point tensor of a folder's safetensors files is stored in; float32 where they
+    differ or there are none."""
+    import glob
+
+    from safetensors import safe_open
+
+    found = set()
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            found |= {f.get_slice(name).get_dtype() for name in f.keys()}
+    floating = found & {"F16", "BF16", "F32", "F64"}
+    if len(floating) != 1:
+        return torch.float32
+    return {"F16": torch.float16, "BF16": torch.bfloat16}.get(floating.pop(), torch.float32)
+
+
+def _upcast_while_running(model: Any) -> None:
+    """Hooks on every module holding a parameter that is not float32: while the module runs, its ``_parameters``
+    hold float32 copies (as parameters of the same ``requires_grad``), and the stored ones again once it returned,
+    or raised."""
+    def upcast(module: Any, args: Any, *, names: tuple[str, ...]) -> None:
+        module._weights_as_stored = {n: module._parameters[n] for n in names}
+        for n, p in module._weights_as_stored.items():
+            module._parameters[n] = torch.nn.Parameter(p.float(), requires_grad=p.requires_grad)
+
+    def put_back(module: Any, args: Any, output: Any) -> None:
+        module._parameters.update(module.__dict__.pop("_weights_as_stored", {}))
+
+    for module in model.modules():
+        names = tuple(n for n, p in module.named_parameters(recurse=False) if p.dtype != torch.float32)
+        if names:
+            module.register_forward_pre_hook(functools.partial(upcast, names=names))
+            module.register_forward_hook(put_back, always_call=True)
+
+
 @functools.lru_cache(maxsize=2)
-def _load_model(spec: str) -> LoadedModel:
+def _load_model(spec: str, stored_weights: bool = False) -> LoadedModel:
     folder, gguf = resolve(spec)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise InvalidInputError("running a model needs the hf extra: pip install 'kvcodec[hf]'") from None
     kwargs = {"gguf_file": gguf} if gguf else {}
+    # Held as stored, a Qwen2.5-0.5B-shaped model's bfloat16 weights took 0.46 GB resident once loaded (mapped,
+    # not yet read) against 2.41 GB in float32, whose load peaked at 3.32 GB: issue 36's goal for a calibration
+    # with every option is 3 GB.
+    dtype = _stored_dtype(folder) if stored_weights and not gguf else torch.float32
     with _dequantized_by_rows() if gguf else contextlib.nullcontext():  # (a folder needs no gguf package)
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **kwargs)
+    if dtype != torch.float32:
+        _upcast_while_running(model)
     # after the model: the tokenizer's parse of a GGUF file's metadata (0.75 GB for Gemma's 262k-token vocabulary,
     # freed once parsed) then comes on top of the model alone, not of the model's load
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)

@@ -47,11 +47,12 @@ def ready_variants(codec: Any) -> list[str]:
 
 def load_served_model(model: str, log: Callable[[str], None]) -> Any:
     """The model an engine serves (its folder, a GGUF file or ``smollm2``), loaded with transformers on the CPU
-    in float32 to calibrate it: the engine's own copy of the weights is in a layout of its own."""
+    to calibrate it in float32, its weights held as stored: the engine's own copy of the weights is in a layout of
+    its own."""
     from kvcodec.models import load_model
 
     log(f"kvtc: loading {model} with transformers on the CPU (float32) to calibrate it")
-    return load_model(model, progress=False)
+    return load_model(model, progress=False, stored_weights=True)
 
 
 @contextlib.contextmanager

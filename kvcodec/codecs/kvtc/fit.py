@@ -151,10 +151,14 @@ class Statistics:
 
 
 class _AttentionTaps:
-    """Forward hooks on each decoder block that record what the channel weights need:
+    """Forward hooks on each decoder block that record what the channel weights need, per segment (its first
+    ``SINK_TOKENS`` left out), as each block runs, so that no block's activations outlive it (a segment's queries
+    and hidden states, held until its end, were 0.36 GB of a 0.5B model's 2,048 tokens):
 
-    * the queries as the attention multiplies them with the keys: the query projection's output, through the
-      attention's own query norm when it has one (``q_norm``: Gemma 3, Qwen 3), ``[T, heads * dim]``;
+    * the queries' energy per channel as the attention multiplies them with the keys: the squares, summed over the
+      tokens, of the query projection's output, through the attention's own query norm when it has one
+      (``q_norm``: Gemma 3, Qwen 3), ``[heads * dim]`` in float64;
+    * the residual stream's energy at the block's input: the sum over tokens of its mean square;
     * the gain per hidden channel of whatever the block applies to the attention's output before adding it to the
       residual stream (Gemma's post-attention RMSNorm divides it by its RMS and multiplies by a learned weight):
       the least-squares slope of that module's output on its input, per channel (1 where the output is added as
@@ -162,7 +166,8 @@ class _AttentionTaps:
     """
 
     def __init__(self, blocks: Any, heads: int) -> None:
-        self.queries: dict[int, torch.Tensor] = {}
+        self.query_energy: dict[int, torch.Tensor] = {}
+        self.residual_energy: dict[int, torch.Tensor] = {}
         self._cross: dict[int, torch.Tensor] = {}  # sum over tokens of output * input, per hidden channel
         self._square: dict[int, torch.Tensor] = {}  # sum over tokens of input ** 2
         self._attn_out: dict[int, torch.Tensor] = {}
@@ -175,7 +180,11 @@ class _AttentionTaps:
                 q = o[0].detach()
                 if norm is not None:
                     q = norm(q.reshape(q.shape[0], heads, -1))
-                self.queries[idx] = q.reshape(q.shape[0], -1).float()
+                self.query_energy[idx] = q.reshape(q.shape[0], -1).float()[SINK_TOKENS:].double().pow(2).sum(0)
+
+            def on_block(m: Any, args: Any, kwargs: Any, idx: int = idx) -> None:
+                x = args[0] if args else kwargs["hidden_states"]
+                self.residual_energy[idx] = x[0, SINK_TOKENS:].double().pow(2).mean(-1).sum()
 
             def on_attention(m: Any, i: Any, o: Any, idx: int = idx) -> None:
                 self._attn_out[idx] = o[0] if isinstance(o, tuple) else o
@@ -187,6 +196,7 @@ class _AttentionTaps:
                     self._square[idx] = self._square.get(idx, 0) + x.pow(2).sum(0)
 
             self._hooks.append(attn.q_proj.register_forward_hook(on_query))
+            self._hooks.append(block.register_forward_pre_hook(on_block, with_kwargs=True))
             self._hooks.append(attn.register_forward_hook(on_attention))
             self._hooks += [child.register_forward_hook(on_child) for child in block.children() if child is not attn]
 
@@ -197,9 +207,10 @@ class _AttentionTaps:
         return self._cross[idx] / self._square[idx].clamp_min(1e-30)
 
     def forget_segment(self) -> None:
-        """Drop the last segment's queries and attention outputs (300 MB for SmolLM2's 2048 tokens), so they are not
-        held while the next segment runs."""
-        self.queries.clear()
+        """Drop the last segment's energies and attention outputs, so they are not held while the next segment
+        runs."""
+        self.query_energy.clear()
+        self.residual_energy.clear()
         self._attn_out.clear()
 
     def remove(self) -> None:
@@ -257,14 +268,13 @@ def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_T
             # cache keeps only its window): the keys and values do not depend on it, and windowed layers then
             # give as many feature rows as the others.
             cache = DynamicCache()
-            out = body(torch.tensor([seg]), use_cache=True, output_hidden_states=True, **{cache_arg: cache})
+            body(torch.tensor([seg]), use_cache=True, **{cache_arg: cache})
             kv = KVCache.from_hf(cache)
             n = len(seg)
             rows: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}
             for i, l in enumerate(layers):
-                qd = taps.queries[i][SINK_TOKENS:].double().pow(2).sum(0)
-                q_energy[i] += qd.reshape(l.heads, nq // l.heads, l.key_dim).sum(1)
-                resid_sq[i] += out.hidden_states[i][0, SINK_TOKENS:].double().pow(2).mean(-1).sum()
+                q_energy[i] += taps.query_energy[i].reshape(l.heads, nq // l.heads, l.key_dim).sum(1)
+                resid_sq[i] += taps.residual_energy[i]
                 k, v = kv.layers[i].keys.float(), kv.layers[i].values.float()
                 t = k.shape[1]
                 pos = torch.arange(n - t, n)
@@ -273,7 +283,7 @@ def collect_statistics(loaded: Any, texts: Sequence[str] = DEFAULT_CALIBRATION_T
                 keep = pos >= SINK_TOKENS
                 rows["keys"].append(k[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
                 rows["values"].append(v[:, keep].permute(1, 0, 2).reshape(int(keep.sum()), -1))
-            del out, kv, cache
+            del kv, cache
             taps.forget_segment()
             for kind, per_layer in rows.items():
                 for members, m in zip(groups, moments[kind]):
