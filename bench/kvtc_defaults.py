@@ -40,7 +40,8 @@ SETS = {"evaluation texts": list(DEFAULT_EVAL_TEXTS), "out-of-domain kinds": lis
 
 def calibrate(model: str, out: str, options: list[str] | None = None) -> dict[str, float]:
     """Run `kvcodec calibrate --model MODEL -o OUT [OPTIONS]` (no options: its defaults); its wall time,
-    CPU-seconds and peak RSS."""
+    CPU-seconds and peak RSS.  Call it from a small process: the child's peak RSS starts from this process's size
+    at the fork (``ru_maxrss`` survives the exec)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvcodec", "calibrate", "--model", model, "-o", out, "--quiet",
                              *(options or [])])

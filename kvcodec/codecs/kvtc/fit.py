@@ -180,7 +180,7 @@ class _AttentionTaps:
                 q = o[0].detach()
                 if norm is not None:
                     q = norm(q.reshape(q.shape[0], heads, -1))
-                self.query_energy[idx] = q.reshape(q.shape[0], -1).float()[SINK_TOKENS:].double().pow(2).sum(0)
+                self.query_energy[idx] = q.reshape(q.shape[0], -1)[SINK_TOKENS:].double().pow(2).sum(0)
 
             def on_block(m: Any, args: Any, kwargs: Any, idx: int = idx) -> None:
                 x = args[0] if args else kwargs["hidden_states"]

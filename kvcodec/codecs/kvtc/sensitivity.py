@@ -125,17 +125,16 @@ def _fisher(loaded: Any, body: Any, texts: Sequence[str], prefix_tokens: int, co
             leaves = [(l.keys.detach().clone().requires_grad_(), l.values.detach().clone().requires_grad_())
                       for l in kv.layers]
             cache = type(kv)(leaves, model=kv.model, token_ids=kv.token_ids, rope=kv.rope).to_hf(model.config)
-            with _layers_recomputed(body, cache):
+            with _layers_recomputed(body, cache):  # (through the backward pass, which runs each layer again)
                 hidden = body(cont, use_cache=True, **loaded._cache_arg(cache)).last_hidden_state[0]
-            top = hidden.detach().requires_grad_()
-            back = torch.zeros_like(top)  # the log-likelihood's gradient at the last hidden states
-            for a in range(0, top.shape[0], LOGIT_CHUNK):
-                logits = _logits(model, top[a:a + LOGIT_CHUNK])
-                with torch.no_grad():
-                    drawn = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
-                back += torch.autograd.grad(torch.log_softmax(logits, -1).gather(1, drawn).sum(), top)[0]
-                del logits
-            with _layers_recomputed(body, cache):  # (the backward pass runs each layer's forward again)
+                top = hidden.detach().requires_grad_()
+                back = torch.zeros_like(top)  # the log-likelihood's gradient at the last hidden states
+                for a in range(0, top.shape[0], LOGIT_CHUNK):
+                    logits = _logits(model, top[a:a + LOGIT_CHUNK])
+                    with torch.no_grad():
+                        drawn = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+                    back += torch.autograd.grad(torch.log_softmax(logits, -1).gather(1, drawn).sum(), top)[0]
+                    del logits
                 grads = torch.autograd.grad(hidden, [t for pair in leaves for t in pair], grad_outputs=back)
             del hidden, top, back, cache
             for i, f in enumerate(first):
