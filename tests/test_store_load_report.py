@@ -83,6 +83,7 @@ def _two_tiers(real_kv, tokens: int = 4 * CHUNK) -> tuple[KVStore, list[int], Se
         store.telemetry.link(name).throughput = Pinned(LINK_BPS)
         store.telemetry.link(name).contention = PinnedContention(1.0)
     store.telemetry.decode_rate = lambda codec: Pinned(CACHEGEN_TPS if codec.codec_id == "cachegen" else 1e9)
+    store.telemetry.loads_planned = 1  # a store that has loaded before (a process's first load is planned apart)
     return store, ids, memory, link
 
 

@@ -63,7 +63,8 @@ class Decision:
     it chose (None: the engine recomputes), and the planner's inputs then, for each of the variants it weighed
     (``options``, smallest first): the estimated throughput of the tier holding it (``link_bps``, bytes/s) and its
     decode rate (``decode_tps``, tokens/s; a variant never decoded here has the prior, 1e12); ``slowdown``: how many
-    times longer the largest one's reads take beside a small decode (:class:`~kvcodec.store.telemetry.Contention`);
+    times longer the largest one's reads take beside a small decode (:class:`~kvcodec.store.telemetry.Contention`;
+    inf in the process's first load: :meth:`LoadPlanner.slowdown`);
     ``recompute_tps``: the engine's prefill speed, or None."""
 
     rule: str
@@ -77,13 +78,15 @@ class Decision:
 
 class LoadPlanner:
     """The estimates of one load of chunks stored in ``variants`` (see the module doc), from ``telemetry``.
-    ``recompute_tps``: the engine's prefill speed, or None (never stop early)."""
+    ``recompute_tps``: the engine's prefill speed, or None (never stop early).  ``first``: the process's first
+    load, whose small decodes are planned as taking the link's whole time while they run (:meth:`slowdown`)."""
 
     def __init__(self, telemetry: Telemetry, variants: Sequence[Codec], *,
-                 recompute_tps: float | None = None) -> None:
+                 recompute_tps: float | None = None, first: bool = False) -> None:
         if recompute_tps is not None and not recompute_tps > 0:
             raise InvalidInputError(f"recompute_tps must be positive, not {recompute_tps!r}")
         self.telemetry, self.variants, self.recompute_tps = telemetry, list(variants), recompute_tps
+        self.first = first
 
     def fetch_s(self, option: Option, nbytes: int | None = None) -> float:
         """Seconds to read ``nbytes`` (default: all) of ``option`` from its tier."""
@@ -103,7 +106,16 @@ class LoadPlanner:
         return self.fetch_s(large) > self.decode_s(small, tokens) * (1 - 1 / self.slowdown(large))
 
     def slowdown(self, option: Option) -> float:
-        """How many times longer reads of ``option``'s tier take beside a small variant's decode, at its speed now."""
+        """How many times longer reads of ``option``'s tier take beside a small variant's decode, at its speed now;
+        unbounded (a decode stops the link) in the process's first load.
+
+        A fresh engine's first request shares the cores with the engine's own first step, and no measurement of
+        another process describes it: inside vLLM over an unshaped or 10 Gbit/s link a first load's kvtc decode
+        took 0.44-0.59 s against 0.16-0.18 s planned and raw reads beside it were 5-14x slower, while the pairs
+        its predecessors had measured said 1.04 (docs/adaptation.md).  So a first load decodes a small variant beside large reads only where that pays even if the link stood
+        still meanwhile: on a slow link, where the small variants matter most, it still does."""
+        if self.first:
+            return math.inf
         link = self.telemetry.link(option.tier)
         return link.contention.slowdown(link.throughput.estimate)
 

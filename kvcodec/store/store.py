@@ -364,7 +364,9 @@ class KVStore:
         ``recompute_tps`` (the engine's prefill speed) lets it stop where recomputing the rest is sooner
         (:mod:`kvcodec.store.plan`); ``device`` is where a dense decode runs; fetched chunks waiting for the decoder
         hold at most ``prefetch_bytes``."""
-        planner = LoadPlanner(self.telemetry, self.variants, recompute_tps=recompute_tps)
+        planner = LoadPlanner(self.telemetry, self.variants, recompute_tps=recompute_tps,
+                              first=not self.telemetry.loads_planned)
+        self.telemetry.loads_planned += 1
         return PrefixLoad(self.source, self.variant_keys([int(t) for t in token_ids], salt=salt), sink,
                           planner=planner, start=start, end=end, device=device, prefetch_bytes=prefetch_bytes)
 

@@ -102,12 +102,15 @@ class Contention:
     store's own loads.  Where the network path or the server itself runs on the decoder's cores, decoding is not
     free for the link (measured here: a raw fetch from Redis on loopback took 1.5x as long beside a kvtc decode,
     2.7x beside a cachegen one); behind a slower link the shaper, not the cores, sets the pace, and a decode costs
-    it nothing.  So each measurement is a pair of large reads within ``PAIR_S`` of each other, one with no small
-    decode running and one beside such a decode (a link that changes speed in between moves one pair, not the
-    estimate): the ratio of their throughputs, kept with the first one's.  :meth:`slowdown` is the median ratio
-    of the pairs measured within 2x of the speed asked about, 1 where there are none."""
+    it nothing.  So each measurement is a pair of large values' reads (each a value's whole read and check, as the
+    load times it) ending within ``PAIR_S`` of each other, one with no small decode running and one beside such a
+    decode (a link that changes speed in between moves one pair, not the estimate): the ratio of their
+    throughputs, kept with the first one's.  :meth:`slowdown` is the median ratio of the pairs measured within 2x
+    of the speed asked about, 1 where there are none."""
 
-    PAIR_S = 0.1
+    # Two values' reads end at least one read apart: a 12 MB raw chunk took 35 ms inside vLLM at 10 Gbit/s and
+    # 90-110 ms beside a kvtc decode, about 130 ms at 1 Gbit/s.
+    PAIR_S = 0.5
     WINDOW = 16
 
     def __init__(self) -> None:
@@ -201,6 +204,7 @@ class Telemetry:
     def __init__(self, tiers: Iterable[str]) -> None:
         self.links = {name: Link() for name in tiers}
         self._decode: dict[str, RateEstimator] = {}
+        self.loads_planned = 0  # prefix loads planned in this process (its first is planned apart: LoadPlanner)
         self._lock = threading.Lock()
 
     def link(self, tier: str) -> Link:
