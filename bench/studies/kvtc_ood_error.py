@@ -73,17 +73,22 @@ class ChosenPerChunk(KVTC):
 
 def left_out(cal, kv: KVCache, chunk_tokens: int = 256) -> list[str]:  # type: ignore[no-untyped-def]
     """Per tensor (keys, values): the share of the weighted features' energy that the default level's components
-    leave out of a cache's chunks (after the first, exact token), and the shares of that left-out energy on the
-    5% of tokens and the 5% of feature channels that hold most of it (a sparse remainder could be coded apart)."""
+    leave out of a cache's chunks (after the first, exact token), and the shares of that left-out energy on the 5%
+    of tokens and the 5% of feature channels that hold most of it (a sparse remainder could be coded apart).  For
+    a calibration of one layer group (every layer holding every token, as SmolLM2's); "-" for others."""
+    if len(cal.groups) != 1:
+        return ["-", "-"]
     out = []
-    for name, bases, step in zip(("keys", "values"), (cal.keys, cal.values), levels.LEVELS[levels.DEFAULT_LEVEL]):
+    counts = KVTC(calibration=cal).coded_components()[0]
+    members = cal.groups[0]
+    for name, bases, kept in zip(("keys", "values"), (cal.keys, cal.values), counts):
         gb = bases[0]
-        kept = KVTC(calibration=cal)._coded(gb, step)
         by_token, by_channel, left, total = [], 0.0, 0.0, 0.0
         for start in range(0, kv.num_tokens, chunk_tokens):
             stop = min(start + chunk_tokens, kv.num_tokens)
             rows = []
-            for info, (k, v) in zip(cal.layers, kv.layers):
+            for layer in members:
+                info, (k, v) = cal.layers[layer], kv.layers[layer]
                 x = (k if name == "keys" else v)[:, start:stop].float()
                 if name == "keys" and info.rotary is not None:
                     x = info.rotary.rotate(x, torch.arange(start, stop), inverse=True)
