@@ -56,10 +56,10 @@ class ChosenPerChunk(KVTC):
 
     codec_id = "kvtc-chosen-per-chunk"
 
+    added: list[int]  # per part coded, the components it added to the calibration's (main sets it per text)
+
     def _coded(self, gb, step):  # type: ignore[no-untyped-def]
         return gb.components
-
-    added: list[int] = []  # per part coded, the components it added to the calibration's
 
     def _level_part(self, x, gb, step):  # type: ignore[no-untyped-def]
         coeff = self._project((x - gb.mean) * gb.weight, gb, 0, gb.components)
@@ -120,16 +120,19 @@ def main() -> None:
     levels.LEVELS[FINEST] = (key / 100, value / 100)
     cal = register_calibration(a.calibration)
     model = load_model(a.model, progress=False)
+    finer_codec = KVTC(level=FINER, calibration=cal, min_std=2.3, fine_tokens=0)
+    chosen = ChosenPerChunk(calibration=cal)
+    # a row's codec, or (None, the tensor) for a hybrid of the finer decode and the exact cache
     rows: dict[str, tuple[object, str | None]] = {
         "kvtc level 2": (KVTC(calibration=cal), None),
         "kvtc level 2 without fine rows": (KVTC(calibration=cal, fine_tokens=0), None),
-        "level 2's components, 10x finer steps": (KVTC(level=FINER, calibration=cal, min_std=2.3, fine_tokens=0), None),
-        "... keys decoded, values exact": ("finer", "keys"),
-        "... values decoded, keys exact": ("finer", "values"),
+        "level 2's components, 10x finer steps": (finer_codec, None),
+        "... keys decoded, values exact": (None, "keys"),
+        "... values decoded, keys exact": (None, "values"),
         "every component of the file, 100x finer steps": (KVTC(level=FINEST, calibration=cal, min_std=0.0,
                                                                fine_tokens=0), None),
         "kvtc level 2, every component coded (min_std=0)": (KVTC(calibration=cal, min_std=0.0), None),
-        "kvtc level 2, components chosen per chunk too": (ChosenPerChunk(calibration=cal), None),
+        "kvtc level 2, components chosen per chunk too": (chosen, None),
         "kvtc level 3": (KVTC(level=3, calibration=cal), None),
         "cachegen level 2": (CacheGen(level=2), None),
     }
@@ -137,7 +140,7 @@ def main() -> None:
     cells: dict[str, list[str]] = {name: [] for name in rows}
     added, spread = [], []
     for text in texts:
-        ChosenPerChunk.added = []
+        chosen.added = []
         case = prepare(model, text, a.tokens, a.continuation)
         spread.append(f"| `{text}` | " + " | ".join(left_out(cal, case.kv)) + " |")
         finer = None
@@ -146,7 +149,7 @@ def main() -> None:
                 blob = encode(case.kv, codec)
                 kv = decode(blob)
                 bits = f"{8 * len(blob) / case.kv.num_elements:.3f}, "
-                if codec.__class__ is KVTC and codec.level == FINER:
+                if codec is finer_codec:
                     finer = kv
             else:
                 assert finer is not None
@@ -157,7 +160,7 @@ def main() -> None:
             q = quality(model, case, kv)
             cells[name].append(f"{bits}{100 * q.ppl_change:+.2f}%, {100 * q.agreement:.1f}%, {q.kl:.4f}")
             print(f"{text} | {name} | {cells[name][-1]}", flush=True)
-        added.append(f"`{text}` {np.mean(ChosenPerChunk.added):.0f}")
+        added.append(f"`{text}` {np.mean(chosen.added):.0f}")
     lines = [f"# Where kvtc's KL comes from on texts unlike its calibration ({model.model_id})", "",
              f"`python bench/studies/kvtc_ood_error.py --model {a.model} --calibration FILE` with calibration "
              f"{cal.digest[:12]} ({cal.settings.get('tokens', '?')} tokens of "
