@@ -61,12 +61,14 @@ SHARE_FLOOR = DEFAULT_SHARE
 @dataclass
 class SegmentHit:
     """One segment of a fused prompt: its first token's index in the prompt, its tokens, how many loaded from the
-    store (the rest were recomputed at every layer), and where each loaded chunk came from."""
+    store (the rest were recomputed at every layer), and where each loaded chunk came from and in which variant
+    (codec id)."""
 
     start: int
     tokens: int
     loaded: int
     tiers: list[str] = field(default_factory=list)
+    variants: list[str] = field(default_factory=list)
 
     @property
     def hit(self) -> bool:
@@ -138,9 +140,18 @@ class FusionReport:
         """The share of the context's token-layers computed: 1.0 is a full prefill's work (before the suffix)."""
         return sum(self.recomputed) / (len(self.recomputed) * self.context_tokens) if self.recomputed else 0.0
 
+    def _sources(self) -> str:
+        """The loaded chunks' variants and tiers, as " (raw x3, cachegen x1 from redis)"."""
+        variants = [v for s in self.segments for v in s.variants]
+        if not variants:
+            return ""
+        counts = ", ".join(f"{v} x{variants.count(v)}" for v in dict.fromkeys(variants))
+        return f" ({counts} from {', '.join(dict.fromkeys(t for s in self.segments for t in s.tiers))})"
+
     def summary(self) -> str:
         return (f"{self.context_tokens} context tokens: {self.reused_tokens} reused, {self.forced_tokens} computed "
-                f"(no stored KV); segments {self.hits} hit, {self.misses} missed; recompute share {self.share:.0%} "
+                f"(no stored KV); segments {self.hits} hit, {self.misses} missed, {self.nbytes / 1e6:.3g} MB loaded"
+                f"{self._sources()}; recompute share {self.share:.0%} "
                 f"({self.share_reason}), "
                 f"{self.recomputed_share:.1%} of the token-layers computed; first token in "
                 f"{self.first_token_s * 1e3:.0f} ms (load {self.load_s * 1e3:.0f}, recompute "
@@ -202,8 +213,9 @@ class SegmentLoads:
                     self.forced[start + m:start + found.tokens] = True
                     self.nbytes += found.load.nbytes
                     self.estimate_s += estimated_load_s(self.store.store, found.load.chunks)
-                    self.hits.append(SegmentHit(start, found.tokens, m,
-                                                [c.tier for c in found.load.chunks if c.status == "loaded"]))
+                    loaded = [c for c in found.load.chunks if c.status == "loaded"]
+                    self.hits.append(SegmentHit(start, found.tokens, m, [c.tier for c in loaded],
+                                                [self.store.store.variants[c.variant].codec_id for c in loaded]))
                     self.load_s = time.perf_counter() - t0
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the caller, which waits on this thread
