@@ -22,13 +22,20 @@ the vocabulary left out), and how often the two agree on the most likely token. 
 the segments from the connector to the token; its quality requests, which ask for prompt log-probabilities, whole
 blocks: see kvcodec/engines/vllm_connector/scheduler.py.)
 
+With ``--link MBIT`` the connector's tier is Redis in a network namespace behind tbf on a veth pair
+(``kvcodec.tools.netlab``, root only) instead of the disk folder: the segments are stored at full speed, then the
+link runs at ``MBIT`` for every timed request, fresh engines' included (prefix-only reuse then also saves each
+round's prompt over it, as the connector saves before the step ends).  ``--codec`` is what the connector stores
+(``cachegen,raw``: both, the load picking per chunk).
+
     python bench/vllm_segments.py [--docs 8] [--doc-tokens 490] [--prompts 2] [--shares 0,0.15,0.3,auto] [--reps 3]
-                                  [--fresh 2]
+                                  [--fresh 2] [--link MBIT] [--codec raw]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import statistics
@@ -40,6 +47,8 @@ from segment_reuse import DOCS, QUESTIONS, SYSTEM
 from tqdm import tqdm
 
 from kvcodec.tools.harness.vllm_server import DTYPE, Engine, connector_config
+from kvcodec.tools.netlab import ShapedLink, unavailable
+from kvcodec.tools.redis_server import started_redis
 
 OUT = REPO / "bench" / "results" / "vllm_segments.md"
 CONTINUATION = 32
@@ -76,10 +85,33 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds of time to first token (default 3)")
     ap.add_argument("--fresh", type=int, default=2,
                     help="fresh engines of each kind timed on their first request (default 2; 0: none)")
+    ap.add_argument("--link", type=float, metavar="MBIT", default=None,
+                    help="the connector's store in Redis behind a shaped link of MBIT Mbit/s (default: a disk folder)")
+    ap.add_argument("--codec", default="raw", help="what the connector stores: a codec, or several separated by "
+                                                   "commas for a load to choose from (default raw)")
     ap.add_argument("--out", type=Path, default=OUT, help=f"the result table (default {OUT.relative_to(REPO)})")
     args = ap.parse_args()
     shares = parse_shares(args.shares)
+    if args.link is not None and (why := unavailable()):
+        ap.error(f"--link: {why}")
+    with contextlib.ExitStack() as stack:
+        run(args, shares, stack)
 
+
+def connector_tier(args, stack: contextlib.ExitStack):
+    """The connector's tier (a disk folder, or Redis behind ``--link``, unshaped until :meth:`ShapedLink.set_rate`)
+    and the link (None for the folder)."""
+    if args.link is None:
+        return f"disk:{tempfile.mkdtemp()}", None
+    link = stack.enter_context(ShapedLink(100_000))
+    redis = started_redis(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcodec-vllm-segments-"))),
+                          link)
+    stack.callback(redis.stop)
+    # a raw 256-token chunk of SmolLM2 float32 KV is 11.8 MB: about 1 s at 100 Mbit/s
+    return f"{redis.url}?timeout=60", link
+
+
+def run(args, shares: list[float | None], stack: contextlib.ExitStack) -> None:
     from transformers import AutoTokenizer
 
     from kvcodec.texts import load_text
@@ -103,8 +135,9 @@ def main() -> None:
     lossy = "cachegen level 2 (the full prefill's KV)"
     quality: dict[str, list[tuple[float, float]]] = {m: [] for m in methods[1:] + [lossy]}
     cached: dict[str, list[int]] = {m: [] for m in methods}
-    folder = tempfile.mkdtemp()
-    ours_config = connector_config(codec="raw", tiers=[f"disk:{folder}"])
+    tier, link = connector_tier(args, stack)
+    codec = args.codec.split(",") if "," in args.codec else args.codec
+    ours_config = connector_config(codec=codec, tiers=[tier])
     with Engine(model) as full, \
             Engine(model, ours_config) as ours, \
             Engine(model, connector_config(codec="cachegen:level=2", tiers=[f"disk:{tempfile.mkdtemp()}"])) as cg:
@@ -114,6 +147,8 @@ def main() -> None:
         warm = tok(load_text("license:GPL-3"))[:len(system) + sum(len(d) for d in docs)]
         full.generate([bos] + warm, 1)
         ours.generate([bos] + warm, 1, cache_salt="warm-up")
+        if link is not None:
+            link.set_rate(args.link)
         for p, (segments, question) in enumerate(tqdm(prompts, desc="prompts", unit="prompt")):
             context = [bos] + [t for s in segments for t in s]
             ids = context + question
@@ -144,7 +179,7 @@ def main() -> None:
             assert got["num_cached_tokens"] >= len(context) // 256 * 256, got["num_cached_tokens"]
             quality[lossy].append(divergence(got["prompt_logprobs"], ref, forced, len(context)))
             fusions = ours.grep("fused ")
-    # the first prompt as a fresh engine's first request; the folder holds the segments (and the salted prompts
+    # the first prompt as a fresh engine's first request; the tier holds the segments (and the salted prompts
     # prefix-only reuse saved, which this request's keys never name)
     segments, question = prompts[0]
     first_ids = [bos] + [t for s in segments for t in s] + question
@@ -160,15 +195,31 @@ def main() -> None:
     report(args, prompts, methods, times, quality, cached, fusions, first)
 
 
+def tail(args) -> str:
+    """The options that say where the segments were, as typed."""
+    return (f" --link {args.link:g}" if args.link is not None else "") + \
+        (f" --codec {args.codec}" if args.codec != "raw" else "")
+
+
+def where(args) -> str:
+    """Where and how the connector kept the segments, in words."""
+    codec = " and ".join(args.codec.split(","))
+    if args.link is None:
+        return f"{codec} in a disk folder"
+    return (f"{codec} in Redis in a network namespace behind tbf on a veth pair at {args.link:g} Mbit/s (stored at "
+            "full speed; prefix-only reuse saves each round's prompt over the link)")
+
+
 def report(args, prompts, methods, times, quality, cached, fusions, first) -> None:
     lengths = [1 + sum(len(s) for s in seg) + len(q) for seg, q in prompts]
     lines = [
         "# Segment reuse inside vLLM: time to first token and quality (SmolLM2, CPU)", "",
         f"`python bench/vllm_segments.py --docs {args.docs} --doc-tokens {args.doc_tokens} --prompts {args.prompts} "
-        f"--shares {args.shares} --reps {args.reps}` (issue 34, item 4; [docs/segments.md](../../docs/segments.md)).",
+        f"--shares {args.shares} --reps {args.reps} --fresh {args.fresh}{tail(args)}` (issue 34, item 4; "
+        "[docs/segments.md](../../docs/segments.md)).",
         f"vLLM {DTYPE}, one CPU thread per engine; {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens "
         f"(the BOS, a system text, {args.docs} documents of {args.doc_tokens} tokens in shuffled orders, a question). "
-        "Segments stored raw in a disk folder, one request each. Time to first token: the engine's time for a "
+        f"Segments stored {where(args)}, one request each. Time to first token: the engine's time for a "
         f"one-token request, {args.reps} rounds interleaved; the fastest of each prompt, then the median over "
         "prompts, and the median of every round's ratio to that round's full prefill. Quality: the full "
         f"prefill's {CONTINUATION}-token greedy continuation teacher-forced, KL over its top {TOP} tokens and "
