@@ -308,22 +308,3 @@ def test_a_fresh_stores_first_load_plans_on_timed_decodes_not_free_ones(real_kv,
     assert result.complete and plan.SMALL_UNMEASURED not in rules, rules
     assert all(c.decision.decode_tps[0] < CHUNK // 2 / 0.2 for c in result.chunks)
     assert result.wasted_bytes < 0.10 * result.nbytes, (result.wasted_bytes, result.nbytes)
-
-
-def test_a_small_variant_never_decoded_is_read_once_not_for_every_chunk(real_kv):
-    """10 Gbit/s, 8 chunks of 64 tokens, a store whose cachegen was never decoded (no measure_decodes).  Its raw
-    reads (1.5 MB, under 2 ms) are too short to time the link, so the decoder starts no small decode and every chunk
-    comes raw.  Before, every load read every chunk's cachegen first ("the first load finds out") and wasted them
-    all: 19% of the bytes used, the first raw read 5 ms late.  Now one cachegen value waits for the decoder to
-    measure it, and no more is read."""
-    ids, kv = _real(real_kv, 8 * 64)
-    link = Served("link", 10000 * MBIT)
-    store = KVStore([link], model=real_kv.model, codec=["cachegen", "raw"], chunk_tokens=64)
-    store.put(ids, kv)
-    for _ in range(3):
-        result = store.prefix_load(ids, DenseSink()).start().finish()
-        assert result.complete and [c.variant for c in result.chunks] == [1] * 8
-        small = max(c.wasted_bytes for c in result.chunks)
-        assert 0 < small < 0.25 * result.nbytes / 8, [c.wasted_bytes for c in result.chunks]  # one cachegen value
-        assert sum(c.wasted_bytes > 0 for c in result.chunks) <= 1
-    assert not store.telemetry.decode_rate(store.variants[0]).samples

@@ -554,19 +554,11 @@ class PrefixLoad:
         """Whether the decoder, working back through the small variants it holds and then chunk ``b``'s, could be
         through ``b`` before ``b``'s large variant is in and decoded were the link ``INSURANCE`` times slower than
         estimated, and what it holds would last less than ``DUE_AHEAD`` reads of ``b``'s small variant on that link
-        (where the small variant's decode was never measured, while it holds none of that variant: the first load
-        that decodes one finds out); or, where it could not, whether the small variant costs at most
-        ``CHEAP_SHARE`` of the large one's bytes (insurance)."""
+        (always, where the small variant's decode was never measured: the first load finds out); or, where it could
+        not, whether the small variant costs at most ``CHEAP_SHARE`` of the large one's bytes (insurance)."""
         small, large = self._options[b]
-        if large is None:
+        if large is None or not self.planner.decode_known(small):
             return True
-        if not self.planner.decode_known(small):
-            # One value measures the decode, once the decoder takes it; more would only wait.  Where the decoder
-            # keeps to the large variants (a link whose reads are too short to time it) they waited unused in every
-            # load: 64-token chunks behind 10 Gbit/s read every chunk's cachegen first, 19% of the bytes used, and
-            # the first raw read started 5 ms late (bench/adaptive_inprocess.py, a store never measured)
-            with self._cond:
-                return not any(self._options[j][0].variant == small.variant for j in self._back)
         tokens = self.chunks[b].end - self.chunks[b].start
         with self._cond:
             back_s = self._decodes_queued_s()
