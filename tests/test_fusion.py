@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from kvcodec.blend import SHARE_FLOOR, segment_shares
+from kvcodec.blend import SHARE_FLOOR, computed_front, segment_shares
 from kvcodec.engines.transformers_fusion import check_supported
 from kvcodec.engines.transformers_hook import TransformersKVHook
-from kvcodec.errors import UnsupportedError
+from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.store import KVStore, MemoryTier
 from kvcodec.texts import load_text
 
@@ -72,7 +72,9 @@ def _agree(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((ref.argmax(-1) == got.argmax(-1)).double().mean())
 
 
-def test_recomputing_every_token_is_a_full_prefill(hook, order, prompt, full):
+def test_recomputing_every_token_is_a_full_prefill(hook, order, prompt, full, monkeypatch):
+    # the segments load (an engine of unknown speed loads what is stored), and every token's KV is then replaced
+    monkeypatch.setattr(hook, "prefill_tps", None)
     fused = hook.fuse(order, prompt[2], share=1.0)
     ids, ref = full
     assert fused.token_ids == ids
@@ -128,8 +130,8 @@ def test_a_slow_link_buys_recompute_that_runs_under_the_later_loads(hook, order,
 
 
 def test_a_segment_whose_load_is_slower_than_computing_it_is_computed(smollm2, order, prompt, full):
-    """The segments' loads stop where the model computing the rest is sooner (the store's own rule, at the hook's
-    prefill speed): what did not load is computed at every layer, so the result is the full prefill's."""
+    """Segments whose loads are slower than the model computing them (at the hook's prefill speed) are computed at
+    every layer, not loaded, so the result is the full prefill's."""
     store = KVStore([MemoryTier(64 << 20)], model=smollm2.model_id, codec="raw")
     slow = TransformersKVHook(smollm2, store, save=False)
     slow.put_segments(order)
@@ -140,6 +142,50 @@ def test_a_segment_whose_load_is_slower_than_computing_it_is_computed(smollm2, o
     assert r.reused_tokens == 0 and r.forced_tokens == r.context_tokens and r.nbytes == 0, r.summary()
     assert torch.allclose(fused.logits, full[1], atol=2e-3, rtol=0)
     assert slow.prefill_tps < 1e12  # the fusion's first layers, over every token, measured the speed again
+
+
+def test_computed_front_computes_the_first_segments_while_the_rest_load():
+    fast, slow = [0.1] * 4, [2.0] * 4
+    assert computed_front(fast, [1.0] * 4, [0.3] * 4) == 0  # loads keep ahead of the recompute
+    # loads of 2 s each against 1 s to compute: computing 3 while the fourth loads ends at 3.3 s (all loaded: 8.3)
+    assert computed_front(slow, [1.0] * 4, [0.3] * 4) == 3
+    assert computed_front(slow, [1.0] * 4, [1.0] * 4) == 4  # recomputed in full anyway: nothing to load
+    assert computed_front([None, 0.1, 0.1], [1.0] * 3, [0.3] * 3) == 0  # the first not stored: computed, then loads
+    assert computed_front([], [], []) == 0
+    with pytest.raises(InvalidInputError):
+        computed_front([0.1], [1.0, 1.0], [0.3])
+
+
+def test_over_a_slow_link_the_first_segments_are_computed_while_the_rest_load(hook, order, prompt, full,
+                                                                               monkeypatch):
+    """Inside vLLM at 100 Mbit/s every raw segment loaded one after another (15 s for 177 MB) while the recompute
+    waited for each: 1.05-1.2x a full prefill.  Now, where the store estimates a segment's load slower than the
+    engine computing it, the first segments are computed at every layer while the later ones load."""
+    from kvcodec.blend.segments import SegmentStore
+
+    tps = 100.0  # tokens/s: a document (120 tokens) takes 1.2 s to compute, its load (estimated) 1.0 s
+    loads = [0.15] + [1.0] * (len(order) - 1)
+    monkeypatch.setattr(SegmentStore, "load_estimates", lambda self, segments: loads[:len(segments)])
+    spread = segment_shares(SHARE_FLOOR, _spans(order))
+    compute = [len(s) / tps for s in order]
+    partial = [c * (2 / 30 + x * 28 / 30) for c, x in zip(compute, spread)]
+    front = computed_front(loads, compute, partial)
+    assert 0 < front < len(order)
+    monkeypatch.setattr(hook, "prefill_tps", tps)
+    fused = hook.fuse(order, prompt[2])
+    r = fused.report
+    assert [s.computed for s in r.segments] == [True] * front + [False] * (len(order) - front)
+    assert r.computed == front and r.hits == len(order) - front and r.misses == 0
+    assert r.forced_tokens == 1 + sum(len(s) for s in order[:front])
+    assert f"{front} computed while the rest loaded" in r.summary()
+    raw = sum(len(s) for s in order[front:]) * 30 * 2 * 3 * 64 * 4  # float32 KV of the segments loaded
+    assert raw < r.nbytes < 1.01 * raw
+    assert _kl(full[1], fused.logits) < 0.05  # (the computed segments are exact)
+    # recomputed in full, nothing stored is worth loading
+    monkeypatch.setattr(hook, "prefill_tps", tps)
+    everything = hook.fuse(order, prompt[2], share=1.0)
+    assert everything.report.nbytes == 0 and everything.report.computed == len(order)
+    assert torch.allclose(everything.logits, full[1], atol=2e-3, rtol=0)
 
 
 def test_a_segment_not_stored_is_computed_at_every_layer(smollm2, hook, order, prompt, full):

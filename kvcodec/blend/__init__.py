@@ -5,10 +5,11 @@
 """
 
 from kvcodec.blend.fusion import (DEFAULT_SHARE, SHARE_FLOOR, FusedContext, FusionReport, RecomputeSchedule,
-                                  SegmentHit, SegmentLoads, ShareChoice, controlled_share, deviation, estimated_load_s,
-                                  segment_shares)
+                                  SegmentHit, SegmentLoads, ShareChoice, computed_front, controlled_share, deviation,
+                                  estimated_load_s, segment_shares)
 from kvcodec.blend.segments import LoadedSegment, SegmentStore, default_anchor
 
 __all__ = ["DEFAULT_SHARE", "SHARE_FLOOR", "FusedContext", "FusionReport", "RecomputeSchedule", "SegmentHit",
-           "SegmentLoads", "ShareChoice", "controlled_share", "deviation", "estimated_load_s", "segment_shares",
+           "SegmentLoads", "ShareChoice", "computed_front", "controlled_share", "deviation", "estimated_load_s",
+           "segment_shares",
            "LoadedSegment", "SegmentStore", "default_anchor"]

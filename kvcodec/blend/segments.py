@@ -105,6 +105,11 @@ class SegmentStore:
                          rope="post", positions=self.positions(n))
         return LoadedSegment(len(token_ids), n, kv, result)
 
+    def load_estimates(self, segments: Sequence[Sequence[int]]) -> list[float | None]:
+        """The seconds the store estimates loading each of ``segments`` takes (:meth:`KVStore.load_estimates`;
+        None where none of it is stored)."""
+        return self.store.load_estimates([_tokens(s) for s in segments], salt=self.domain)
+
     def evict(self, token_ids: Sequence[int]) -> int:
         """Delete segment ``token_ids``'s chunks from every tier; returns deletions."""
         return self.store.evict(_tokens(token_ids), salt=self.domain)

@@ -370,6 +370,28 @@ class KVStore:
         return PrefixLoad(self.source, self.variant_keys([int(t) for t in token_ids], salt=salt), sink,
                           planner=planner, start=start, end=end, device=device, prefetch_bytes=prefetch_bytes)
 
+    def load_estimates(self, prompts: Sequence[Sequence[int]], *, salt: str | bytes | None = None
+                       ) -> list[float | None]:
+        """For each of ``prompts`` (token id lists), the seconds this store estimates loading its stored chunks
+        takes, up to the first chunk no tier holds: each chunk in the variant whose read and decode together are the
+        shortest by the load planner's estimates (:class:`~kvcodec.store.plan.LoadPlanner`), one after another;
+        None where its first chunk is not held.  One size question per tier for all of them."""
+        planner = LoadPlanner(self.telemetry, self.variants)
+        chunks = [self.variant_keys([int(t) for t in p], salt=salt) for p in prompts]
+        keys = [k for c in chunks for _, _, ks in c for k in ks]
+        sizes = iter(self.source.value_sizes(keys, [b - a for c in chunks for a, b, ks in c for _ in ks]))
+        out: list[float | None] = []
+        for c in chunks:
+            times: list[float] = []
+            prefix = True  # every chunk so far held
+            for a, b, ks in c:
+                held = [Option(v, *size) for v, size in enumerate([next(sizes) for _ in ks]) if size is not None]
+                prefix = prefix and bool(held)
+                if prefix:
+                    times.append(min(planner.fetch_s(o) + planner.decode_s(o, b - a) for o in held))
+            out.append(sum(times) if times else None)
+        return out
+
     def decode_chunk(self, chunk: FetchedChunk, *, device: torch.device | str | None = None) -> KVCache:
         """Decode a fetched chunk within the store's bound for its size."""
         sink = DenseSink(device=device)

@@ -6,7 +6,8 @@ One engine.  A system text and three real documents are stored as segments at fu
 another order, and a question, is first computed (the reference), then fused:
 
 - over the unshaped link every segment loads, the documents raw (about 6 MB each, a few milliseconds on the link;
-  cachegen's decode takes longer; the engine's first load measures the link with the small variant), and recomputing every token (share 1) gives the reference's tokens;
+  cachegen's decode takes longer; the engine's first load measures the link with the small variant), and
+  recomputing every token (share 1) gives the reference's tokens;
 - at 20 Mbit/s the segments load as cachegen (0.54 MB a segment, about 0.2 s on the link and 0.15 s to decode,
   against 0.34 s for vLLM CPU to compute its 140 tokens at about 400 tokens/s), or are computed: no raw comes in,
   and the reply is the reference's again.  (Before the store's rule reached segment loads, a fusion over 100 Mbit/s
