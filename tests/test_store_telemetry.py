@@ -298,3 +298,26 @@ def test_a_read_as_short_as_a_round_trip_never_lowers_the_link_estimate():
     assert link.throughput.estimate == pytest.approx(1e9)
     link.observe(256 << 10, 2 * ROUND_TRIP_S)  # a slower link shows in a longer read
     assert link.throughput.estimate < 20e6
+
+
+def test_the_engines_prefill_speed_is_kept_for_a_fresh_engines_first_load(tmp_path):
+    """A load stops where the engine recomputing the rest is sooner, and a fusion computes its first segments
+    while the rest load, only once the engine's prefill speed is known.  Inside vLLM a fresh engine's first
+    request did not know it (its worker times steps without loads): at 100 Mbit/s it loaded every raw segment,
+    1.20x a full prefill.  The speed is now kept with the store's estimates, as the machine's."""
+    path = tmp_path / "m.json"
+    first = _store(path)
+    assert not first.telemetry.prefill.samples  # never planned with before a step is timed
+    first.telemetry.prefill.observe(4000, 10.0)
+    first.close()
+    fresh = _store(path)
+    assert fresh.telemetry.prefill.samples and fresh.telemetry.prefill.estimate == pytest.approx(400)
+    assert fresh.telemetry_file.restored.endswith("; prefill 400 tokens/s"), fresh.telemetry_file.restored
+    fresh.close()
+    doc = json.loads(path.read_text())
+    assert doc["machines"][tf.machine()]["prefill"][tf.ENGINE]["rate"] == pytest.approx(400)
+    doc["machines"] = {"another machine": doc["machines"][tf.machine()]}  # a prefill speed is the machine's
+    path.write_text(json.dumps(doc))
+    other = _store(path)
+    assert not other.telemetry.prefill.samples
+    other.close()

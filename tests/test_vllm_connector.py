@@ -23,6 +23,7 @@ from kvcodec.errors import CorruptDataError, InvalidInputError, UnsupportedError
 from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
 from kvcodec.codecs.raw import Raw
 from kvcodec.store import CacheIdentity, KVStore, MemoryTier, PrefixLoad
+from kvcodec.store.telemetry import RateEstimator
 
 L, H, D, BS, NB = 3, 2, 8, 8, 40
 CHUNK = 32
@@ -77,6 +78,9 @@ def _forward(worker: KVCodecConnector, meta: KVCodecConnectorMetadata, caches: d
 
 
 def _pair(store: KVStore) -> tuple[KVCodecConnector, KVCodecConnector, dict[str, torch.Tensor]]:
+    # a fresh engine whose predecessors' steps computed nothing (their KV written by hand, as here): their times
+    # are no prefill speed, and the store keeps the worker's for the next engine
+    store.telemetry.prefill = RateEstimator(prior=1.0)
     sched = KVCodecConnector(_config(), KVConnectorRole.SCHEDULER, store=store)
     worker = KVCodecConnector(_config(), KVConnectorRole.WORKER, store=store)
     caches = _paged()

@@ -190,20 +190,25 @@ class Measured:
 @dataclass
 class Estimates:
     """What a store measured, to start another process's with: each tier's throughput (bytes/s) and
-    :class:`Contention` pairs by tier name, and each variant's decode rate (tokens/s) by ``repr(codec)``."""
+    :class:`Contention` pairs by tier name, each variant's decode rate (tokens/s) by ``repr(codec)``, and the
+    engine's prefill speed (tokens/s)."""
 
     links: dict[str, Measured] = field(default_factory=dict)
     contention: dict[str, Measured] = field(default_factory=dict)
     decode: dict[str, Measured] = field(default_factory=dict)
+    prefill: Measured | None = None
 
 
 class Telemetry:
-    """A store's measurements: a :class:`Link` per tier name (:meth:`link`) and a decode rate in tokens per second
-    per codec variant (:meth:`decode_rate`, by ``repr(codec)``)."""
+    """A store's measurements: a :class:`Link` per tier name (:meth:`link`), a decode rate in tokens per second
+    per codec variant (:meth:`decode_rate`, by ``repr(codec)``), and ``prefill``: the engine's prefill speed in
+    tokens per second, as its hook times it (no samples until one does; the prior is never planned with): what a
+    load weighs against recomputing, kept so that a fresh engine's first load can weigh it too."""
 
     def __init__(self, tiers: Iterable[str]) -> None:
         self.links = {name: Link() for name in tiers}
         self._decode: dict[str, RateEstimator] = {}
+        self.prefill = RateEstimator(prior=1.0)
         self.loads_planned = 0  # prefix loads planned in this process (its first is planned apart: LoadPlanner)
         self._lock = threading.Lock()
 
@@ -235,6 +240,8 @@ class Telemetry:
         for key, rate in decode:
             if rate.samples and rate.measured_at is not None:
                 out.decode[key] = Measured(rate.estimate, rate.measured_at)
+        if self.prefill.samples and self.prefill.measured_at is not None:
+            out.prefill = Measured(self.prefill.estimate, self.prefill.measured_at)
         return out
 
     def restore(self, estimates: Estimates) -> None:
@@ -242,7 +249,7 @@ class Telemetry:
         its prior, which its first read replaces whole: a link may have changed since, and a rise must show at
         once.  A decode rate becomes a sample, which the next ``window`` decodes push out: it is this machine's,
         and the planner trusts only a measured rate (an unmeasured variant is fetched beside its large one, to
-        find out); so are contention pairs."""
+        find out); so are contention pairs and the engine's prefill speed."""
         for name, m in estimates.links.items():
             if name in self.links:
                 self.links[name].throughput.prior = float(m.value)  # type: ignore[arg-type]
@@ -253,3 +260,5 @@ class Telemetry:
             for key, m in estimates.decode.items():
                 rate = self._decode.setdefault(key, RateEstimator(DECODE_PRIOR_TPS))
                 rate.seed(m.value, m.at)  # type: ignore[arg-type]
+        if estimates.prefill is not None:  # the machine's too, and as a sample: the next steps push it out
+            self.prefill.seed(estimates.prefill.value, estimates.prefill.at)  # type: ignore[arg-type]

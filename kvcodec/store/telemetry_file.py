@@ -8,9 +8,10 @@ What is kept, and for how long:
   Mooncake master, and never a password), for :data:`LINK_MAX_AGE_S`.  It is restored as the link's prior, which
   the first read replaces whole.  The bound matters beyond staleness: a link estimated slow makes the planner
   recompute rather than read, and a store that never reads never measures again, so it must lapse;
-- each variant's decode rate (by ``repr(codec)``) and each tier's contention pairs, by :func:`machine` (the CPU, the
-  cores this process may use, torch's and kvcodec's versions): they are the machine's, so a file shared over a
-  network home folder keeps each machine's apart.  Kept for :data:`MACHINE_MAX_AGE_S`.
+- each variant's decode rate (by ``repr(codec)``), each tier's contention pairs and the engine's prefill speed
+  (:attr:`Telemetry.prefill`, under ``"engine"``), by :func:`machine` (the CPU, the cores this process may use,
+  torch's and kvcodec's versions): they are the machine's, so a file shared over a network home folder keeps each
+  machine's apart.  Kept for :data:`MACHINE_MAX_AGE_S`.
 
 The file is written by a background thread at most every :data:`SAVE_EVERY_S` seconds, and when the store closes
 (or the interpreter exits with it open), never by a load: a load's observations only update the estimators in memory.  Each write reads the file, keeps the
@@ -58,6 +59,7 @@ MAX_MACHINES = 4
 MAX_KEY_CHARS = 512
 MAX_FILE_BYTES = 256 << 10  # the bounds above make at most about 130 KB
 CLOCK_SKEW_S = 60.0  # an entry dated further ahead than this is not believed
+ENGINE = "engine"  # the key of the engine's prefill speed in a machine's "prefill" section (one engine per file)
 
 
 def default_path(model: str, namespace: str = "") -> str:
@@ -114,19 +116,22 @@ class TelemetryFile:
             return
         now = time.time()
         by_location = {loc: name for name, loc in self.locations.items()}
-        mine = data["machines"].get(self.machine, {"decode": {}, "contention": {}})
+        mine = data["machines"].get(self.machine, _empty_machine())
+        prefill = mine["prefill"].get(ENGINE)
         found = Estimates(
             links={by_location[loc]: m for loc, m in data["links"].items()
                    if loc in by_location and _fresh(m, now, LINK_MAX_AGE_S)},
             contention={by_location[loc]: m for loc, m in mine["contention"].items()
                         if loc in by_location and _fresh(m, now, MACHINE_MAX_AGE_S)},
-            decode={k: m for k, m in mine["decode"].items() if _fresh(m, now, MACHINE_MAX_AGE_S)})
+            decode={k: m for k, m in mine["decode"].items() if _fresh(m, now, MACHINE_MAX_AGE_S)},
+            prefill=prefill if prefill is not None and _fresh(prefill, now, MACHINE_MAX_AGE_S) else None)
         self.telemetry.restore(found)
-        if found.links or found.decode:
+        if found.links or found.decode or found.prefill:
             links = ", ".join(f"link {name} {m.value * 8 / 1e6:.1f} Mbit/s ({now - m.at:.0f} s old)"
                               for name, m in found.links.items())
+            prefill = "" if found.prefill is None else f"; prefill {found.prefill.value:.0f} tokens/s"
             self.restored = (f"kvcodec: the store starts from the estimates in {self.path}: {links or 'no link'}; "
-                             f"decode rates of {len(found.decode)} variant(s)")
+                             f"decode rates of {len(found.decode)} variant(s){prefill}")
 
     def _read(self) -> dict[str, Any] | None:
         """The file's entries, checked (none where there is no file yet; None for one not to read or overwrite,
@@ -164,7 +169,8 @@ class TelemetryFile:
         for name, m in (machines.items() if isinstance(machines, dict) else ()):
             if isinstance(name, str) and len(name) <= MAX_KEY_CHARS and isinstance(m, dict):
                 out["machines"][name] = {"decode": _entries(m.get("decode"), _rate),
-                                         "contention": _entries(m.get("contention"), _pairs)}
+                                         "contention": _entries(m.get("contention"), _pairs),
+                                         "prefill": _entries(m.get("prefill"), _rate)}
         return out
 
     def _warn(self, why: str) -> None:
@@ -183,13 +189,14 @@ class TelemetryFile:
         """Merge what ``telemetry`` measured since the last save into the file; whether it was written."""
         with self._save_lock:
             estimates = self.telemetry.estimates()
-            if estimates == self._saved or not (estimates.links or estimates.decode or estimates.contention):
+            if estimates == self._saved or not (estimates.links or estimates.decode or estimates.contention
+                                                or estimates.prefill):
                 return False
             data = self._read()
             if data is None:
                 return False
             links = data["links"]
-            mine = data["machines"].setdefault(self.machine, {"decode": {}, "contention": {}})
+            mine = data["machines"].setdefault(self.machine, _empty_machine())
             for section, found in ((links, estimates.links), (mine["contention"], estimates.contention)):
                 for name, m in found.items():
                     loc = self.locations.get(name)
@@ -198,6 +205,9 @@ class TelemetryFile:
             for key, m in estimates.decode.items():
                 if len(key) <= MAX_KEY_CHARS and m.at >= mine["decode"].get(key, m).at:
                     mine["decode"][key] = m
+            m = estimates.prefill
+            if m is not None and m.at >= mine["prefill"].get(ENGINE, m).at:
+                mine["prefill"][ENGINE] = m
             text = json.dumps(_document(data, time.time()), separators=(",", ":")).encode()
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), mode=0o700, exist_ok=True)
@@ -245,6 +255,10 @@ def _close(ref: weakref.ref[TelemetryFile]) -> None:
         file.close()
 
 
+def _empty_machine() -> dict[str, dict[str, Measured]]:
+    return {"decode": {}, "contention": {}, "prefill": {}}
+
+
 def _fresh(m: Measured, now: float, max_age_s: float) -> bool:
     return -CLOCK_SKEW_S <= now - m.at <= max_age_s
 
@@ -287,7 +301,8 @@ def _document(data: dict[str, Any], now: float) -> dict[str, Any]:
                 for k, m in kept[:MAX_ENTRIES]}
 
     machines = {name: {"decode": section(m["decode"], MACHINE_MAX_AGE_S, "rate"),
-                       "contention": section(m["contention"], MACHINE_MAX_AGE_S, "pairs")}
+                       "contention": section(m["contention"], MACHINE_MAX_AGE_S, "pairs"),
+                       "prefill": section(m["prefill"], MACHINE_MAX_AGE_S, "rate")}
                 for name, m in data["machines"].items()}
     latest = {name: max((e["at"] for s in m.values() for e in s.values()), default=None)
               for name, m in machines.items()}

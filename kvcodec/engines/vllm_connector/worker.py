@@ -36,7 +36,6 @@ from kvcodec.engines.vllm_connector.setup import detect_layout, engine_logger
 from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
 from kvcodec.store import ChunkShape, KVStore, PagedSink, PrefixLoad
-from kvcodec.store.telemetry import RateEstimator
 
 log = engine_logger(__name__)
 
@@ -52,7 +51,8 @@ def layer_order(names: Sequence[str]) -> list[str]:
 class WorkerSide:
     """A worker process's state over ``store``: the registered paged memory, the step's loads, the layers gathered
     for its saves, and vLLM's prefill speed here (tokens per second of steps without loads: a load stops where
-    recomputing the rest would be sooner, :mod:`kvcodec.store.plan`)."""
+    recomputing the rest would be sooner, :mod:`kvcodec.store.plan`), kept with the store's estimates
+    (:attr:`~kvcodec.store.telemetry.Telemetry.prefill`), so that a fresh engine's first request weighs it too."""
 
     def __init__(self, store: KVStore, vllm_config: Any, block_size: int, anchor: Sequence[int] = ()) -> None:
         self.store, self.vllm_config, self.block_size = store, vllm_config, block_size
@@ -62,8 +62,9 @@ class WorkerSide:
                       "saved_segments": 0}
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_names: list[str] = []
-        # (its prior is never planned with: a load has no recompute option until a step was timed)
-        self.prefill = RateEstimator(prior=1.0)
+        # (its prior is never planned with: a load has no recompute option until a step was timed, here or by a
+        # predecessor whose estimates the store restored)
+        self.prefill = store.telemetry.prefill
         self._step: tuple[float, int] | None = None  # start and tokens of a step without loads
         self._loads: list[tuple[LoadSpec, PrefixLoad]] = []
         self._save_parts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
