@@ -163,6 +163,7 @@ def test_over_a_slow_link_the_first_segments_are_computed_while_the_rest_load(ho
     engine computing it, the first segments are computed at every layer while the later ones load."""
     from kvcodec.blend.segments import SegmentStore
 
+    real_estimates = SegmentStore.load_estimates
     tps = 100.0  # tokens/s: a document (120 tokens) takes 1.2 s to compute, its load (estimated) 1.0 s
     loads = [0.15] + [1.0] * (len(order) - 1)
     monkeypatch.setattr(SegmentStore, "load_estimates", lambda self, segments: loads[:len(segments)])
@@ -186,6 +187,11 @@ def test_over_a_slow_link_the_first_segments_are_computed_while_the_rest_load(ho
     everything = hook.fuse(order, prompt[2], share=1.0)
     assert everything.report.nbytes == 0 and everything.report.computed == len(order)
     assert torch.allclose(everything.logits, full[1], atol=2e-3, rtol=0)
+    # a segment not stored among them is a miss, not computed by choice
+    monkeypatch.setattr(SegmentStore, "load_estimates", real_estimates)
+    monkeypatch.setattr(hook, "prefill_tps", tps)
+    r = hook.fuse(order[:2] + [order[1][::-1]] + order[2:], prompt[2], share=1.0).report
+    assert (r.hits, r.misses, r.computed) == (0, 1, len(order)) and not r.segments[2].computed, r.summary()
 
 
 def test_a_segment_not_stored_is_computed_at_every_layer(smollm2, hook, order, prompt, full):

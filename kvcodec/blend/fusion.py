@@ -199,6 +199,7 @@ class SegmentLoads:
         self.forced[:len(self.anchor)] = True
         self.starts = [len(self.anchor) + sum(len(s) for s in self.segments[:j]) for j in range(len(self.segments))]
         self.front = 0
+        stored: list[float | None] = []  # the store's estimates (None: not stored), where it was asked
         if recompute_tps:
             compute = [len(seg) / recompute_tps for seg in self.segments]
             spread = segment_shares(SHARE_FLOOR if share is None else share,
@@ -206,7 +207,10 @@ class SegmentLoads:
             # a loaded segment is still computed at every token of the layers up to the check, then at its share
             full = min(1.0, (CHECK_LAYER + 1) / shape.layers)
             partial = [c * (full + x * (1 - full)) for c, x in zip(compute, spread)]
-            self.front = computed_front(store.load_estimates(self.segments), compute, partial)
+            stored = store.load_estimates(self.segments)
+            self.front = computed_front(stored, compute, partial)
+        # a segment of the front that is not stored is a miss, not computed by choice
+        self._chosen = [j < len(stored) and stored[j] is not None for j in range(self.front)]
         self.hits: list[SegmentHit] = []
         self.nbytes = 0
         self.estimate_s = 0.0  # the store's estimate of the loads done so far
@@ -223,9 +227,9 @@ class SegmentLoads:
         t0 = time.perf_counter()
         try:
             with self._cond:
-                for seg, start in zip(self.segments[:self.front], self.starts[:self.front]):
+                for seg, start, chosen in zip(self.segments, self.starts, self._chosen):
                     self.forced[start:start + len(seg)] = True
-                    self.hits.append(SegmentHit(start, len(seg), 0, computed=True))
+                    self.hits.append(SegmentHit(start, len(seg), 0, computed=chosen))
                 self._cond.notify_all()
             for seg, start in zip(self.segments[self.front:], self.starts[self.front:]):
                 found = self.store.load(seg, device=self.device, dtype=self.dtype, recompute_tps=self.recompute_tps)

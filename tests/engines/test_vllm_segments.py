@@ -121,7 +121,8 @@ def test_a_segment_not_stored_is_computed(engine, reference, parts, tokenizer):
     got = engine.generate(prompt, 4, kv_transfer_params={"kvcodec": {"segments": [len(s) for s in order],
                                                                      "share": 1.0}})
     assert got["num_cached_tokens"] == len(prompt) - len(parts["question"])
-    assert len(engine.grep("4 hit, 1 missed")) == 1, engine.tail()
+    # recomputed in full, the stored ones are computed too rather than loaded (the engine's speed is known)
+    assert len(engine.grep("0 hit, 1 missed, 4 computed while the rest loaded")) == 1, engine.tail()
 
 
 @pytest.mark.parametrize("params, why", [
