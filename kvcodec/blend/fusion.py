@@ -38,6 +38,7 @@ from kvcodec.blend.segments import SegmentStore
 from kvcodec.errors import InvalidInputError
 from kvcodec.positions import Rotary, reposition
 from kvcodec.store.chunks import ChunkShape
+from kvcodec.store.plan import LoadPlanner, Option
 
 # The share of a prompt's reused tokens recomputed at every layer past the filtering, by default: the knee of
 # quality against work that bench/segment_reuse.py measured on SmolLM2, the last share whose step up still cut the
@@ -177,13 +178,13 @@ class SegmentLoads:
     One thread: the loads run one after another, as each is itself a pipeline of fetch and decode threads
     (:class:`~kvcodec.store.load.PrefixLoad`), and in prompt order, which is the order the recompute needs them.
     With ``recompute_tps``, the first :attr:`front` segments are not loaded but computed, while the others load,
-    where that ends the recompute sooner by the store's estimates (:func:`computed_front`, at the recompute
-    ``share`` the engine runs, None: the loading controller's, at least :data:`SHARE_FLOOR`)."""
+    where that ends the recompute sooner by the store's estimates (:func:`computed_front`, for the ``schedule`` the
+    engine runs; one without a share at the loading controller's floor, :data:`SHARE_FLOOR`)."""
 
     def __init__(self, store: SegmentStore, segments: Sequence[Sequence[int]], shape: ChunkShape,
                  rotary: Sequence[Rotary | None], *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, recompute_tps: float | None = None,
-                 share: float | None = DEFAULT_SHARE) -> None:
+                 schedule: RecomputeSchedule | None = None) -> None:
         if not segments:
             raise InvalidInputError("a fused prompt needs at least one segment")
         self.store, self.rotary, self.recompute_tps = store, rotary, recompute_tps
@@ -199,18 +200,18 @@ class SegmentLoads:
         self.forced[:len(self.anchor)] = True
         self.starts = [len(self.anchor) + sum(len(s) for s in self.segments[:j]) for j in range(len(self.segments))]
         self.front = 0
-        stored: list[float | None] = []  # the store's estimates (None: not stored), where it was asked
+        self._chosen: list[bool] = []  # of the front: computed by choice (False: not stored, a miss)
         if recompute_tps:
+            schedule = schedule or RecomputeSchedule()
             compute = [len(seg) / recompute_tps for seg in self.segments]
-            spread = segment_shares(SHARE_FLOOR if share is None else share,
+            spread = segment_shares(SHARE_FLOOR if schedule.share is None else schedule.share,
                                     [(a, a + len(seg)) for a, seg in zip(self.starts, self.segments)])
             # a loaded segment is still computed at every token of the layers up to the check, then at its share
-            full = min(1.0, (CHECK_LAYER + 1) / shape.layers)
+            full = min(1.0, (schedule.check_layer + 1) / shape.layers)
             partial = [c * (full + x * (1 - full)) for c, x in zip(compute, spread)]
             stored = store.load_estimates(self.segments)
             self.front = computed_front(stored, compute, partial)
-        # a segment of the front that is not stored is a miss, not computed by choice
-        self._chosen = [j < len(stored) and stored[j] is not None for j in range(self.front)]
+            self._chosen = [estimate is not None for estimate in stored[:self.front]]
         self.hits: list[SegmentHit] = []
         self.nbytes = 0
         self.estimate_s = 0.0  # the store's estimate of the loads done so far
@@ -281,11 +282,10 @@ class SegmentLoads:
 def estimated_load_s(store: Any, chunks: Sequence[Any]) -> float:
     """The seconds ``store`` (a :class:`~kvcodec.store.KVStore`) estimates loading ``chunks`` (a load's
     :class:`~kvcodec.store.load.ChunkOutcome` list; those loaded count) takes on the links and variants they came
-    from: each one's bytes over its tier's throughput estimate, plus its tokens at its variant's decode rate."""
-    telemetry, variants = store.telemetry, store.variants
-    return sum(c.nbytes / telemetry.link(c.tier).throughput.estimate
-               + (c.end - c.start) / telemetry.decode_rate(variants[c.variant]).estimate
-               for c in chunks if c.status == "loaded")
+    from: each one's read and decode by the load planner's estimates (as :meth:`KVStore.load_estimates`)."""
+    planner = LoadPlanner(store.telemetry, store.variants)
+    return sum(planner.fetch_s(o) + planner.decode_s(o, c.end - c.start)
+               for c in chunks if c.status == "loaded" for o in [Option(c.variant, c.nbytes, c.tier)])
 
 
 def computed_front(load_s: Sequence[float | None], compute_s: Sequence[float], partial_s: Sequence[float]) -> int:

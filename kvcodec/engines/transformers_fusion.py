@@ -220,7 +220,7 @@ def fuse(model: Any, store: SegmentStore, segments: Sequence[Sequence[int]], suf
     check_supported(model)
     t0 = time.perf_counter()
     loads = SegmentLoads(store, segments, shape, model_rotary(model), device=model.device, dtype=model.dtype,
-                         recompute_tps=recompute_tps, share=schedule.share).start()
+                         recompute_tps=recompute_tps, schedule=schedule).start()
     runner = _Runner(model, loads)
     done = recompute(runner, loads, schedule, model.config.num_hidden_layers, recompute_tps)
     context = loads.context()

@@ -202,12 +202,11 @@ class TelemetryFile:
                     loc = self.locations.get(name)
                     if loc is not None and len(loc) <= MAX_KEY_CHARS and m.at >= section.get(loc, m).at:
                         section[loc] = m
-            for key, m in estimates.decode.items():
-                if len(key) <= MAX_KEY_CHARS and m.at >= mine["decode"].get(key, m).at:
-                    mine["decode"][key] = m
-            m = estimates.prefill
-            if m is not None and m.at >= mine["prefill"].get(ENGINE, m).at:
-                mine["prefill"][ENGINE] = m
+            prefill = {} if estimates.prefill is None else {ENGINE: estimates.prefill}
+            for section, found in ((mine["decode"], estimates.decode), (mine["prefill"], prefill)):
+                for key, m in found.items():
+                    if len(key) <= MAX_KEY_CHARS and m.at >= section.get(key, m).at:
+                        section[key] = m
             text = json.dumps(_document(data, time.time()), separators=(",", ":")).encode()
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), mode=0o700, exist_ok=True)

@@ -146,7 +146,7 @@ def fuse_into_blocks(model: Any, store: SegmentStore, segments: Sequence[Sequenc
     # may not write into tensors made under it
     with torch.inference_mode(False), torch.no_grad():
         loads = SegmentLoads(store, segments, store.store.shape, model_rotary(model), dtype=sink.layers[0].dtype,
-                             recompute_tps=recompute_tps, share=schedule.share).start()
+                             recompute_tps=recompute_tps, schedule=schedule).start()
         done = recompute(_Runner(model, loads), loads, schedule, layers, recompute_tps)
         context = loads.context()
     end = min(end, context.num_tokens)

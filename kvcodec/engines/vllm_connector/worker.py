@@ -36,6 +36,7 @@ from kvcodec.engines.vllm_connector.setup import detect_layout, engine_logger
 from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
 from kvcodec.store import ChunkShape, KVStore, PagedSink, PrefixLoad
+from kvcodec.store.telemetry import RateEstimator
 
 log = engine_logger(__name__)
 
@@ -62,14 +63,18 @@ class WorkerSide:
                       "saved_segments": 0}
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.layer_names: list[str] = []
-        # (its prior is never planned with: a load has no recompute option until a step was timed, here or by a
-        # predecessor whose estimates the store restored)
-        self.prefill = store.telemetry.prefill
         self._step: tuple[float, int] | None = None  # start and tokens of a step without loads
         self._loads: list[tuple[LoadSpec, PrefixLoad]] = []
         self._save_parts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests whose load failed in this forward pass: not saved
+
+    @property
+    def prefill(self) -> RateEstimator:
+        """vLLM's prefill speed here (the store's :attr:`~kvcodec.store.telemetry.Telemetry.prefill`; its prior is
+        never planned with: a load has no recompute option until a step was timed, here or by a predecessor whose
+        estimates the store restored)."""
+        return self.store.telemetry.prefill
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Learn the layers and their paged layout; an unknown layout stops vLLM's start-up here (UnsupportedError)."""
