@@ -4,6 +4,7 @@ carrying only the attributes the connector reads, real paged tensors and a real 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from types import SimpleNamespace
 from typing import Callable
@@ -63,8 +64,10 @@ def _sched_out(rid: str, ids: list[int], blocks: list[int], computed: int = 0, s
                            num_scheduled_tokens={rid: len(ids) - computed if scheduled is None else scheduled})
 
 
-def _forward(worker: KVCodecConnector, meta: KVCodecConnectorMetadata, caches: dict[str, torch.Tensor]) -> set[int]:
-    """What vLLM's model runner does around one forward pass."""
+def _forward(worker: KVCodecConnector, meta: KVCodecConnectorMetadata, caches: dict[str, torch.Tensor],
+             sched: KVCodecConnector | None = None) -> set[int]:
+    """What vLLM's model runner does around one forward pass; then, as vLLM's next steps would, the step's saves
+    are waited for and reported to ``sched``."""
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(SimpleNamespace(attn_metadata=None, no_compile_layers={}))
     for name in NAMES:
@@ -74,7 +77,21 @@ def _forward(worker: KVCodecConnector, meta: KVCodecConnectorMetadata, caches: d
     errors = worker.get_block_ids_with_load_errors()
     assert worker.get_finished({"x"}) == (None, None)
     worker.clear_connector_metadata()
+    _saves_run(worker, sched, {s.req_id for s in meta.saves})
     return errors
+
+
+def _saves_run(worker: KVCodecConnector, sched: KVCodecConnector | None, req_ids: set[str]) -> None:
+    """Step on (vLLM's worker metadata to ``sched``) until the workers report the saves of ``req_ids`` run."""
+    deadline = time.monotonic() + 30
+    while req_ids:
+        ran = worker.build_connector_worker_meta()
+        if ran is not None:
+            req_ids -= set(ran.req_ids)
+            if sched is not None:
+                sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=ran))
+        assert time.monotonic() < deadline, f"saves of {req_ids} never ran"
+        time.sleep(0.002)
 
 
 def _pair(store: KVStore) -> tuple[KVCodecConnector, KVCodecConnector, dict[str, torch.Tensor]]:
@@ -98,7 +115,7 @@ def _prefill(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, block
         write_paged(caches[name], layer.keys, layer.values, slots)
     meta = sched.build_connector_meta(_sched_out(rid, ids, blocks))
     assert not meta.loads and [s.req_id for s in meta.saves] == [rid]
-    assert _forward(worker, meta, caches) == set()
+    assert _forward(worker, meta, caches, sched) == set()
     assert sched.request_finished(req, (blocks,)) == (False, None)
 
 
@@ -224,7 +241,7 @@ def _load(store: KVStore, ids: list[int], between: Callable[[], None] = lambda: 
     between()
     blocks = _table(len(ids2), seed=2)
     meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
-    return _forward(worker, meta, fresh), blocks, fresh, ext, worker
+    return _forward(worker, meta, fresh, sched), blocks, fresh, ext, worker
 
 
 def test_corrupt_chunk_reported_not_raised():
@@ -352,7 +369,7 @@ def test_a_failed_layer_write_stays_reported_whatever_the_later_layers_do(monkey
         sched.update_state_after_alloc(req, None, ext)
         blocks = _table(len(ids2), seed=2)
         meta = sched.build_connector_meta(_sched_out(req.request_id, ids2, blocks, computed=ext))
-        assert ext == 96 and _forward(worker, meta, fresh) == set(blocks[: 96 // BS])
+        assert ext == 96 and _forward(worker, meta, fresh, sched) == set(blocks[: 96 // BS])
     assert store.lookup(ids).num_tokens == 100  # nothing wrong with the stored chunks: nothing evicted
 
 
@@ -412,7 +429,7 @@ def test_cache_salt_keys_requests_apart():
     blocks = _table(100, seed=1)
     for name, layer in zip(NAMES, kv.layers):
         write_paged(caches[name], layer.keys, layer.values, slot_mapping(torch.tensor(blocks), 0, 100, BS))
-    _forward(worker, sched.build_connector_meta(_sched_out("s", ids, blocks)), caches)
+    _forward(worker, sched.build_connector_meta(_sched_out("s", ids, blocks)), caches, sched)
     for salt, hit in (("tenant-a", 96), ("tenant-b", 0), (None, 0)):
         other = SimpleNamespace(request_id=f"t-{salt}", prompt_token_ids=ids + [5], cache_salt=salt)
         assert sched.get_num_new_matched_tokens(other, 0) == (hit, False)
@@ -461,7 +478,7 @@ def test_the_worker_times_prefill_and_leaves_a_load_to_vllm_when_recomputing_is_
     sched.update_state_after_alloc(req, None, ext)
     blocks = _table(len(ids2), seed=2)
     meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
-    assert ext == 96 and _forward(worker, meta, _paged()) == set(blocks[: 96 // BS])
+    assert ext == 96 and _forward(worker, meta, _paged(), sched) == set(blocks[: 96 // BS])
     assert worker.stats["loaded_tokens"] == 0 and store.lookup(ids).num_tokens == 100  # nothing evicted
 
 
@@ -522,7 +539,7 @@ def _saved_by(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, *, s
         write_paged(caches[name], layer.keys, layer.values, slot_mapping(torch.tensor(blocks), 0, len(ids), BS))
     meta = sched.build_connector_meta(_sched_out(rid, ids, blocks))
     assert [s.req_id for s in meta.saves] == [rid]
-    _forward(worker, meta, caches)
+    _forward(worker, meta, caches, sched)
     sched.request_finished(req, (blocks,))
 
 
@@ -671,7 +688,7 @@ def test_a_load_that_fails_to_finish_is_reported_and_the_others_still_finish(mon
     meta = sched.build_connector_meta(SimpleNamespace(
         scheduled_new_reqs=new, scheduled_cached_reqs=None, num_scheduled_tokens={rid: 14 for rid in tables}))
     assert len(meta.loads) == 2
-    errors = _forward(worker, meta, fresh)
+    errors = _forward(worker, meta, fresh, sched)
     assert errors == set(tables["x"][: 96 // BS])
     assert worker.stats["loaded_tokens"] == 96 and len(calls) == 2
 
@@ -705,6 +722,128 @@ def test_a_save_logs_one_line_as_a_load_does(caplog):
     assert not [r for r in caplog.records if "saved" in r.getMessage()]
 
 
+# --- saves behind the step: a slow tier delays no token, and a prompt still finds what an earlier one saved -----
+
+class _GatedTier(MemoryTier):
+    """A memory tier whose writes wait for ``gate`` (a slow link), or fail once it is set with ``fail``."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.gate, self.fail = threading.Event(), False
+
+    def put(self, key: str, value: bytes) -> bool:
+        assert self.gate.wait(30), "the test never opened the gate"
+        if self.fail:
+            raise ConnectionError("simulated: the tier went away")
+        return super().put(key, value)
+
+
+def _step_with_save(sched, worker, caches, rid: str, ids: list[int], kv: KVCache) -> None:
+    """A miss whose prefill completes in this step; returns once vLLM's step would (``wait_for_save``)."""
+    req = SimpleNamespace(request_id=rid, prompt_token_ids=ids)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, None, 0)
+    blocks = _table(len(ids), seed=1)
+    for name, layer in zip(NAMES, kv.layers):
+        write_paged(caches[name], layer.keys, layer.values, slot_mapping(torch.tensor(blocks), 0, len(ids), BS))
+    worker.bind_connector_metadata(sched.build_connector_meta(_sched_out(rid, ids, blocks)))
+    worker.start_load_kv(None)
+    for name in NAMES:
+        worker.save_kv_layer(name, caches[name], None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    for name in NAMES:  # vLLM reuses the blocks at once: the save must hold its own copy
+        caches[name].zero_()
+    assert sched.request_finished(req, (blocks,)) == (False, None)  # and the request keeps no blocks for it
+
+
+def test_a_save_runs_behind_the_step_and_a_prompt_that_needs_it_waits_for_it():
+    """Issue 33 (a miss over 100 Mbit/s took 2.0-2.3x a plain prefill): the step returns while the tier is still
+    writing; a prompt that would load the chunks being saved waits (vLLM asks again) and then loads them, bit-exact
+    although vLLM's memory was reused meanwhile; a prompt that shares none of them does not wait."""
+    tier = _GatedTier()
+    store = KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids, kv = _ids(100), _kv(100)
+    _step_with_save(sched, worker, caches, "first", ids, kv)
+    assert store.lookup(ids).num_tokens == 0 and worker.worker.saves.pending_bytes > 0
+    again = SimpleNamespace(request_id="again", prompt_token_ids=ids + _ids(10, seed=9))
+    assert sched.get_num_new_matched_tokens(again, 0) == (None, False)  # not yet: the save would supply it
+    unrelated = SimpleNamespace(request_id="unrelated", prompt_token_ids=_ids(100, seed=5))
+    assert sched.get_num_new_matched_tokens(unrelated, 0) == (0, False)
+    tier.gate.set()
+    _saves_run(worker, sched, {"first"})
+    assert sched.get_num_new_matched_tokens(again, 0) == (96, False)
+    sched.update_state_after_alloc(again, None, 96)
+    blocks = _table(110, seed=4)
+    meta = sched.build_connector_meta(_sched_out("again", again.prompt_token_ids, blocks, computed=0, scheduled=14))
+    assert _forward(worker, meta, caches, sched) == set()
+    for name, layer in zip(NAMES, kv.layers):  # loaded into the memory zeroed after the save's step
+        k, v = read_paged(caches[name], slot_mapping(torch.tensor(blocks), 0, 96, BS))
+        assert torch.equal(k, layer.keys[:, :96]) and torch.equal(v, layer.values[:, :96])
+
+
+def test_a_failed_save_ends_the_wait_of_a_prompt_that_needed_it():
+    """The tier fails the write: once the worker reports the save run, the waiting prompt is a miss (computed)."""
+    tier = _GatedTier()
+    store = KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids = _ids(100)
+    _step_with_save(sched, worker, caches, "first", ids, _kv(100))
+    again = SimpleNamespace(request_id="again", prompt_token_ids=ids)
+    assert sched.get_num_new_matched_tokens(again, 0) == (None, False)
+    tier.fail = True
+    tier.gate.set()
+    _saves_run(worker, sched, {"first"})
+    assert sched.get_num_new_matched_tokens(again, 0) == (0, False)
+
+
+def test_a_save_counts_as_run_once_every_worker_reports_it():
+    """With tensor parallelism each worker saves its rank's KV: a prompt waits until the last one has."""
+    store = KVStore([MemoryTier(None)], model="m", codec="raw", chunk_tokens=CHUNK)
+    config = _config()
+    config.parallel_config = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)
+    sched = KVCodecConnector(config, KVConnectorRole.SCHEDULER, store=store)
+    ids = _ids(100)
+    req = SimpleNamespace(request_id="first", prompt_token_ids=ids)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, 0)
+    assert [s.req_id for s in sched.build_connector_meta(_sched_out("first", ids, _table(100, 1))).saves] == ["first"]
+    again = SimpleNamespace(request_id="again", prompt_token_ids=ids)
+    for reports, waits in ((0, True), (1, True), (1, False)):
+        if reports:
+            sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=vc.metadata.SavesRun({"first": 1})))
+        assert sched.get_num_new_matched_tokens(again, 0)[0] is None if waits else (0, False)
+
+
+def test_shutdown_writes_every_queued_save():
+    tier = _GatedTier()
+    store = KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids = _ids(100)
+    _step_with_save(sched, worker, caches, "first", ids, _kv(100))
+    threading.Timer(0.2, tier.gate.set).start()
+    worker.worker.close()  # what the connector's shutdown does before closing the store
+    assert store.lookup(ids).num_tokens == 100
+
+
+def test_the_saves_waiting_are_bounded_a_step_waits_for_room():
+    from kvcodec.engines.vllm_connector.saves import BackgroundSaves
+
+    gate, ran = threading.Event(), []
+    saves = BackgroundSaves(max_bytes=100)
+    saves.submit("a", 60, lambda: (gate.wait(30), ran.append("a")))
+    second = threading.Thread(target=saves.submit, args=("b", 60, lambda: ran.append("b")))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and saves.pending_bytes == 60  # 120 bytes would pass the bound: it waits
+    gate.set()
+    second.join(10)
+    assert saves.close(10) and ran == ["a", "b"] and saves.take_ran() == {"a", "b"}
+    with pytest.raises(RuntimeError, match="closed"):
+        saves.submit("c", 1, lambda: None)
+
+
 # --- segments (issue 34): stored by one request, fused into another's blocks --------------------------------------
 
 def _segment_request(rid: str, ids: list[int], **ours) -> SimpleNamespace:
@@ -721,7 +860,7 @@ def _store_segments(sched, worker, caches, docs: list[list[int]]) -> None:
             write_paged(caches[name], layer.keys, layer.values, slot_mapping(torch.tensor(blocks), 0, len(doc), BS))
         meta = sched.build_connector_meta(_sched_out(req.request_id, doc, blocks))
         assert [(s.req_id, s.segment) for s in meta.saves] == [(req.request_id, True)]
-        assert _forward(worker, meta, caches) == set()
+        assert _forward(worker, meta, caches, sched) == set()
         sched.request_finished(req, (blocks,))
 
 
@@ -759,10 +898,34 @@ def test_a_request_naming_stored_segments_claims_them_and_its_fused_kv_is_never_
     assert [(l.segments, l.share, l.end, len(l.token_ids)) for l in meta.loads] == [((30, 40), 0.3, 64, 70)]
     assert meta.saves == []
     with caplog.at_level("WARNING"):
-        errors = _forward(worker, meta, caches)
+        errors = _forward(worker, meta, caches, sched)
     assert errors == set(blocks[:64 // BS]) and "no model to recompute with" in caplog.text
     # the same prompt without segment parameters finds nothing: the fusion saved nothing under its keys
     assert _hit(sched, "plain", ids) == 0
+
+
+def test_a_prompt_naming_a_segment_still_being_saved_waits_for_it():
+    tier = _GatedTier()
+    store = KVStore([tier], model="m", codec=Raw(), chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    a, b = _ids(40, seed=3), _ids(30, seed=4)
+    tier.gate.set()
+    _store_segments(sched, worker, caches, [a])
+    tier.gate.clear()
+    req = _segment_request("doc-b", b, store_segment=True)  # b's save waits on the tier
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, 0)
+    worker.bind_connector_metadata(sched.build_connector_meta(_sched_out("doc-b", b, _table(30, seed=2))))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    ids = b + a + _ids(5, seed=5)
+    fused = _segment_request("fused", ids, segments=[30, 40])
+    assert sched.get_num_new_matched_tokens(fused, 0) == (None, False)
+    only_a = _segment_request("only-a", a + _ids(5, seed=5), segments=[40])
+    assert sched.get_num_new_matched_tokens(only_a, 0) == (40, False)  # a is stored: no wait
+    tier.gate.set()
+    _saves_run(worker, sched, {"doc-b"})
+    assert sched.get_num_new_matched_tokens(fused, 0) == (70, False)
 
 
 @pytest.mark.parametrize("request_kw, why", [

@@ -21,6 +21,7 @@ import torch
 import kvcodec
 from kvcodec.store.config import StoreConfig
 from kvcodec.store.identity import CacheIdentity, model_identity
+from kvcodec.tools.harness import wait_until
 from kvcodec.tools.harness.lmcache_server import KVClient, LMCacheServer
 
 L, H, D = 30, 3, 64
@@ -40,13 +41,6 @@ def _serde(codec: str, **more) -> dict:
     return {"type": "kvcodec", "codec": codec, "num_heads": H, **more}
 
 
-def _wait_until(what: str, cond, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.1)
-
-
 def _through_l2(server: LMCacheServer, kv: torch.Tensor, stored: callable, *, bench: bool,
                 store_s: float = 60) -> torch.Tensor:
     """LMCache's bench traffic (when ``bench``), then ``kv`` stored, L1 cleared once ``stored(n)`` says L2 holds
@@ -56,7 +50,7 @@ def _through_l2(server: LMCacheServer, kv: torch.Tensor, stored: callable, *, be
         assert report["total_requests"] == 2 and report["checksum_ok"] == 2 and report["checksum_fail"] == 0, report
     with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:
         client.store(SEQ, kv)
-        _wait_until("the L2 store", lambda: stored(6 if bench else 2), store_s)  # the bench's 2 x 2 chunks and these 2
+        wait_until("the L2 store", lambda: stored(6 if bench else 2), store_s)  # the bench's 2 x 2 chunks and these 2
         server.clear_l1()
         assert client.lookup(SEQ) == TOKENS  # prefetched from L2 into L1
         got, _ = client.retrieve(SEQ)
@@ -169,7 +163,7 @@ def test_copied_object_does_not_hit_under_another_key_fs(real_kv, tmp_path):
         server.real_kv = real_kv
 
         def swap() -> None:
-            _wait_until("the L2 store", lambda: len(_files(folder)) >= 2)
+            wait_until("the L2 store", lambda: len(_files(folder)) >= 2)
             _swap({str(p): p.read_bytes() for p in folder.glob("*.data")}, lambda p, v: Path(p).write_bytes(v))
 
         _swapped_objects_miss(server, swap)
@@ -188,7 +182,7 @@ def test_copied_object_does_not_hit_under_another_key_mooncake(real_kv, tmp_path
             server.real_kv = real_kv
 
             def swap() -> None:
-                _wait_until("the L2 store", lambda: len(writer.keys()) >= 2)
+                wait_until("the L2 store", lambda: len(writer.keys()) >= 2)
                 _swap({k: writer.get(k) for k in writer.keys()}, writer.put)
 
             _swapped_objects_miss(server, swap)
@@ -222,7 +216,7 @@ def test_store_completion_after_a_pop_is_not_lost():
         assert adapter.pop_completed_store_tasks() == {}  # LMCache polls while the store runs
         release.set()
         done: dict = {}
-        _wait_until("the store's completion", lambda: done.update(adapter.pop_completed_store_tasks()) or task in done,
+        wait_until("the store's completion", lambda: done.update(adapter.pop_completed_store_tasks()) or task in done,
                     timeout_s=10)
         assert done[task] == len(b"serialized")  # L2StoreResult: success, bytes stored
     finally:
@@ -271,11 +265,11 @@ def test_truncated_fs_object_is_evicted_not_reread_with_a_traceback_per_lookup(r
     with LMCacheServer(tmp_path, _fs_adapter(folder, _serde("raw"))) as server:
         with KVClient(server, layers=L, heads=H, head_dim=D, tokens=256) as client:  # the first chunk alone
             client.store(SEQ, real_kv[:, :, :256].contiguous())
-        _wait_until("the first chunk's L2 store", lambda: len(_files(folder)) >= 1)
+        wait_until("the first chunk's L2 store", lambda: len(_files(folder)) >= 1)
         (first,) = folder.glob("*.data")
         with KVClient(server, layers=L, heads=H, head_dim=D, tokens=TOKENS) as client:  # and the second after it
             client.store(SEQ, real_kv)
-        _wait_until("the second chunk's L2 store", lambda: len(_files(folder)) >= 2)
+        wait_until("the second chunk's L2 store", lambda: len(_files(folder)) >= 2)
         time.sleep(0.5)  # the last file was renamed into place; let its store task report
         (torn,) = set(folder.glob("*.data")) - {first}
         logged = len(server.log.read_bytes())
@@ -323,7 +317,7 @@ def test_torn_object_is_evicted_by_its_first_load_and_an_intact_one_loads(adapte
             dtypes=[torch.uint8]), parent_allocator=None)
         task = adapter.submit_load_task([key], [buffer])
         got: list = []
-        _wait_until("the load", lambda: got.append(adapter.query_load_result(task)) or got[-1] is not None, 10)
+        wait_until("the load", lambda: got.append(adapter.query_load_result(task)) or got[-1] is not None, 10)
         return got[-1].test(0), buffer
 
     try:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcodec.tools.harness import wait_until
 from kvcodec.tools.harness.mooncake import SegmentHolder
 from kvcodec.tools.harness.vllm_server import DTYPE, ENGINE_ENV, Engine, connector_config, connector_store
 from kvcodec.tools.redis_server import free_port, started_redis
@@ -92,9 +93,10 @@ def test_first_request_saves_then_same_prompt_and_prefix_load(raw_engine, refere
     assert first["num_cached_tokens"] == 0
     _same(first, reference["A"])
     store = _store(raw_extra, smollm2_hf)
-    assert store.lookup(prompts["A"]).num_tokens == PROMPT  # both whole chunks and the partial one were saved
+    # saved behind the reply, both whole chunks and the partial one, in both tiers
+    wait_until("A saved", lambda: len(store.tier("redis").keys()) == 3)
+    assert store.lookup(prompts["A"]).num_tokens == PROMPT
     assert store.lookup(prompts["A"]).where == ["disk", "disk", "disk"]
-    assert len(store.tier("redis").keys()) == 3
 
     again = raw_engine.generate(prompts["A"], MAX_TOKENS)
     assert again["num_cached_tokens"] == HIT  # loaded through the connector (vLLM's prefix cache is off)
@@ -110,6 +112,7 @@ def test_save_for_the_next_process(raw_engine, prompts, raw_extra, smollm2_hf):
     """C is saved too; then A is left only in Redis and C only on disk, for the new process to find."""
     assert raw_engine.generate(prompts["C"], MAX_TOKENS)["num_cached_tokens"] == 0
     store = _store(raw_extra, smollm2_hf)
+    wait_until("C saved", lambda: len(store.tier("redis").keys()) == 6)
     assert store.evict(prompts["A"], tiers=["disk"]) == 3
     assert store.evict(prompts["C"], tiers=["redis"]) == 3
     assert store.lookup(prompts["A"]).where == ["redis"] * 3 and store.lookup(prompts["C"]).where == ["disk"] * 3
@@ -136,6 +139,8 @@ def test_new_process_hits_from_redis_and_from_disk(new_process, reference, promp
 def test_damaged_chunk_is_a_load_error_and_recomputed(new_process, reference, prompts, raw_extra, smollm2_hf):
     assert new_process.generate(prompts["D"], MAX_TOKENS)["num_cached_tokens"] == 0  # saves D
     store = _store(raw_extra, smollm2_hf)
+    wait_until("D saved", lambda: store.lookup(prompts["D"]).where == ["disk", "disk", "disk"]
+               and all(tier.contains(key) for tier in store.tiers for key, _, _ in store.keys_for(prompts["D"])))
     key = store.keys_for(prompts["D"])[1][0]  # D's second chunk, tokens 256-511
     for tier in store.tiers:
         data = bytearray(tier.get(key))

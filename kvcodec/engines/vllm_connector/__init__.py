@@ -21,6 +21,8 @@ tier, where the scheduler's lookup finds it.  The parts:
 - :mod:`.scheduler`: lookups, and each step's loads and saves (:mod:`.metadata`);
 - :mod:`.worker`: the paged KV memory, loads into it through the store's one load path, saves out of it; nothing
   that goes wrong is raised into vLLM, its blocks are reported as load errors and recomputed;
+- :mod:`.saves`: the saves' own thread, so that a save delays no token (a prompt that needs a save under way
+  waits for it: :mod:`.scheduler`);
 - :mod:`.requests`: a request's salt (``cache_salt``, prompt embeddings, LoRA adapter, multimodal items) and what
   it asks of segments (``kv_transfer_params={"kvcodec": ...}``);
 - :mod:`.fusion`: a prompt's stored segments fused into its blocks, with selective recompute through vLLM's own

@@ -10,6 +10,7 @@ try:  # pragma: no cover - vLLM is not installed in the CPU test environment
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as ConnectorBase
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata as MetadataBase
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata as WorkerMetadataBase
     HAVE_VLLM = True
 except Exception:  # ImportError, or a vLLM that fails to import without a GPU
     HAVE_VLLM = False
@@ -22,6 +23,9 @@ except Exception:  # ImportError, or a vLLM that fails to import without a GPU
 
     class MetadataBase:  # type: ignore[no-redef]
         """Stand-in for vLLM's ``KVConnectorMetadata``."""
+
+    class WorkerMetadataBase:  # type: ignore[no-redef]
+        """Stand-in for vLLM's ``KVConnectorWorkerMetadata`` (what a worker tells the scheduler each step)."""
 
     class ConnectorBase:  # type: ignore[no-redef]
         """Stand-in for the parts of vLLM's ``KVConnectorBase_V1`` the connector uses."""

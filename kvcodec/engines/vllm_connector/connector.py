@@ -10,7 +10,7 @@ import torch
 
 from kvcodec.blend.segments import default_anchor
 from kvcodec.engines.vllm_connector.base import ConnectorBase, KVConnectorRole
-from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata
+from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, SavesRun
 from kvcodec.engines.vllm_connector.model import capture_model
 from kvcodec.engines.vllm_connector.scheduler import SchedulerSide
 from kvcodec.engines.vllm_connector.setup import connector_store, engine_logger, served_model, vllm_identity
@@ -38,7 +38,8 @@ class KVCodecConnector(ConnectorBase):
         block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16)
         anchor = default_anchor(hf_config)  # segments are computed after the model's BOS
         caching = bool(getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False))
-        self.scheduler = None if is_worker else SchedulerSide(self.store, block_size, anchor, prefix_caching=caching)
+        self.scheduler = None if is_worker else SchedulerSide(self.store, block_size, anchor, prefix_caching=caching,
+                                                              workers=_workers(vllm_config))
         self.worker = WorkerSide(self.store, vllm_config, block_size, anchor) if is_worker else None
         if is_worker:  # segment fusion recomputes with the model, which vLLM hands no connector
             capture_model()
@@ -64,7 +65,12 @@ class KVCodecConnector(ConnectorBase):
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler.finished(request)  # type: ignore[union-attr]
-        return False, None
+        return False, None  # its KV was copied out for its save during its step: the blocks can go
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        ran = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(ran, SavesRun):
+            self.scheduler.saves_run(ran)  # type: ignore[union-attr]
 
     # -- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -88,7 +94,10 @@ class KVCodecConnector(ConnectorBase):
         self.worker.end_step(self._metadata())  # type: ignore[union-attr]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves finish within the forward pass
+        return None, None  # loads finish within the forward pass; saves hold no blocks
+
+    def build_connector_worker_meta(self) -> SavesRun | None:
+        return self.worker.saves_run()  # type: ignore[union-attr]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()  # type: ignore[union-attr]
@@ -96,6 +105,12 @@ class KVCodecConnector(ConnectorBase):
     def shutdown(self) -> None:
         try:
             if self.worker is not None:
-                self.worker.finish_loads()
+                self.worker.close()
         finally:
             self.store.close()
+
+
+def _workers(vllm_config: Any) -> int:
+    """The worker processes that each save their rank's KV (tensor times pipeline parallel size)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(pc, "tensor_parallel_size", 1) or 1) * int(getattr(pc, "pipeline_parallel_size", 1) or 1)

@@ -1,10 +1,11 @@
-"""What the scheduler side tells the worker side each step: the loads and saves of that step's requests."""
+"""What the scheduler side tells the worker side each step (the loads and saves of that step's requests), and what
+the workers tell it back (the saves they have written)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcodec.engines.vllm_connector.base import MetadataBase
+from kvcodec.engines.vllm_connector.base import MetadataBase, WorkerMetadataBase
 
 
 @dataclass
@@ -44,3 +45,17 @@ class KVCodecConnectorMetadata(MetadataBase):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     step_tokens: int = 0
+
+
+@dataclass
+class SavesRun(WorkerMetadataBase):
+    """The requests whose saves the workers ran (written, or failed) since their last step, each with the number of
+    workers that report it (vLLM sums the workers' reports of one step with :meth:`aggregate`)."""
+
+    req_ids: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: SavesRun) -> SavesRun:
+        counts = dict(self.req_ids)
+        for rid, n in other.req_ids.items():
+            counts[rid] = counts.get(rid, 0) + n
+        return SavesRun(counts)

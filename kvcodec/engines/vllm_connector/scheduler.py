@@ -5,6 +5,12 @@ down to whole vLLM blocks, keeps at least one prompt token for vLLM to compute a
 ``after_alloc`` records the load; ``build_meta`` turns loads and, once a prompt's prefill completes, saves into the
 step's :class:`~.metadata.KVCodecConnectorMetadata` with the request's block table.
 
+Saves run behind the forward pass (:mod:`.saves`), so a prompt may be looked up while the save that would supply
+it is still under way: such a request waits (``lookup`` answers None, vLLM asks again at its next step) until the
+store holds what that save writes, or until every worker reports the save run (:class:`~.metadata.SavesRun`; a
+failed save then leaves it to compute).  Within one engine a prompt thus finds what an earlier one saved, as when
+saves ran in the step.
+
 A request that names its segments (:func:`~.requests.segment_request`) and has any of them stored claims the anchor
 and the segments instead (to the token), where that is more than its prefix hit: vLLM's scheduler takes a
 connector's hit as a count of leading tokens, so the worker fills those blocks with the fused context
@@ -18,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcodec.blend.segments import SegmentStore
-from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
+from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec, SavesRun
 from kvcodec.engines.vllm_connector.requests import SegmentRequest, request_key_salt, segment_request, segment_spans
 from kvcodec.engines.vllm_connector.setup import engine_logger
 from kvcodec.errors import InvalidInputError, UnsupportedError
@@ -42,8 +48,8 @@ class SchedulerSide:
     which would keep a fused prompt's blocks and hand them to later prompts as computed KV, so nothing is fused."""
 
     def __init__(self, store: KVStore, block_size: int, anchor: Sequence[int] = (), *,
-                 prefix_caching: bool = False) -> None:
-        self.store, self.block_size, self.prefix_caching = store, block_size, prefix_caching
+                 prefix_caching: bool = False, workers: int = 1) -> None:
+        self.store, self.block_size, self.prefix_caching, self.workers = store, block_size, prefix_caching, workers
         self.segments = SegmentStore(store, anchor) if store.save_partial else None
         self.stats = {"lookups": 0, "lookup_hit_tokens": 0, "fusions": 0}
         self._asks: dict[str, SegmentRequest | None] = {}  # req id -> what it asks of segments
@@ -53,6 +59,8 @@ class SchedulerSide:
         self._unsaved: dict[str, dict[str, Any]] = {}  # req id -> prompt ids, block ids, tokens done, salt
         self._keyed: dict[str, str | None] = {}  # req id -> its salt, for requests the store can key
         self._unkeyable_said: set[str] = set()
+        self._saving: dict[str, SaveSpec] = {}  # req id -> its save, queued on the workers and not reported run
+        self._reported: dict[str, int] = {}  # req id -> workers that reported its save run so far
 
     def _salt(self, request: Any) -> tuple[bool, str | None]:
         """Whether the store can key ``request``, and its salt (computed once per request)."""
@@ -70,20 +78,22 @@ class SchedulerSide:
         self._keyed[rid] = salt
         return True, salt
 
-    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Prompt tokens beyond ``num_computed_tokens`` the store can supply (whole blocks), and False (sync load)."""
+    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Prompt tokens beyond ``num_computed_tokens`` the store can supply (whole blocks), and False (sync load);
+        None while a save under way would supply more of them."""
         keyable, salt = self._salt(request)
         ids = list(getattr(request, "prompt_token_ids", None) or [])
         if not keyable or len(ids) < 2:
             return 0, False
         try:
-            # the whole prompt's chunks (a stored last chunk counts), less one token that vLLM must compute
-            hit = min(self.store.lookup(ids, salt=salt).num_tokens, len(ids) - 1)
+            found = self.store.lookup(ids, salt=salt).num_tokens  # the whole prompt's chunks (a last one counts)
         except Exception:
             log.warning("store lookup failed; treating it as a miss", exc_info=True)
-            hit = 0
-        hit = hit // self.block_size * self.block_size
+            found = 0
         ask = self._ask(request, salt, ids)
+        if self._saving and self._awaits_save(ids, salt, found, ask):
+            return None, False
+        hit = min(found, len(ids) - 1) // self.block_size * self.block_size  # vLLM computes one token at least
         self._fusing.discard(request.request_id)
         if ask is not None and ask.segments and not num_computed_tokens:
             fused = self._fusion_hit(request, ids, ask)
@@ -95,6 +105,38 @@ class SchedulerSide:
         ext = max(0, hit - int(num_computed_tokens))
         self._matched[request.request_id] = (int(num_computed_tokens), ext)
         return ext, False
+
+    def _awaits_save(self, ids: list[int], salt: str | None, found: int, ask: SegmentRequest | None) -> bool:
+        """Whether a save under way would give this prompt (``found`` tokens of it stored now) more than it has:
+        more of its prefix chunks, or one of the segments it names."""
+        segments = ([ids[a:b] for a, b in segment_spans(len(self.segments.anchor), ask.segments)]
+                    if ask is not None and ask.segments and self.segments is not None else [])
+        for spec in self._saving.values():
+            if spec.segment:
+                saved = spec.token_ids[len(self.segments.anchor):] if self.segments is not None else []
+                if saved in segments and self._segment_short(saved):
+                    return True
+            elif spec.salt == salt and self._chunks_in_common(ids, spec.token_ids) > found:
+                return True
+        return False
+
+    def _segment_short(self, tokens: list[int]) -> bool:
+        try:
+            return self.segments.stored_tokens(tokens) < len(tokens)  # type: ignore[union-attr]
+        except Exception:
+            return False  # the lookup's own failure is a miss, as in lookup
+
+    def _chunks_in_common(self, ids: list[int], saved: list[int]) -> int:
+        """The tokens of ``ids`` that the chunks of a save of ``saved`` cover: whole chunks in common, and the
+        last, partial one where ``ids`` is ``saved`` (a chunk's key covers its tokens, and no others)."""
+        if ids == saved:
+            return len(ids)
+        common = 0
+        for a, b in zip(ids, saved):
+            if a != b:
+                break
+            common += 1
+        return common // self.store.chunk_tokens * self.store.chunk_tokens
 
     def _ask(self, request: Any, salt: str | None, ids: list[int]) -> SegmentRequest | None:
         """What ``request`` asks of segments, where it can be done (warned once per request where not)."""
@@ -170,7 +212,9 @@ class SchedulerSide:
                 if not self.store.save_partial:
                     ids = ids[: len(ids) // self.store.chunk_tokens * self.store.chunk_tokens]
                 if ids:
-                    meta.saves.append(SaveSpec(rid, ids, st["blocks"], st["salt"], st["segment"]))
+                    spec = SaveSpec(rid, ids, st["blocks"], st["salt"], st["segment"])
+                    meta.saves.append(spec)
+                    self._saving[rid] = spec
                 del self._unsaved[rid]
         return meta
 
@@ -215,8 +259,18 @@ class SchedulerSide:
                 st["done"] = int(computed[i]) + int(scheduled.get(rid, 0))
 
     def finished(self, request: Any) -> None:
-        """Forget ``request`` (saves finish within the forward pass, so its blocks can be freed now)."""
+        """Forget ``request`` (but its save, if under way, until the workers report it)."""
         rid = request.request_id
         for state in (self._unsaved, self._need_load, self._matched, self._keyed, self._asks):
             state.pop(rid, None)
         self._fusing.discard(rid)
+
+    def saves_run(self, ran: SavesRun) -> None:
+        """The workers report these requests' saves run; a save counts as run once every worker has."""
+        for rid, n in ran.req_ids.items():
+            seen = self._reported.get(rid, 0) + n
+            if seen >= self.workers:
+                self._saving.pop(rid, None)
+                self._reported.pop(rid, None)
+            else:
+                self._reported[rid] = seen

@@ -5,8 +5,9 @@ while chunk ``i`` decodes layer by layer straight into vLLM's blocks through the
 ``wait_layer(l)`` returns once layer ``l`` of every load is in.  Whatever stops a load (a chunk missing, damaged,
 of another shape, not decodable, or left to vLLM because recomputing is sooner) is never raised into vLLM: the
 blocks from its first unloaded token on are reported by :meth:`WorkerSide.load_errors` and vLLM recomputes them.
-Saves gather each layer's prompt tokens out of the paged memory and ``put`` them once the forward pass ends.
-Loads and saves finish within the forward pass.
+Saves gather each layer's prompt tokens out of the paged memory during the forward pass; the store's ``put``
+runs behind it (:mod:`.saves`), and :meth:`WorkerSide.saves_run` tells the scheduler side which saves have run
+(vLLM's worker metadata).  Loads finish within the forward pass.
 
 A load of segments is a fusion (:mod:`.fusion`): it runs in ``start_loads``, before vLLM's forward pass, with the
 model :mod:`.model` recorded, and writes the fused context into the request's blocks; what stops it is a load error
@@ -29,9 +30,10 @@ from kvcodec.blend.segments import SegmentStore
 from kvcodec.cache import KVCache
 from kvcodec.engines.store_setup import time_decodes
 from kvcodec.engines.vllm_connector.fusion import fuse_into_blocks
-from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec
+from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec, SavesRun
 from kvcodec.engines.vllm_connector.model import worker_model
 from kvcodec.engines.vllm_connector.requests import segment_spans
+from kvcodec.engines.vllm_connector.saves import BackgroundSaves
 from kvcodec.engines.vllm_connector.setup import detect_layout, engine_logger
 from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
@@ -68,6 +70,7 @@ class WorkerSide:
         self._save_parts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests whose load failed in this forward pass: not saved
+        self.saves = BackgroundSaves()
 
     @property
     def prefill(self) -> RateEstimator:
@@ -217,8 +220,9 @@ class WorkerSide:
                 log.warning("gathering layer %s of request %s failed; not saved", layer_name, spec.req_id, exc_info=True)
 
     def end_step(self, meta: KVCodecConnectorMetadata | None) -> None:
-        """The forward pass ends: every load is in place, the step's prefill speed is recorded, and every prompt
-        whose load did not fail is saved (only chunks not stored yet are encoded)."""
+        """The forward pass ends: every load is in place and the step's prefill speed is recorded; every prompt
+        whose load did not fail has its KV copied out of vLLM's memory and its save queued behind the step (only
+        chunks not stored yet are encoded)."""
         self.finish_loads()
         if self._step is not None:
             t0, tokens = self._step
@@ -228,23 +232,44 @@ class WorkerSide:
         failed, self._failed_reqs = self._failed_reqs, set()
         for spec in meta.saves if meta is not None else ():
             if spec.req_id in failed:  # part of its KV is missing; vLLM recomputes it, it is saved another time
+                self.saves.mark_ran(spec.req_id)
                 continue
             got = parts.get(spec.req_id, {})
             try:
                 # a layer whose save_kv_layer was not called is read now
                 layers = [got[name] if name in got else self._gather(spec, self.kv_caches[name])
                           for name in self.layer_names]
-                if spec.segment:
-                    self._save_segment(spec, layers)
-                    continue
-                kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
-                t0, bytes_before = time.perf_counter(), self.store.stats["put_bytes"]
-                saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt)
-                self.stats["saved_chunks"] += saved
-                # one line per prompt that saved something, as a load logs one; a prompt loaded whole saves
-                # nothing new, and its load's line says all (issue 35: at most one line per load)
-                log.log(logging.INFO if saved else logging.DEBUG, "kvcodec connector: request %s: saved %d new chunk(s) of tokens 0-%d in %.3f s, %d bytes, "
-                         "variants %s", spec.req_id, saved, len(spec.token_ids), time.perf_counter() - t0,
-                         self.store.stats["put_bytes"] - bytes_before, [c.codec_id for c in self.store.variants])
             except Exception:
                 log.warning("saving request %s failed", spec.req_id, exc_info=True)
+                self.saves.mark_ran(spec.req_id)
+                continue
+            nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+            self.saves.submit(spec.req_id, nbytes, lambda spec=spec, layers=layers: self._save(spec, layers))
+
+    def _save(self, spec: SaveSpec, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put ``spec``'s prompt (its KV ``layers``) into the store: on the saves' thread."""
+        if spec.segment:
+            self._save_segment(spec, layers)
+            return
+        kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
+        t0, bytes_before = time.perf_counter(), self.store.stats["put_bytes"]
+        saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt)
+        self.stats["saved_chunks"] += saved
+        # one line per prompt that saved something, as a load logs one; a prompt loaded whole saves nothing new,
+        # and its load's line says all (issue 35: at most one line per load)
+        log.log(logging.INFO if saved else logging.DEBUG, "kvcodec connector: request %s: saved %d new chunk(s) of "
+                "tokens 0-%d in %.3f s, %d bytes, variants %s", spec.req_id, saved, len(spec.token_ids),
+                time.perf_counter() - t0, self.store.stats["put_bytes"] - bytes_before,
+                [c.codec_id for c in self.store.variants])
+
+    def saves_run(self) -> SavesRun | None:
+        """The saves run since the last step's report (for the scheduler side), or None."""
+        ran = self.saves.take_ran()
+        return SavesRun(dict.fromkeys(ran, 1)) if ran else None
+
+    def close(self) -> None:
+        """Finish the step's loads and write every save queued."""
+        try:
+            self.finish_loads()
+        finally:
+            self.saves.close()
