@@ -75,6 +75,11 @@ def _same(got: dict, want: dict) -> None:
     assert got["logprobs"] == want["logprobs"]  # bit-exact KV gives bit-exact logits
 
 
+def _saved(store, ids: list[int]) -> bool:
+    """Every chunk of ``ids`` is in every tier (the connector saves behind its replies: tests wait for this)."""
+    return all(tier.contains(key) for tier in store.tiers for key, _, _ in store.keys_for(ids))
+
+
 def _store(extra: dict, model: Path):
     """A store with the connector's settings, seen from the test (same keys, same tiers)."""
     return connector_store(extra, model)
@@ -94,9 +99,10 @@ def test_first_request_saves_then_same_prompt_and_prefix_load(raw_engine, refere
     _same(first, reference["A"])
     store = _store(raw_extra, smollm2_hf)
     # saved behind the reply, both whole chunks and the partial one, in both tiers
-    wait_until("A saved", lambda: len(store.tier("redis").keys()) == 3)
+    wait_until("A saved", lambda: _saved(store, prompts["A"]))
     assert store.lookup(prompts["A"]).num_tokens == PROMPT
     assert store.lookup(prompts["A"]).where == ["disk", "disk", "disk"]
+    assert len(store.tier("redis").keys()) == 3
 
     again = raw_engine.generate(prompts["A"], MAX_TOKENS)
     assert again["num_cached_tokens"] == HIT  # loaded through the connector (vLLM's prefix cache is off)
@@ -112,7 +118,7 @@ def test_save_for_the_next_process(raw_engine, prompts, raw_extra, smollm2_hf):
     """C is saved too; then A is left only in Redis and C only on disk, for the new process to find."""
     assert raw_engine.generate(prompts["C"], MAX_TOKENS)["num_cached_tokens"] == 0
     store = _store(raw_extra, smollm2_hf)
-    wait_until("C saved", lambda: len(store.tier("redis").keys()) == 6)
+    wait_until("C saved", lambda: _saved(store, prompts["C"]))
     assert store.evict(prompts["A"], tiers=["disk"]) == 3
     assert store.evict(prompts["C"], tiers=["redis"]) == 3
     assert store.lookup(prompts["A"]).where == ["redis"] * 3 and store.lookup(prompts["C"]).where == ["disk"] * 3
@@ -139,8 +145,7 @@ def test_new_process_hits_from_redis_and_from_disk(new_process, reference, promp
 def test_damaged_chunk_is_a_load_error_and_recomputed(new_process, reference, prompts, raw_extra, smollm2_hf):
     assert new_process.generate(prompts["D"], MAX_TOKENS)["num_cached_tokens"] == 0  # saves D
     store = _store(raw_extra, smollm2_hf)
-    wait_until("D saved", lambda: store.lookup(prompts["D"]).where == ["disk", "disk", "disk"]
-               and all(tier.contains(key) for tier in store.tiers for key, _, _ in store.keys_for(prompts["D"])))
+    wait_until("D saved", lambda: _saved(store, prompts["D"]))
     key = store.keys_for(prompts["D"])[1][0]  # D's second chunk, tokens 256-511
     for tier in store.tiers:
         data = bytearray(tier.get(key))

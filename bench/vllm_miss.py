@@ -1,0 +1,126 @@
+"""A miss's time to first token inside vLLM (its CPU build) when the connector saves the prompt into Redis behind a
+real shaped link, against vLLM without the connector: does the save delay the reply, or the next request?
+
+Runs as root in ``.venv-engines`` (``bash scripts/setup_engines.sh``)::
+
+    .venv-engines/bin/python bench/vllm_miss.py [--links 100,1000,unshaped] [--codec raw] [--rounds 3] [--tokens 2048]
+
+Per link (Redis in a network namespace behind tbf on a veth pair, ``kvcodec/tools/netlab.py``): a fresh engine
+without the connector and a fresh one with it (``--codec``, Redis its only tier) each answer a first request, a miss;
+then ``--rounds`` interleaved rounds, in each of which every engine answers two misses sent one right after the
+other ("miss", then "next", which runs while the first one's save is under way). Each request is the first
+``--tokens`` tokens of ``license:GPL-3`` and one generated token under a ``cache_salt`` of its own, so each misses
+and is saved. The bench waits for every save (the connector's log line) before the next round and reports its
+seconds, from that line. Ratios are the connector engine's time over the plain engine's: the fastest of the rounds
+and the median of the rounds' own ratios. Writes ``bench/results/vllm_miss.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+from prompts import vllm_prompt  # bench/ is on sys.path when this runs as a script
+
+from kvcodec.tools.harness import wait_until
+from kvcodec.tools.harness.vllm_server import DTYPE, Engine, connector_config
+from kvcodec.tools.netlab import ShapedLink, unavailable
+from kvcodec.tools.redis_server import started_redis
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench" / "results" / "vllm_miss"
+UNSHAPED = 100_000  # tbf at 100 Gbit/s never holds a packet back: the veth and Redis set the pace
+SAVED = re.compile(r"saved (\d+) new chunk\(s\) of tokens 0-(\d+) in ([\d.]+) s, (\d+) bytes")
+
+
+def rate(link: str) -> float:
+    return UNSHAPED if link == "unshaped" else float(link)
+
+
+def saves(engine: Engine) -> list[tuple[float, int]]:
+    """Each save the connector logged so far: its seconds and bytes."""
+    return [(float(m.group(3)), int(m.group(4))) for line in engine.grep("kvcodec connector: request")
+            if (m := SAVED.search(line))]
+
+
+def pair(engine: Engine, prompt: list[int], salt: str) -> tuple[float, float]:
+    """Two misses sent one right after the other: the seconds of each."""
+    first = engine.generate(prompt, 1, cache_salt=salt)
+    second = engine.generate(prompt, 1, cache_salt=salt + "-next")
+    assert first["num_cached_tokens"] == 0 == second["num_cached_tokens"], (first, second)
+    return first["seconds"], second["seconds"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--links", default="100,1000,unshaped", help="Mbit/s rates (or 'unshaped'), comma-separated")
+    p.add_argument("--codec", default="raw", help="the connector's codec (a spec, or variants comma-separated)")
+    p.add_argument("--rounds", type=int, default=3, help="warm rounds per link (default 3)")
+    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
+    args = p.parse_args()
+    why = unavailable()
+    if why:
+        raise SystemExit(f"vllm_miss: {why}")
+    model, prompt, _ = vllm_prompt(args.tokens)
+    codec = args.codec.split(",") if "," in args.codec else args.codec
+    rows = []
+    with ShapedLink(UNSHAPED) as link, tempfile.TemporaryDirectory(prefix="kvcodec-vllm-miss-") as folder:
+        server = started_redis(Path(folder), link)
+        try:
+            extra = {"codec": codec, "tiers": [f"{server.url}?timeout=120"]}
+            for name in args.links.split(","):
+                redis.Redis.from_url(server.url).flushall()  # every request below misses anyway
+                link.set_rate(rate(name))
+                rows.append(measure(name, model, prompt, extra, args.rounds))
+                print(f"vllm_miss: {rows[-1]}", flush=True)
+                write(rows, args)
+        finally:
+            server.stop()
+
+
+def measure(link: str, model: Path, prompt: list[int], extra: dict, rounds: int) -> dict:
+    with Engine(model) as plain, Engine(model, connector_config(**extra)) as ours:
+        first = {"plain": plain.generate(prompt, 1, cache_salt=f"{link}-first")["seconds"],
+                 "ours": ours.generate(prompt, 1, cache_salt=f"{link}-first")["seconds"]}
+        wait_until("the first save", lambda: len(saves(ours)) == 1, 600)
+        runs: dict[str, list[tuple[float, float]]] = {"plain": [], "ours": []}
+        for r in range(rounds):
+            runs["plain"].append(pair(plain, prompt, f"{link}-{r}"))
+            runs["ours"].append(pair(ours, prompt, f"{link}-{r}"))
+            wait_until("the round's saves", lambda: len(saves(ours)) == 3 + 2 * r, 600)
+        logged = saves(ours)
+    ratio = {k: [o[i] / p[i] for o, p in zip(runs["ours"], runs["plain"])] for i, k in enumerate(("miss", "next"))}
+    return {"link": link, "first_plain_s": first["plain"], "first_ours_s": first["ours"], "runs": runs,
+            "miss_fastest": min(o for o, _ in runs["ours"]) / min(p for p, _ in runs["plain"]),
+            "next_fastest": min(o for _, o in runs["ours"]) / min(p for _, p in runs["plain"]),
+            "miss_median": statistics.median(ratio["miss"]), "next_median": statistics.median(ratio["next"]),
+            "save_s": statistics.median(s for s, _ in logged), "save_mb": statistics.median(b for _, b in logged) / 1e6}
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.with_suffix(".json").write_text(json.dumps({"args": vars(args), "dtype": DTYPE, "rows": rows}, indent=1))
+    lines = [f"# A miss inside vLLM while the connector saves it behind a shaped link ({args.codec})", "",
+             f"`python bench/vllm_miss.py --links {args.links} --codec {args.codec} --rounds {args.rounds} --tokens "
+             f"{args.tokens}`, {time.strftime('%Y-%m-%d')}: SmolLM2 {DTYPE}, vLLM CPU, Redis behind tbf. The "
+             "connector engine's time over vLLM's without the connector: a fresh engine's first request, then the "
+             "fastest of the rounds (the median of the rounds' own ratios in brackets). \"next\": a second miss sent "
+             "right after the first, while its save runs. The save's own seconds are from the connector's log.", "",
+             "| link (Mbit/s) | fresh engine's first | miss | next | plain prefill (s, fastest) | save (s) | "
+             "save (MB) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['link']} | {r['first_ours_s'] / r['first_plain_s']:.2f} ({r['first_ours_s']:.2f} s "
+                     f"against {r['first_plain_s']:.2f} s) | {r['miss_fastest']:.2f} ({r['miss_median']:.2f}) | "
+                     f"{r['next_fastest']:.2f} ({r['next_median']:.2f}) | "
+                     f"{min(p for p, _ in r['runs']['plain']):.2f} | {r['save_s']:.2f} | {r['save_mb']:.1f} |")
+    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
