@@ -8,7 +8,8 @@ One engine without the connector, then one per codec (``raw``, ``cachegen``, ``k
 and a real redis-server on a loopback port.  A request is the prompt (the first ``--tokens`` tokens of
 ``license:GPL-3``) and one generated token, so its wall time is the time to first token.  Per codec: the first
 request misses and is computed ("miss"; its save runs behind the reply, and the bench waits for it); then the
-prompt's chunks are left in one tier only (the bench deletes them from the other) and the request is repeated: "disk" and "redis", alternating, ``--reps`` times each.
+prompt's chunks are left in one tier only (the bench deletes them from the other) and the request is repeated:
+"disk" and "redis", alternating, ``--reps`` times each.
 The connector loads all whole 128-token vLLM blocks of the stored prompt but the last token's block, which vLLM
 computes.  Bytes moved = the container bytes of the chunks a hit fetches.  The machine is shared and noisy, so
 ratios are taken within one run, recompute measured in the engine without the connector between the codec engines.
@@ -107,7 +108,7 @@ def write(rows: list[dict], recompute: float, recompute_runs: list[float], args:
         f"Recompute (vLLM without the connector): **{recompute:.2f} s** (runs: "
         + ", ".join(f"{t:.2f}" for t in recompute_runs) + ")",
         "",
-        "| codec | miss (s; its save runs behind) | from disk (s) | from Redis (s) | disk vs recompute | Redis vs recompute "
+        "| codec | miss (s; saved behind) | from disk (s) | from Redis (s) | disk vs recompute | Redis vs recompute "
         "| tokens loaded | bytes moved per request | x smaller than the KV |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -83,8 +83,8 @@ def write(rows: list[dict], recompute_runs: list[float], args: argparse.Namespac
              "bench/vllm_ttft_mooncake.py`.", "",
              f"Recompute (vLLM without the connector): **{recompute:.2f} s** (runs: "
              + ", ".join(f"{t:.2f}" for t in recompute_runs) + ")", "",
-             "| codec | miss (s; its save runs behind) | from Mooncake (s) | vs recompute | tokens loaded | bytes moved per request "
-             "| x smaller than the KV |",
+             "| codec | miss (s; saved behind) | from Mooncake (s) | vs recompute | tokens loaded "
+             "| bytes moved per request | x smaller than the KV |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['codec']} | {r['miss_save_s']:.2f} | {r['hit_s']:.2f} | {recompute / r['hit_s']:.1f}x "

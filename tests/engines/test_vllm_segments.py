@@ -17,6 +17,7 @@ import math
 
 import pytest
 
+from kvcodec.tools.harness import wait_until
 from kvcodec.tools.harness.vllm_server import Engine, connector_config
 
 BLOCK = 128  # vLLM CPU's block size: a fusion's hit is whole blocks where prompt log-probabilities are asked for
@@ -83,8 +84,9 @@ def _fused(engine: Engine, reference: dict, parts: dict, **ours) -> tuple[float,
 
 
 def test_documents_are_stored_as_segments(engine, parts):
-    stored = engine.grep("as a segment")
-    assert len(stored) == len(parts["stored"]), engine.tail()
+    # each logged by the connector's saves, which run behind the replies
+    wait_until("the segments saved", lambda: len(engine.grep("as a segment")) >= len(parts["stored"]))
+    assert len(engine.grep("as a segment")) == len(parts["stored"]), engine.tail()
 
 
 def test_recomputing_every_token_gives_the_full_prefill(engine, reference, parts):

@@ -35,9 +35,8 @@ FUSED = re.compile(r"segments (\d+) hit, (\d+) missed, (?:(\d+) computed while t
 
 def _fused(engine: Engine) -> tuple[int, int, float, set[str], str]:
     """Hits, segments computed by choice, MB loaded and the variants loaded of the last fusion, and its log line."""
-    line = engine.grep("kvcodec connector: request")[-1]
+    line = next(l for l in reversed(engine.grep("kvcodec connector: request")) if FUSED.search(l))  # saves log too
     hit = FUSED.search(line)
-    assert hit, line
     variants = {v.split(" x")[0] for v in (hit.group(5) or "").split(", ") if v}
     return int(hit.group(1)), int(hit.group(3) or 0), float(hit.group(4)), variants, line
 
