@@ -21,6 +21,7 @@ import re
 
 import pytest
 
+from kvcodec.tools.harness import wait_until
 from kvcodec.tools.harness.vllm_server import Engine, connector_config
 from kvcodec.tools.netlab import ShapedLink, unavailable
 from kvcodec.tools.redis_server import started_redis
@@ -58,6 +59,9 @@ def test_the_variant_a_segment_loads_in_follows_the_link(smollm2_hf, tokenizer, 
                     engine.generate([bos] + seg, 1, kv_transfer_params={"kvcodec": {"store_segment": True}})
                 engine.generate(texts["GPL-3"][:600], 1)  # the worker times a prefill: its recompute speed
                 reference = engine.generate(prompt, 8, cache_salt="reference")  # a miss: computed
+                # both misses are saved behind their replies; a load beside a save shares the link with it (and took
+                # cachegen for a document once), so the loads below start once the saves are done
+                wait_until("the misses saved", lambda: len(engine.grep("new chunk(s) of tokens")) >= 2)
 
                 engine.generate(prompt, 1, kv_transfer_params={"kvcodec": {"segments": segments}})
                 hits, computed, mb, variants, line = _fused(engine)
