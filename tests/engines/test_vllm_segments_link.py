@@ -65,8 +65,9 @@ def test_the_variant_a_segment_loads_in_follows_the_link(smollm2_hf, tokenizer, 
 
                 engine.generate(prompt, 1, kv_transfer_params={"kvcodec": {"segments": segments}})
                 hits, computed, mb, variants, line = _fused(engine)
-                # (the 16-token system text may be computed rather than loaded)
-                assert hits >= 3 and hits + computed == 4 and mb > 15 and "raw" in variants, line
+                # (the 16-token system text may be computed rather than loaded; the engine's first load may take one
+                # document as cachegen, measuring the link with it: at least two of the three 6.4 MB documents raw)
+                assert hits >= 3 and hits + computed == 4 and mb > 12 and "raw" in variants, line
 
                 link.set_rate(SLOW)
                 engine.generate(prompt, 1, kv_transfer_params={"kvcodec": {"segments": segments}}, timeout_s=300)
