@@ -12,7 +12,7 @@ other ("miss", then "next", which runs while the first one's save is under way).
 ``--tokens`` tokens of ``license:GPL-3`` and one generated token under a ``cache_salt`` of its own, so each misses
 and is saved. The bench waits for every save (the connector's log line) before the next round and reports its
 seconds, from that line. Ratios are the connector engine's time over the plain engine's: the fastest of the rounds
-and the median of the rounds' own ratios. Writes ``bench/results/vllm_miss.md`` and ``.json``.
+and the median of the rounds' own ratios. Writes ``bench/results/vllm_miss.md`` (``--out``) and a ``.json`` beside.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--codec", default="raw", help="the connector's codec (a spec, or variants comma-separated)")
     p.add_argument("--rounds", type=int, default=3, help="warm rounds per link (default 3)")
     p.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
+    p.add_argument("--out", type=Path, default=OUT.with_suffix(".md"), help="the table (and a .json beside it)")
     args = p.parse_args()
     why = unavailable()
     if why:
@@ -104,11 +105,13 @@ def measure(link: str, model: Path, prompt: list[int], extra: dict, rounds: int)
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps({"args": vars(args), "dtype": DTYPE, "rows": rows}, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    saved = {"args": {**vars(args), "out": str(args.out)}, "dtype": DTYPE, "rows": rows}
+    args.out.with_suffix(".json").write_text(json.dumps(saved, indent=1))
+    out = "" if args.out == OUT.with_suffix(".md") else f" --out {args.out}"
     lines = [f"# A miss inside vLLM while the connector saves it behind a shaped link ({args.codec})", "",
              f"`python bench/vllm_miss.py --links {args.links} --codec {args.codec} --rounds {args.rounds} --tokens "
-             f"{args.tokens}`, {time.strftime('%Y-%m-%d')}: SmolLM2 {DTYPE}, vLLM CPU, Redis behind tbf. The "
+             f"{args.tokens}{out}`, {time.strftime('%Y-%m-%d')}: SmolLM2 {DTYPE}, vLLM CPU, Redis behind tbf. The "
              "connector engine's time over vLLM's without the connector: a fresh engine's first request, then the "
              "fastest of the rounds (the median of the rounds' own ratios in brackets). \"next\": a second miss sent "
              "right after the first, while its save runs. The save's own seconds are from the connector's log.", "",
@@ -119,7 +122,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
                      f"against {r['first_plain_s']:.2f} s) | {r['miss_fastest']:.2f} ({r['miss_median']:.2f}) | "
                      f"{r['next_fastest']:.2f} ({r['next_median']:.2f}) | "
                      f"{min(p for p, _ in r['runs']['plain']):.2f} | {r['save_s']:.2f} | {r['save_mb']:.1f} |")
-    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
