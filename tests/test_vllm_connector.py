@@ -738,6 +738,16 @@ class _GatedTier(MemoryTier):
         return super().put(key, value)
 
 
+def _saving(ids: list[int], kv: KVCache) -> tuple[_GatedTier, KVStore, KVCodecConnector, KVCodecConnector,
+                                                   dict[str, torch.Tensor]]:
+    """A pair over a gated tier whose request "first" (``ids``) has had its step: its save waits on the gate."""
+    tier = _GatedTier()
+    store = KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    _step_with_save(sched, worker, caches, "first", ids, kv)
+    return tier, store, sched, worker, caches
+
+
 def _step_with_save(sched, worker, caches, rid: str, ids: list[int], kv: KVCache) -> None:
     """A miss whose prefill completes in this step; returns once vLLM's step would (``wait_for_save``)."""
     req = SimpleNamespace(request_id=rid, prompt_token_ids=ids)
@@ -761,11 +771,8 @@ def test_a_save_runs_behind_the_step_and_a_prompt_that_needs_it_waits_for_it():
     """Issue 33 (a miss over 100 Mbit/s took 2.0-2.3x a plain prefill): the step returns while the tier is still
     writing; a prompt that would load the chunks being saved waits (vLLM asks again) and then loads them, bit-exact
     although vLLM's memory was reused meanwhile; a prompt that shares none of them does not wait."""
-    tier = _GatedTier()
-    store = KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK)
-    sched, worker, caches = _pair(store)
     ids, kv = _ids(100), _kv(100)
-    _step_with_save(sched, worker, caches, "first", ids, kv)
+    tier, store, sched, worker, caches = _saving(ids, kv)
     assert store.lookup(ids).num_tokens == 0 and worker.worker.saves.pending_bytes > 0
     again = SimpleNamespace(request_id="again", prompt_token_ids=ids + _ids(10, seed=9))
     assert sched.get_num_new_matched_tokens(again, 0) == (None, False)  # not yet: the save would supply it
@@ -785,11 +792,8 @@ def test_a_save_runs_behind_the_step_and_a_prompt_that_needs_it_waits_for_it():
 
 def test_a_failed_save_ends_the_wait_of_a_prompt_that_needed_it():
     """The tier fails the write: once the worker reports the save run, the waiting prompt is a miss (computed)."""
-    tier = _GatedTier()
-    store = KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK)
-    sched, worker, caches = _pair(store)
     ids = _ids(100)
-    _step_with_save(sched, worker, caches, "first", ids, _kv(100))
+    tier, _, sched, worker, _ = _saving(ids, _kv(100))
     again = SimpleNamespace(request_id="again", prompt_token_ids=ids)
     assert sched.get_num_new_matched_tokens(again, 0) == (None, False)
     tier.fail = True
@@ -813,15 +817,12 @@ def test_a_save_counts_as_run_once_every_worker_reports_it():
     for reports, waits in ((0, True), (1, True), (1, False)):
         if reports:
             sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=vc.metadata.SavesRun({"first": 1})))
-        assert sched.get_num_new_matched_tokens(again, 0)[0] is None if waits else (0, False)
+        assert sched.get_num_new_matched_tokens(again, 0) == ((None, False) if waits else (0, False))
 
 
 def test_shutdown_writes_every_queued_save():
-    tier = _GatedTier()
-    store = KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK)
-    sched, worker, caches = _pair(store)
     ids = _ids(100)
-    _step_with_save(sched, worker, caches, "first", ids, _kv(100))
+    tier, store, _, worker, _ = _saving(ids, _kv(100))
     threading.Timer(0.2, tier.gate.set).start()
     worker.worker.close()  # what the connector's shutdown does before closing the store
     assert store.lookup(ids).num_tokens == 100
