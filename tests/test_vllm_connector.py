@@ -25,6 +25,7 @@ from kvcodec.layouts.paged import read_paged, slot_mapping, write_paged
 from kvcodec.codecs.raw import Raw
 from kvcodec.store import CacheIdentity, KVStore, MemoryTier, PrefixLoad
 from kvcodec.store.telemetry import RateEstimator
+from kvcodec.tools.harness import wait_until
 
 L, H, D, BS, NB = 3, 2, 8, 8, 40
 CHUNK = 32
@@ -788,6 +789,35 @@ def test_a_save_runs_behind_the_step_and_a_prompt_that_needs_it_waits_for_it():
     for name, layer in zip(NAMES, kv.layers):  # loaded into the memory zeroed after the save's step
         k, v = read_paged(caches[name], slot_mapping(torch.tensor(blocks), 0, 96, BS))
         assert torch.equal(k, layer.keys[:, :96]) and torch.equal(v, layer.values[:, :96])
+
+
+def test_a_save_waits_between_its_chunks_while_a_step_loads():
+    """A load is a request's first token and a save is not: from a step's loads' start to its end, a save under way
+    writes no further chunk (it would share the link and the cores with the load)."""
+    ids, stored = _ids(100), _ids(100, seed=6)
+    tier = _GatedTier()
+    store = KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK)
+    tier.gate.set()
+    store.put(stored, KVCache(_kv(100, seed=6).layers, model="m", token_ids=stored, rope="post"))
+    tier.gate.clear()
+    sched, worker, caches = _pair(store)
+    _step_with_save(sched, worker, caches, "first", ids, _kv(100))  # its save holds in its first chunk's write
+    req = SimpleNamespace(request_id="hit", prompt_token_ids=stored + [7])
+    ext, _ = sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, None, ext)
+    meta = sched.build_connector_meta(_sched_out("hit", req.prompt_token_ids, _table(101, seed=5), computed=ext))
+    assert ext == 96 and meta.loads
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # the step's loads start: "first"'s save is held before its next chunk
+    tier.gate.set()
+    wait_until("first's first chunk", lambda: store.lookup(ids).num_tokens == CHUNK, 10)
+    time.sleep(0.2)
+    assert store.lookup(ids).num_tokens == CHUNK
+    for name in NAMES:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()  # the step ends: the save goes on
+    _saves_run(worker, sched, {"first", "hit"})
+    assert store.lookup(ids).num_tokens == 100
 
 
 def test_a_failed_save_ends_the_wait_of_a_prompt_that_needed_it():

@@ -22,7 +22,7 @@ does not matter beyond the sink.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -69,9 +69,10 @@ class SegmentStore:
         """The positions a segment of ``num_tokens`` tokens is computed and stored at."""
         return range(len(self.anchor), len(self.anchor) + num_tokens)
 
-    def put(self, token_ids: Sequence[int], kv: KVCache) -> int:
+    def put(self, token_ids: Sequence[int], kv: KVCache, *, pace: Callable[[], object] | None = None) -> int:
         """Store ``kv``, the segment ``token_ids``'s KV computed after the anchor (keys after RoPE, at
-        :meth:`positions`), in the chunks the store lacks; returns the chunks written."""
+        :meth:`positions`), in the chunks the store lacks; returns the chunks written (``pace``: as
+        :meth:`KVStore.put <kvcodec.store.KVStore.put>`'s)."""
         token_ids = _tokens(token_ids)
         if kv.num_tokens != len(token_ids) or any(l.keys.shape[1] != len(token_ids) for l in kv.layers):
             raise InvalidInputError(f"the segment has {len(token_ids)} tokens and every layer of its KV must hold "
@@ -83,7 +84,7 @@ class SegmentStore:
             raise InvalidInputError(f"a segment's KV is computed at positions {where[0]}..{where[-1]} (after the "
                                     f"{len(self.anchor)}-token anchor), not at {kv.positions[0]}..{kv.positions[-1]}")
         kv = KVCache(kv.layers, model=kv.model, rope="post", positions=where)
-        return self.store.put(token_ids, kv, salt=self.domain)
+        return self.store.put(token_ids, kv, salt=self.domain, pace=pace)
 
     def stored_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of segment ``token_ids`` are stored (in any variant)."""

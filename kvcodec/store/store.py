@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -192,14 +192,16 @@ class KVStore:
 
     # writing -----------------------------------------------------------------------------------
     def put(self, token_ids: Sequence[int], kv: KVCache, *, replicate: bool = True,
-            salt: str | bytes | None = None) -> int:
+            salt: str | bytes | None = None, pace: Callable[[], object] | None = None) -> int:
         """Store the chunks of ``kv`` (computed over ``token_ids``) that are not stored yet.
 
         Returns the number of chunks written.  Every layer must hold all ``len(token_ids)``
         tokens (sliding-window layers cannot be split into prefix chunks).  With ``replicate``
         a chunk goes to every put tier that lacks it; without, a chunk that any tier holds is
         left as it is (no encoding: for callers that just loaded part of ``kv`` from the store).
-        The token ids themselves are not stored: a chunk names its key instead.
+        The token ids themselves are not stored: a chunk names its key instead.  ``pace``, when
+        given, is called before each chunk and may block: a caller's way to let its loads have
+        the link and the cores first.
         """
         token_ids = [int(t) for t in token_ids]
         if any(l.keys.shape[1] != len(token_ids) for l in kv.layers):
@@ -209,6 +211,8 @@ class KVStore:
         written = 0
         variants, seeds = self._state  # one snapshot: a codec switch meanwhile cannot pair a key with another codec
         for s, e, keys in self._variant_keys(token_ids, salt, seeds):
+            if pace is not None:
+                pace()
             wrote = False
             for codec, key in zip(variants, keys):
                 if not replicate and self.holds(key):

@@ -7,7 +7,8 @@ of another shape, not decodable, or left to vLLM because recomputing is sooner) 
 blocks from its first unloaded token on are reported by :meth:`WorkerSide.load_errors` and vLLM recomputes them.
 Saves gather each layer's prompt tokens out of the paged memory during the forward pass; the store's ``put``
 runs behind it (:mod:`.saves`), and :meth:`WorkerSide.saves_run` tells the scheduler side which saves have run
-(vLLM's worker metadata).  Loads finish within the forward pass.
+(vLLM's worker metadata).  A save waits, before each chunk, while a step with loads runs: a load is a request's
+first token, a save is not.  Loads finish within the forward pass.
 
 A load of segments is a fusion (:mod:`.fusion`): it runs in ``start_loads``, before vLLM's forward pass, with the
 model :mod:`.model` recorded, and writes the fused context into the request's blocks; what stops it is a load error
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -71,6 +73,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests whose load failed in this forward pass: not saved
         self.saves = BackgroundSaves()
+        self._no_loads = threading.Event()  # clear from a step's loads' start to its end: saves wait meanwhile
+        self._no_loads.set()
 
     @property
     def prefill(self) -> RateEstimator:
@@ -104,6 +108,7 @@ class WorkerSide:
         self._loads = []
         if meta is None or not meta.loads:
             return
+        self._no_loads.clear()
         layers = [self.kv_caches[name] for name in self.layer_names]
         recompute_tps = self.prefill.estimate if self.prefill.samples else None
         for spec in meta.loads:
@@ -200,7 +205,7 @@ class WorkerSide:
         a = len(self.segments.anchor)
         kv = KVCache([(k[:, a:], v[:, a:]) for k, v in layers], model=self.store.model, rope="post",
                      positions=range(a, len(spec.token_ids)))
-        saved = self.segments.put(spec.token_ids[a:], kv)
+        saved = self.segments.put(spec.token_ids[a:], kv, pace=self._no_loads.wait)
         self.stats["saved_segments"] += 1
         log.info("kvcodec connector: request %s: stored tokens %d-%d as a segment (%d new chunk(s))", spec.req_id, a,
                  len(spec.token_ids), saved)
@@ -228,6 +233,7 @@ class WorkerSide:
             t0, tokens = self._step
             self.prefill.observe(tokens, time.perf_counter() - t0)
             self._step = None
+        self._no_loads.set()
         parts, self._save_parts = self._save_parts, {}
         failed, self._failed_reqs = self._failed_reqs, set()
         for spec in meta.saves if meta is not None else ():
@@ -253,7 +259,7 @@ class WorkerSide:
             return
         kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
         t0, bytes_before = time.perf_counter(), self.store.stats["put_bytes"]
-        saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt)
+        saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt, pace=self._no_loads.wait)
         self.stats["saved_chunks"] += saved
         # one line per prompt that saved something, as a load logs one; a prompt loaded whole saves nothing new,
         # and its load's line says all (issue 35: at most one line per load)
@@ -272,4 +278,5 @@ class WorkerSide:
         try:
             self.finish_loads()
         finally:
+            self._no_loads.set()
             self.saves.close()
