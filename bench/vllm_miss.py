@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "vllm_miss"
 UNSHAPED = 100_000  # tbf at 100 Gbit/s never holds a packet back: the veth and Redis set the pace
 SAVED = re.compile(r"saved (\d+) new chunk\(s\) of tokens 0-(\d+) in ([\d.]+) s, (\d+) bytes")
+LOADED = re.compile(r"loaded tokens (\d+)-(\d+) of \d+-\d+ in ([\d.]+) s")
 
 
 def rate(link: str) -> float:
@@ -112,14 +113,18 @@ def hit_beside_a_save(ours: Engine, prompt: list[int], link: str, rounds: int) -
     saved = len(saves(ours))
     ours.generate(prompt, 1, cache_salt=f"{link}-hit")
     wait_until("the hit's prompt saved", lambda: len(saves(ours)) == saved + 1, 600)
-    out: dict[str, list[float]] = {"alone": [], "beside": [], "alone_loaded": [], "beside_loaded": []}
+    out: dict[str, list[float]] = {k: [] for k in ("alone", "beside", "alone_loaded", "beside_loaded", "alone_load_s",
+                                                   "beside_load_s")}
     for r in range(rounds):
         alone = ours.generate(prompt, 1, cache_salt=f"{link}-hit")
         ours.generate(prompt, 1, cache_salt=f"{link}-beside-{r}")  # a miss: its save starts behind the reply
         beside = ours.generate(prompt, 1, cache_salt=f"{link}-hit")
-        for name, reply in (("alone", alone), ("beside", beside)):
+        loads = [m for line in ours.grep("kvcodec connector: request") if (m := LOADED.search(line))][-2:]
+        for (name, reply), load in zip((("alone", alone), ("beside", beside)), loads):
             out[name].append(reply["seconds"])
-            out[name + "_loaded"].append(reply["num_cached_tokens"])  # the rest recomputed, where that was sooner
+            # the tokens the connector loaded (vLLM computed the rest, where the load planner found that sooner)
+            out[name + "_loaded"].append(int(load.group(2)) - int(load.group(1)))
+            out[name + "_load_s"].append(float(load.group(3)))
         wait_until("the round's save", lambda: len(saves(ours)) == saved + 2 + r, 600)
     return out
 
@@ -137,8 +142,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
              "right after the first, while its save runs. The save's own seconds are from the connector's log.", "",
              "A hit: the prompt loaded under a salt it was saved with, alone, and right after a miss whose save "
              "shares the link with its load (seconds, the fastest of the rounds; the median of the rounds' own "
-             "ratios in brackets; the tokens loaded, the rest recomputed where the load planner found that sooner, "
-             "in the .json).", "",
+             "ratios and the median tokens the connector loaded in brackets: vLLM computes the rest, where the load "
+             "planner found that sooner).", "",
              "| link (Mbit/s) | fresh engine's first | miss | next | plain prefill (s, fastest) | save (s) | "
              "save (MB) | hit alone (s) | hit beside a save (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -148,7 +153,9 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
                      f"against {r['first_plain_s']:.2f} s) | {r['miss_fastest']:.2f} ({r['miss_median']:.2f}) | "
                      f"{r['next_fastest']:.2f} ({r['next_median']:.2f}) | "
                      f"{min(p for p, _ in r['runs']['plain']):.2f} | {r['save_s']:.2f} | {r['save_mb']:.1f} | "
-                     f"{min(h['alone']):.2f} | {min(h['beside']):.2f} ({statistics.median(ratios):.2f}x) |")
+                     f"{min(h['alone']):.2f} ({statistics.median(h['alone_loaded']):.0f} loaded) | "
+                     f"{min(h['beside']):.2f} ({statistics.median(ratios):.2f}x; "
+                     f"{statistics.median(h['beside_loaded']):.0f} loaded) |")
     args.out.write_text("\n".join(lines) + "\n")
 
 
