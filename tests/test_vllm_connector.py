@@ -88,7 +88,7 @@ def _saves_run(worker: KVCodecConnector, sched: KVCodecConnector | None, req_ids
     while req_ids:
         ran = worker.build_connector_worker_meta()
         if ran is not None:
-            req_ids -= set(ran.req_ids)
+            req_ids -= set(ran.saves_run)
             if sched is not None:
                 sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=ran))
         assert time.monotonic() < deadline, f"saves of {req_ids} never ran"
@@ -466,21 +466,45 @@ def test_the_worker_times_prefill_and_leaves_a_load_to_vllm_when_recomputing_is_
     store = KVStore([MemoryTier(None)], model="m", codec=["cachegen", "raw"], chunk_tokens=CHUNK)
     sched, worker, caches = _pair(store)
     ids, kv = _ids(100), _kv(100)
-    clock = itertools.chain([0.0, 0.001], itertools.repeat(0.002))  # the prefill step: 100 tokens in 1 ms
+    clock = itertools.chain([0.0, 0.01], itertools.repeat(0.02))  # the prefill step: 100 tokens in 10 ms
     monkeypatch.setattr(worker_module.time, "perf_counter", lambda: next(clock))
     _prefill(sched, worker, caches, "a", ids, kv, _table(100, seed=1))
     monkeypatch.undo()
-    assert worker.worker.prefill.samples == (100 / 0.001,)
-    for codec in store.variants:  # both variants decode 1 k tokens/s here: far slower than that prefill
-        store.telemetry.decode_rate(codec).observe(1000, 1.0)
+    assert worker.worker.prefill.samples == (100 / 0.01,)
     ids2 = ids + _ids(10, seed=7)
     req = SimpleNamespace(request_id="b", prompt_token_ids=ids2)
     ext, _ = sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, None, ext)
+    # after the scheduler's claim (its estimates, the workers' last report, said loading was sooner), both variants
+    # turn out to decode 1 k tokens/s: far slower than that prefill
+    for codec in store.variants:
+        store.telemetry.decode_rate(codec).observe(1000, 1.0)
     blocks = _table(len(ids2), seed=2)
     meta = sched.build_connector_meta(_sched_out("b", ids2, blocks, computed=ext))
     assert ext == 96 and _forward(worker, meta, _paged(), sched) == set(blocks[: 96 // BS])
     assert worker.stats["loaded_tokens"] == 0 and store.lookup(ids).num_tokens == 100  # nothing evicted
+
+
+def test_the_scheduler_claims_no_hit_whose_load_the_workers_estimates_say_is_slower_than_computing(caplog):
+    """A raw hit over 100 Mbit/s that the worker's load gave back after 0-2 chunks took vLLM 1.2x a plain prefill
+    (a pass of its own for the blocks given back): the scheduler weighs the workers' reported estimates first and
+    leaves such a hit to vLLM; on a fast link it claims it."""
+    tier = MemoryTier(None)
+    worker_store, sched_store = (KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK) for _ in range(2))
+    sched = KVCodecConnector(_config(), KVConnectorRole.SCHEDULER, store=sched_store)
+    worker = KVCodecConnector(_config(), KVConnectorRole.WORKER, store=worker_store)
+    worker.register_kv_caches(_paged())
+    ids = _ids(100)
+    worker_store.put(ids, KVCache(_kv(100).layers, model="m", token_ids=ids, rope="post"))
+    req = SimpleNamespace(request_id="r", prompt_token_ids=ids + [5])
+    assert sched.get_num_new_matched_tokens(req, 0) == (96, False)  # nothing reported yet: claimed
+    worker_store.telemetry.prefill.observe(1000, 1.0)  # vLLM computes 1 k tokens/s
+    for bps, hit in ((10_000, 0), (1e9, 96)):  # 19 KB of raw KV: 1.9 s on the slow link, 19 us on the fast one
+        worker_store.telemetry.observe_read(tier.name, int(bps), 1.0)
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_connector_worker_meta()))
+        with caplog.at_level("INFO"):
+            assert sched.get_num_new_matched_tokens(req, 0) == (hit, False)
+    assert "loading tokens 0-96 would take 1.9" in caplog.text and "left to vLLM" in caplog.text
 
 
 def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_path, monkeypatch):
@@ -730,9 +754,10 @@ class _GatedTier(MemoryTier):
 
     def __init__(self) -> None:
         super().__init__(None)
-        self.gate, self.fail = threading.Event(), False
+        self.gate, self.fail, self.entered = threading.Event(), False, threading.Event()
 
     def put(self, key: str, value: bytes) -> bool:
+        self.entered.set()
         assert self.gate.wait(30), "the test never opened the gate"
         if self.fail:
             raise ConnectionError("simulated: the tier went away")
@@ -800,6 +825,7 @@ def test_a_save_waits_between_its_chunks_while_a_step_loads():
     tier.gate.set()
     store.put(stored, KVCache(_kv(100, seed=6).layers, model="m", token_ids=stored, rope="post"))
     tier.gate.clear()
+    tier.entered.clear()
     sched, worker, caches = _pair(store)
     _step_with_save(sched, worker, caches, "first", ids, _kv(100))  # its save holds in its first chunk's write
     req = SimpleNamespace(request_id="hit", prompt_token_ids=stored + [7])
@@ -807,6 +833,7 @@ def test_a_save_waits_between_its_chunks_while_a_step_loads():
     sched.update_state_after_alloc(req, None, ext)
     meta = sched.build_connector_meta(_sched_out("hit", req.prompt_token_ids, _table(101, seed=5), computed=ext))
     assert ext == 96 and meta.loads
+    assert tier.entered.wait(10)  # "first"'s save is in its first chunk's write
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)  # the step's loads start: "first"'s save is held before its next chunk
     tier.gate.set()
@@ -846,7 +873,7 @@ def test_a_save_counts_as_run_once_every_worker_reports_it():
     again = SimpleNamespace(request_id="again", prompt_token_ids=ids)
     for reports, waits in ((0, True), (1, True), (1, False)):
         if reports:
-            sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=vc.metadata.SavesRun({"first": 1})))
+            sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=vc.metadata.WorkerReport({"first": 1})))
         assert sched.get_num_new_matched_tokens(again, 0) == ((None, False) if waits else (0, False))
 
 

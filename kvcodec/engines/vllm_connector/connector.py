@@ -10,7 +10,7 @@ import torch
 
 from kvcodec.blend.segments import default_anchor
 from kvcodec.engines.vllm_connector.base import ConnectorBase, KVConnectorRole
-from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, SavesRun
+from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, WorkerReport
 from kvcodec.engines.vllm_connector.model import capture_model
 from kvcodec.engines.vllm_connector.scheduler import SchedulerSide
 from kvcodec.engines.vllm_connector.setup import connector_store, engine_logger, served_model, vllm_identity
@@ -68,9 +68,9 @@ class KVCodecConnector(ConnectorBase):
         return False, None  # its KV was copied out for its save during its step: the blocks can go
 
     def update_connector_output(self, connector_output: Any) -> None:
-        ran = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(ran, SavesRun):
-            self.scheduler.saves_run(ran)  # type: ignore[union-attr]
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(report, WorkerReport):
+            self.scheduler.worker_report(report)  # type: ignore[union-attr]
 
     # -- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -96,8 +96,8 @@ class KVCodecConnector(ConnectorBase):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # loads finish within the forward pass; saves hold no blocks
 
-    def build_connector_worker_meta(self) -> SavesRun | None:
-        return self.worker.saves_run()  # type: ignore[union-attr]
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        return self.worker.report()  # type: ignore[union-attr]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()  # type: ignore[union-attr]

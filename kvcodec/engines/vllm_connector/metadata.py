@@ -1,11 +1,12 @@
 """What the scheduler side tells the worker side each step (the loads and saves of that step's requests), and what
-the workers tell it back (the saves they have written)."""
+the workers tell it back (the saves they have run, and what their stores measured)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvcodec.engines.vllm_connector.base import MetadataBase, WorkerMetadataBase
+from kvcodec.store.telemetry import Estimates
 
 
 @dataclass
@@ -48,14 +49,17 @@ class KVCodecConnectorMetadata(MetadataBase):
 
 
 @dataclass
-class SavesRun(WorkerMetadataBase):
-    """The requests whose saves the workers ran (written, or failed) since their last step, each with the number of
-    workers that report it (vLLM sums the workers' reports of one step with :meth:`aggregate`)."""
+class WorkerReport(WorkerMetadataBase):
+    """What the workers tell the scheduler side after a step (vLLM's worker metadata): ``saves_run``, the requests
+    whose saves they ran (written, or failed) since their last report, each with the number of workers that report
+    it; and ``estimates``, their store's measurements (links, decode rates, vLLM's prefill speed) where they changed,
+    which the scheduler's lookups weigh.  vLLM merges the workers' reports of one step with :meth:`aggregate`."""
 
-    req_ids: dict[str, int] = field(default_factory=dict)
+    saves_run: dict[str, int] = field(default_factory=dict)
+    estimates: Estimates | None = None
 
-    def aggregate(self, other: SavesRun) -> SavesRun:
-        counts = dict(self.req_ids)
-        for rid, n in other.req_ids.items():
+    def aggregate(self, other: WorkerReport) -> WorkerReport:
+        counts = dict(self.saves_run)
+        for rid, n in other.saves_run.items():
             counts[rid] = counts.get(rid, 0) + n
-        return SavesRun(counts)
+        return WorkerReport(counts, self.estimates or other.estimates)  # one rank's measurements stand for all

@@ -46,6 +46,11 @@ class BackgroundSaves:
         _OPEN.add(self)
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (the saves queued are being written, no new one is taken)."""
+        return self._closed
+
+    @property
     def pending_bytes(self) -> int:
         """KV bytes submitted and not yet written."""
         with self._cond:

@@ -7,9 +7,14 @@ step's :class:`~.metadata.KVCodecConnectorMetadata` with the request's block tab
 
 Saves run behind the forward pass (:mod:`.saves`), so a prompt may be looked up while the save that would supply
 it is still under way: such a request waits (``lookup`` answers None, vLLM asks again at its next step) until the
-store holds what that save writes, or until every worker reports the save run (:class:`~.metadata.SavesRun`; a
-failed save then leaves it to compute).  Within one engine a prompt thus finds what an earlier one saved, as when
+store holds what that save writes, or until every worker reports the save run (:class:`~.metadata.WorkerReport`;
+a failed save then leaves it to compute).  Within one engine a prompt thus finds what an earlier one saved, as when
 saves ran in the step.
+
+A prefix hit is claimed only where loading it is sooner than vLLM computing it, by the estimates the workers report
+(their links, decode rates and vLLM's prefill speed): the worker's load stops where recomputing is sooner anyway,
+but blocks claimed and then given back cost vLLM a pass of their own (a raw hit over 100 Mbit/s, stopped after 0-2
+chunks, took 1.2x a plain prefill).
 
 A request that names its segments (:func:`~.requests.segment_request`) and has any of them stored claims the anchor
 and the segments instead (to the token), where that is more than its prefix hit: vLLM's scheduler takes a
@@ -24,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcodec.blend.segments import SegmentStore
-from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec, SavesRun
+from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec, WorkerReport
 from kvcodec.engines.vllm_connector.requests import SegmentRequest, request_key_salt, segment_request, segment_spans
 from kvcodec.engines.vllm_connector.setup import engine_logger
 from kvcodec.errors import InvalidInputError, UnsupportedError
@@ -61,6 +66,7 @@ class SchedulerSide:
         self._unkeyable_said: set[str] = set()
         self._saving: dict[str, SaveSpec] = {}  # req id -> its save, queued on the workers and not reported run
         self._reported: dict[str, int] = {}  # req id -> workers that reported its save run so far
+        self._left: set[str] = set()  # requests whose hit was left to vLLM (said once)
 
     def _salt(self, request: Any) -> tuple[bool, str | None]:
         """Whether the store can key ``request``, and its salt (computed once per request)."""
@@ -94,6 +100,8 @@ class SchedulerSide:
         if self._saving and self._awaits_save(ids, salt, found, ask):
             return None, False
         hit = min(found, len(ids) - 1) // self.block_size * self.block_size  # vLLM computes one token at least
+        if hit and not self._worth_loading(request.request_id, ids, hit, salt):
+            hit = 0
         self._fusing.discard(request.request_id)
         if ask is not None and ask.segments and not num_computed_tokens:
             fused = self._fusion_hit(request, ids, ask)
@@ -105,6 +113,27 @@ class SchedulerSide:
         ext = max(0, hit - int(num_computed_tokens))
         self._matched[request.request_id] = (int(num_computed_tokens), ext)
         return ext, False
+
+    def _worth_loading(self, rid: str, ids: list[int], hit: int, salt: str | None) -> bool:
+        """Whether loading the chunks that hold the first ``hit`` tokens ends sooner than vLLM computing those
+        tokens, by the workers' estimates (True until a worker has timed vLLM's prefill)."""
+        prefill = self.store.telemetry.prefill
+        if not prefill.samples:
+            return True
+        end = min(len(ids), -(-hit // self.store.chunk_tokens) * self.store.chunk_tokens)
+        try:
+            load_s = self.store.load_estimates([ids[:end]], salt=salt)[0]
+        except Exception:
+            log.warning("estimating a load failed; the hit is claimed", exc_info=True)
+            return True
+        compute_s = hit / prefill.estimate
+        if load_s is None or load_s <= compute_s:
+            return True
+        if rid not in self._left:
+            self._left.add(rid)
+            log.info("kvcodec connector: request %s: loading tokens 0-%d would take %.2f s by the workers' estimates, "
+                     "computing them %.2f s: left to vLLM", rid, hit, load_s, compute_s)
+        return False
 
     def _awaits_save(self, ids: list[int], salt: str | None, found: int, ask: SegmentRequest | None) -> bool:
         """Whether a save under way would give this prompt (``found`` tokens of it stored now) more than it has:
@@ -264,10 +293,15 @@ class SchedulerSide:
         for state in (self._unsaved, self._need_load, self._matched, self._keyed, self._asks):
             state.pop(rid, None)
         self._fusing.discard(rid)
+        self._left.discard(rid)
 
-    def saves_run(self, ran: SavesRun) -> None:
-        """The workers report these requests' saves run; a save counts as run once every worker has."""
-        for rid, n in ran.req_ids.items():
+    def worker_report(self, report: WorkerReport) -> None:
+        """A step's report from the workers: their store's estimates (weighed by later lookups), and the saves they
+        ran; a save counts as run once every worker has reported it."""
+        # (estimates equal to this store's own teach it nothing, and seeding them again would count them twice)
+        if report.estimates is not None and report.estimates != self.store.telemetry.estimates():
+            self.store.telemetry.restore(report.estimates)
+        for rid, n in report.saves_run.items():
             seen = self._reported.get(rid, 0) + n
             if seen >= self.workers:
                 self._saving.pop(rid, None)

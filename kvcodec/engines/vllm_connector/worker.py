@@ -6,8 +6,8 @@ while chunk ``i`` decodes layer by layer straight into vLLM's blocks through the
 of another shape, not decodable, or left to vLLM because recomputing is sooner) is never raised into vLLM: the
 blocks from its first unloaded token on are reported by :meth:`WorkerSide.load_errors` and vLLM recomputes them.
 Saves gather each layer's prompt tokens out of the paged memory during the forward pass; the store's ``put``
-runs behind it (:mod:`.saves`), and :meth:`WorkerSide.saves_run` tells the scheduler side which saves have run
-(vLLM's worker metadata).  A save waits, before each chunk, while a step with loads runs: a load is a request's
+runs behind it (:mod:`.saves`), and :meth:`WorkerSide.report` tells the scheduler side which saves have run, and
+what the store measured, for its lookups (vLLM's worker metadata).  A save waits, before each chunk, while a step with loads runs: a load is a request's
 first token, a save is not.  Loads finish within the forward pass.
 
 A load of segments is a fusion (:mod:`.fusion`): it runs in ``start_loads``, before vLLM's forward pass, with the
@@ -32,7 +32,7 @@ from kvcodec.blend.segments import SegmentStore
 from kvcodec.cache import KVCache
 from kvcodec.engines.store_setup import time_decodes
 from kvcodec.engines.vllm_connector.fusion import fuse_into_blocks
-from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec, SavesRun
+from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, LoadSpec, SaveSpec, WorkerReport
 from kvcodec.engines.vllm_connector.model import worker_model
 from kvcodec.engines.vllm_connector.requests import segment_spans
 from kvcodec.engines.vllm_connector.saves import BackgroundSaves
@@ -40,7 +40,7 @@ from kvcodec.engines.vllm_connector.setup import detect_layout, engine_logger
 from kvcodec.errors import UnsupportedError
 from kvcodec.layouts.paged import FLASH, read_paged, slot_mapping
 from kvcodec.store import ChunkShape, KVStore, PagedSink, PrefixLoad
-from kvcodec.store.telemetry import RateEstimator
+from kvcodec.store.telemetry import Estimates, RateEstimator
 
 log = engine_logger(__name__)
 
@@ -75,6 +75,7 @@ class WorkerSide:
         self.saves = BackgroundSaves()
         self._no_loads = threading.Event()  # clear from a step's loads' start to its end: saves wait meanwhile
         self._no_loads.set()
+        self._reported = Estimates()  # the store's estimates as last reported to the scheduler side
 
     @property
     def prefill(self) -> RateEstimator:
@@ -205,7 +206,7 @@ class WorkerSide:
         a = len(self.segments.anchor)
         kv = KVCache([(k[:, a:], v[:, a:]) for k, v in layers], model=self.store.model, rope="post",
                      positions=range(a, len(spec.token_ids)))
-        saved = self.segments.put(spec.token_ids[a:], kv, pace=self._no_loads.wait)
+        saved = self.segments.put(spec.token_ids[a:], kv, pace=self._after_loads)
         self.stats["saved_segments"] += 1
         log.info("kvcodec connector: request %s: stored tokens %d-%d as a segment (%d new chunk(s))", spec.req_id, a,
                  len(spec.token_ids), saved)
@@ -259,7 +260,7 @@ class WorkerSide:
             return
         kv = KVCache(layers, model=self.store.model, token_ids=spec.token_ids, rope="post")
         t0, bytes_before = time.perf_counter(), self.store.stats["put_bytes"]
-        saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt, pace=self._no_loads.wait)
+        saved = self.store.put(spec.token_ids, kv, replicate=False, salt=spec.salt, pace=self._after_loads)
         self.stats["saved_chunks"] += saved
         # one line per prompt that saved something, as a load logs one; a prompt loaded whole saves nothing new,
         # and its load's line says all (issue 35: at most one line per load)
@@ -268,10 +269,23 @@ class WorkerSide:
                 time.perf_counter() - t0, self.store.stats["put_bytes"] - bytes_before,
                 [c.codec_id for c in self.store.variants])
 
-    def saves_run(self) -> SavesRun | None:
-        """The saves run since the last step's report (for the scheduler side), or None."""
+    def _after_loads(self) -> None:
+        """A save's pace: wait while a step's loads run, but not once the saves are closing (the engine or the
+        process is ending, and no step may end)."""
+        while not self._no_loads.wait(0.1):
+            if self.saves.closed:
+                return
+
+    def report(self) -> WorkerReport | None:
+        """The saves run since the last report and the store's estimates where they changed (for the scheduler
+        side), or None when neither has news."""
         ran = self.saves.take_ran()
-        return SavesRun(dict.fromkeys(ran, 1)) if ran else None
+        estimates = self.store.telemetry.estimates()
+        if estimates == self._reported:
+            estimates = None
+        else:
+            self._reported = estimates
+        return WorkerReport(dict.fromkeys(ran, 1), estimates) if ran or estimates is not None else None
 
     def close(self) -> None:
         """Finish the step's loads and write every save queued."""
