@@ -58,6 +58,20 @@ def pair(engine: Engine, prompt: list[int], salt: str) -> tuple[float, float]:
     return first["seconds"], second["seconds"]
 
 
+def hit(ours: Engine, prompt: list[int], salt: str, seconds: list[float], loaded: list[float]) -> None:
+    """A request for a stored prompt: its seconds, and the tokens the connector loaded (its log line; none where the
+    scheduler left the prompt to vLLM, which computes what was not loaded)."""
+    before = len(load_lines(ours))
+    reply = ours.generate(prompt, 1, cache_salt=salt)
+    new = load_lines(ours)[before:]
+    seconds.append(reply["seconds"])
+    loaded.append(int(new[-1].group(2)) - int(new[-1].group(1)) if new else 0)
+
+
+def load_lines(engine: Engine) -> list[re.Match]:
+    return [m for line in engine.grep("kvcodec connector: request") if (m := LOADED.search(line))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--links", default="100,1000,unshaped", help="Mbit/s rates (or 'unshaped'), comma-separated")
@@ -113,18 +127,11 @@ def hit_beside_a_save(ours: Engine, prompt: list[int], link: str, rounds: int) -
     saved = len(saves(ours))
     ours.generate(prompt, 1, cache_salt=f"{link}-hit")
     wait_until("the hit's prompt saved", lambda: len(saves(ours)) == saved + 1, 600)
-    out: dict[str, list[float]] = {k: [] for k in ("alone", "beside", "alone_loaded", "beside_loaded", "alone_load_s",
-                                                   "beside_load_s")}
+    out: dict[str, list[float]] = {k: [] for k in ("alone", "beside", "alone_loaded", "beside_loaded")}
     for r in range(rounds):
-        alone = ours.generate(prompt, 1, cache_salt=f"{link}-hit")
+        hit(ours, prompt, f"{link}-hit", out["alone"], out["alone_loaded"])
         ours.generate(prompt, 1, cache_salt=f"{link}-beside-{r}")  # a miss: its save starts behind the reply
-        beside = ours.generate(prompt, 1, cache_salt=f"{link}-hit")
-        loads = [m for line in ours.grep("kvcodec connector: request") if (m := LOADED.search(line))][-2:]
-        for (name, reply), load in zip((("alone", alone), ("beside", beside)), loads):
-            out[name].append(reply["seconds"])
-            # the tokens the connector loaded (vLLM computed the rest, where the load planner found that sooner)
-            out[name + "_loaded"].append(int(load.group(2)) - int(load.group(1)))
-            out[name + "_load_s"].append(float(load.group(3)))
+        hit(ours, prompt, f"{link}-hit", out["beside"], out["beside_loaded"])
         wait_until("the round's save", lambda: len(saves(ours)) == saved + 2 + r, 600)
     return out
 
