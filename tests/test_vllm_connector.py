@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvcodec.engines.vllm_connector as vc
+import kvcodec.engines.vllm_connector.scheduler as scheduler_module
 import kvcodec.engines.vllm_connector.worker as worker_module
 import kvcodec.layouts.paged as paged_module
 import kvcodec.layouts.sinks as sinks_module
@@ -485,10 +486,12 @@ def test_the_worker_times_prefill_and_leaves_a_load_to_vllm_when_recomputing_is_
     assert worker.stats["loaded_tokens"] == 0 and store.lookup(ids).num_tokens == 100  # nothing evicted
 
 
-def test_the_scheduler_claims_no_hit_whose_load_the_workers_estimates_say_is_slower_than_computing(caplog):
+def test_the_scheduler_claims_no_hit_whose_load_the_workers_estimates_say_is_slower_than_computing(caplog,
+                                                                                                 monkeypatch):
     """A raw hit over 100 Mbit/s that the worker's load gave back after 0-2 chunks took vLLM 1.2x a plain prefill
     (a pass of its own for the blocks given back): the scheduler weighs the workers' reported estimates first and
-    leaves such a hit to vLLM; on a fast link it claims it."""
+    leaves such a hit to vLLM; on a fast link it claims it; and once the latest link measurement is older than
+    LINK_RECHECK_S it claims again, so that the worker's load measures the link (a refused hit reads nothing)."""
     tier = MemoryTier(None)
     worker_store, sched_store = (KVStore([tier], model="m", codec="raw", chunk_tokens=CHUNK) for _ in range(2))
     sched = KVCodecConnector(_config(), KVConnectorRole.SCHEDULER, store=sched_store)
@@ -505,6 +508,12 @@ def test_the_scheduler_claims_no_hit_whose_load_the_workers_estimates_say_is_slo
         with caplog.at_level("INFO"):
             assert sched.get_num_new_matched_tokens(req, 0) == (hit, False)
     assert "loading tokens 0-96 would take 1.9" in caplog.text and "left to vLLM" in caplog.text
+    worker_store.telemetry.observe_read(tier.name, 10_000, 1.0)  # slow again
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_connector_worker_meta()))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    now = time.time()
+    monkeypatch.setattr(scheduler_module.time, "time", lambda: now + scheduler_module.LINK_RECHECK_S + 1)
+    assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
 
 
 def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_path, monkeypatch):

@@ -14,7 +14,9 @@ saves ran in the step.
 A prefix hit is claimed only where loading it is sooner than vLLM computing it, by the estimates the workers report
 (their links, decode rates and vLLM's prefill speed): the worker's load stops where recomputing is sooner anyway,
 but blocks claimed and then given back cost vLLM a pass of their own (a raw hit over 100 Mbit/s, stopped after 0-2
-chunks, took 1.2x a plain prefill).
+chunks, took 1.2x a plain prefill).  Only a link estimate a worker's read measured in the last
+:data:`LINK_RECHECK_S` seconds can refuse a hit: a hit refused is never read, so a link that rose would otherwise
+never be measured again.
 
 A request that names its segments (:func:`~.requests.segment_request`) and has any of them stored claims the anchor
 and the segments instead (to the token), where that is more than its prefix hit: vLLM's scheduler takes a
@@ -25,6 +27,8 @@ prompt's keys.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +40,12 @@ from kvcodec.errors import InvalidInputError, UnsupportedError
 from kvcodec.store import KVStore
 
 log = engine_logger(__name__)
+
+#: How old (seconds) the workers' latest link measurement may be for the scheduler to refuse a hit on it.  A refused
+#: hit reads nothing, so past this a hit is claimed again and the worker's load measures the link (and stops where
+#: recomputing is sooner): on a link that stays slow, one request in this long pays the blocks given back (about
+#: 1.2 s on a 6 s prefill over 100 Mbit/s here); a link that rose is seen within this long.
+LINK_RECHECK_S = 15.0
 
 
 def first_block_ids(block_ids: Any) -> list[int]:
@@ -67,6 +77,7 @@ class SchedulerSide:
         self._saving: dict[str, SaveSpec] = {}  # req id -> its save, queued on the workers and not reported run
         self._reported: dict[str, int] = {}  # req id -> workers that reported its save run so far
         self._left: set[str] = set()  # requests whose hit was left to vLLM (said once)
+        self._link_measured_at = -math.inf  # wall-clock time of the latest link read the workers reported
 
     def _salt(self, request: Any) -> tuple[bool, str | None]:
         """Whether the store can key ``request``, and its salt (computed once per request)."""
@@ -118,7 +129,7 @@ class SchedulerSide:
         """Whether loading the chunks that hold the first ``hit`` tokens ends sooner than vLLM computing those
         tokens, by the workers' estimates (True until a worker has timed vLLM's prefill)."""
         prefill = self.store.telemetry.prefill
-        if not prefill.samples:
+        if not prefill.samples or time.time() - self._link_measured_at > LINK_RECHECK_S:
             return True
         end = min(len(ids), -(-hit // self.store.chunk_tokens) * self.store.chunk_tokens)
         try:
@@ -301,6 +312,8 @@ class SchedulerSide:
         # (estimates equal to this store's own teach it nothing, and seeding them again would count them twice)
         if report.estimates is not None and report.estimates != self.store.telemetry.estimates():
             self.store.telemetry.restore(report.estimates)
+        if report.estimates is not None and report.estimates.links:
+            self._link_measured_at = max(self._link_measured_at, *(m.at for m in report.estimates.links.values()))
         for rid, n in report.saves_run.items():
             seen = self._reported.get(rid, 0) + n
             if seen >= self.workers:
