@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "results" / "vllm_miss"
 UNSHAPED = 100_000  # tbf at 100 Gbit/s never holds a packet back: the veth and Redis set the pace
 SAVED = re.compile(r"saved (\d+) new chunk\(s\) of tokens 0-(\d+) in ([\d.]+) s, (\d+) bytes")
-LOADED = re.compile(r"loaded tokens (\d+)-(\d+) of \d+-\d+ in ([\d.]+) s")
+LOADED = re.compile(r"loaded tokens (\d+)-(\d+) of \d+-\d+ in [\d.]+ s")
 
 
 def rate(link: str) -> float:

@@ -13,7 +13,8 @@ from kvcodec.engines.vllm_connector.base import ConnectorBase, KVConnectorRole
 from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, WorkerReport
 from kvcodec.engines.vllm_connector.model import capture_model
 from kvcodec.engines.vllm_connector.scheduler import SchedulerSide
-from kvcodec.engines.vllm_connector.setup import connector_store, engine_logger, served_model, vllm_identity
+from kvcodec.engines.vllm_connector.setup import (connector_store, engine_logger, parallel_sizes, served_model,
+                                                 vllm_identity)
 from kvcodec.engines.vllm_connector.worker import WorkerSide
 from kvcodec.store import KVStore
 
@@ -38,8 +39,9 @@ class KVCodecConnector(ConnectorBase):
         block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", None) or 16)
         anchor = default_anchor(hf_config)  # segments are computed after the model's BOS
         caching = bool(getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False))
+        tp_size, pp_size = parallel_sizes(vllm_config)  # a save counts as run once each rank's worker reports it
         self.scheduler = None if is_worker else SchedulerSide(self.store, block_size, anchor, prefix_caching=caching,
-                                                              workers=_workers(vllm_config))
+                                                              workers=tp_size * pp_size)
         self.worker = WorkerSide(self.store, vllm_config, block_size, anchor) if is_worker else None
         if is_worker:  # segment fusion recomputes with the model, which vLLM hands no connector
             capture_model()
@@ -109,8 +111,3 @@ class KVCodecConnector(ConnectorBase):
         finally:
             self.store.close()
 
-
-def _workers(vllm_config: Any) -> int:
-    """The worker processes that each save their rank's KV (tensor times pipeline parallel size)."""
-    pc = getattr(vllm_config, "parallel_config", None)
-    return int(getattr(pc, "tensor_parallel_size", 1) or 1) * int(getattr(pc, "pipeline_parallel_size", 1) or 1)

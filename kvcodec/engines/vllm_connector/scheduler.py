@@ -131,9 +131,8 @@ class SchedulerSide:
         prefill = self.store.telemetry.prefill
         if not prefill.samples or time.time() - self._link_measured_at > LINK_RECHECK_S:
             return True
-        end = min(len(ids), -(-hit // self.store.chunk_tokens) * self.store.chunk_tokens)
         try:
-            load_s = self.store.load_estimates([ids[:end]], salt=salt)[0]
+            load_s = self.store.load_estimates([ids[:self._chunks_end(ids, hit)]], salt=salt)[0]
         except Exception:
             log.warning("estimating a load failed; the hit is claimed", exc_info=True)
             return True
@@ -165,6 +164,11 @@ class SchedulerSide:
             return self.segments.stored_tokens(tokens) < len(tokens)  # type: ignore[union-attr]
         except Exception:
             return False  # the lookup's own failure is a miss, as in lookup
+
+    def _chunks_end(self, ids: list[int], end: int) -> int:
+        """The end of the chunks that hold tokens ``0 .. end-1`` of ``ids``, as they were stored (a chunk's key
+        covers its tokens, so a load reads whole chunks)."""
+        return min(len(ids), -(-end // self.store.chunk_tokens) * self.store.chunk_tokens)
 
     def _chunks_in_common(self, ids: list[int], saved: list[int]) -> int:
         """The tokens of ``ids`` that the chunks of a save of ``saved`` cover: whole chunks in common, and the
@@ -273,9 +277,7 @@ class SchedulerSide:
                 fused_end = segment_spans(len(self.segments.anchor), ask.segments)[-1][1]
                 meta.loads.append(LoadSpec(rid, ids[:fused_end], blocks, start, end, None, ask.segments, ask.share))
                 return  # a fused context is not a prefill's KV: never saved under the prompt's keys
-            # the chunks that hold tokens start..end-1, as they were stored (a chunk's key covers its tokens)
-            chunk_end = min(len(ids), -(-end // self.store.chunk_tokens) * self.store.chunk_tokens)
-            meta.loads.append(LoadSpec(rid, ids[:chunk_end], blocks, start, end, salt))
+            meta.loads.append(LoadSpec(rid, ids[:self._chunks_end(ids, end)], blocks, start, end, salt))
         done = int(getattr(req, "num_computed_tokens", 0)) + int(scheduled.get(rid, len(ids)))
         self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done, "salt": salt,
                               "segment": bool(ask is not None and ask.store_segment)}
@@ -309,11 +311,11 @@ class SchedulerSide:
     def worker_report(self, report: WorkerReport) -> None:
         """A step's report from the workers: their store's estimates (weighed by later lookups), and the saves they
         ran; a save counts as run once every worker has reported it."""
-        # (estimates equal to this store's own teach it nothing, and seeding them again would count them twice)
-        if report.estimates is not None and report.estimates != self.store.telemetry.estimates():
-            self.store.telemetry.restore(report.estimates)
-        if report.estimates is not None and report.estimates.links:
-            self._link_measured_at = max(self._link_measured_at, *(m.at for m in report.estimates.links.values()))
+        if report.estimates is not None:
+            # (estimates equal to this store's own teach it nothing, and seeding them again would count them twice)
+            if report.estimates != self.store.telemetry.estimates():
+                self.store.telemetry.restore(report.estimates)
+            self._link_measured_at = max([self._link_measured_at, *(m.at for m in report.estimates.links.values())])
         for rid, n in report.saves_run.items():
             seen = self._reported.get(rid, 0) + n
             if seen >= self.workers:

@@ -72,12 +72,17 @@ def cache_identity(model: str, *, kv_dtype: str = "", hf_config: Any = None, rev
                          kv_dtype=kv_dtype, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
 
 
+def parallel_sizes(vllm_config: Any) -> tuple[int, int]:
+    """vLLM's ``(tensor_parallel_size, pipeline_parallel_size)``: one worker per rank of each."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(pc, "tensor_parallel_size", 1) or 1), int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+
+
 def _ranks(vllm_config: Any, is_worker: bool) -> tuple[int, int, int, int]:
     """``(tp_rank, tp_size, pp_rank, pp_size)`` of this process; the scheduler keys as rank 0 of stage 0 (its
     lookups answer for that rank: another rank missing its chunk reports a load error and recomputes)."""
     pc = getattr(vllm_config, "parallel_config", None)
-    tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    tp_size, pp_size = parallel_sizes(vllm_config)
     if not is_worker:
         return 0, tp_size, 0, pp_size
     try:

@@ -7,8 +7,8 @@ of another shape, not decodable, or left to vLLM because recomputing is sooner) 
 blocks from its first unloaded token on are reported by :meth:`WorkerSide.load_errors` and vLLM recomputes them.
 Saves gather each layer's prompt tokens out of the paged memory during the forward pass; the store's ``put``
 runs behind it (:mod:`.saves`), and :meth:`WorkerSide.report` tells the scheduler side which saves have run, and
-what the store measured, for its lookups (vLLM's worker metadata).  A save waits, before each chunk, while a step with loads runs: a load is a request's
-first token, a save is not.  Loads finish within the forward pass.
+what the store measured, for its lookups (vLLM's worker metadata).  A save waits, before each chunk, while a step
+with loads runs: a load is a request's first token, a save is not.  Loads finish within the forward pass.
 
 A load of segments is a fusion (:mod:`.fusion`): it runs in ``start_loads``, before vLLM's forward pass, with the
 model :mod:`.model` recorded, and writes the fused context into the request's blocks; what stops it is a load error
