@@ -20,10 +20,14 @@ from kvcodec.errors import InvalidInputError
 DEFAULT_WINDOW = 3
 #: A link's throughput before any read was measured: 1 Gbit/s, in bytes per second.
 LINK_PRIOR_BPS = 1e9 / 8
-# A link's throughput estimate starts over from a read that is this many times faster or slower than it (a change of
-# regime, not noise: on loopback a read beside a decode took up to 2.7x as long, bench/load_overlap.py), so a rise is
-# seen within one read as a drop is.  Plain harmonic mean: three reads at 20 Mbit/s and one at 10 Gbit/s still
-# estimate 27 Mbit/s, and a load that reads 64 KiB pieces to probe (kvcodec.store.load) would never see the rise.
+# A link's throughput estimate starts over from a read that is this many times faster than it (a change of regime,
+# not noise: on loopback a read beside a decode took up to 2.7x as long, bench/load_overlap.py), so a rise is seen
+# within one read as a drop is.  Plain harmonic mean: three reads at 20 Mbit/s and one at 10 Gbit/s still estimate
+# 27 Mbit/s, and a load that reads 64 KiB pieces to probe (kvcodec.store.load) would never see the rise.  A read this
+# many times slower restarts it only once the next read confirms it: the harmonic mean already takes most of a drop
+# from one read (three at 1 Gbit/s and one at 20 Mbit/s: 26 Mbit/s), while one stalled read on a cold engine's
+# contended cores (one 2.6 MB piece in 32 ms among pieces at 200-800 MB/s, inside vLLM unshaped) restarted the
+# estimate at 82 MB/s and made a fresh engine's first load decode kvtc where raw was sooner.
 LINK_FOLLOW = 4.0
 # A read this short that looks slower than the link's estimate does not lower it: its time is mostly the
 # request's round trip, not the link.  Inside vLLM here a 230 KB Redis GET took 4.9 ms on an unshaped link of about
@@ -48,8 +52,10 @@ class RateEstimator:
     dominated by the low samples, so one slow measurement pulls the estimate down at once (a deadline is missed by
     overestimating), while it climbs back only as fast samples fill the window; and a window forgets a regime after
     exactly ``window`` samples, which keeps behaviour easy to predict and test.  Measurements of nothing or of no
-    time carry no rate and are ignored.  With ``follow``, a measurement more than ``follow`` times above or below
-    the estimate starts the window over: the estimate follows a change of regime both ways within one sample.
+    time carry no rate and are ignored.  With ``follow``, a measurement more than ``follow`` times above the
+    estimate starts the window over, and so do two in a row more than ``follow`` times below the estimate before
+    the first: the estimate follows a change of regime both ways (a fall mostly within one sample, through the
+    harmonic mean, and wholly within two), and one slow outlier is averaged.
     """
 
     def __init__(self, prior: float, window: int = DEFAULT_WINDOW, *, follow: float | None = None) -> None:
@@ -61,6 +67,7 @@ class RateEstimator:
             raise InvalidInputError(f"follow must be above 1, not {follow!r}")
         self.prior, self.window, self.follow = float(prior), window, follow
         self._samples: deque[float] = deque(maxlen=window)
+        self._fell_from: float | None = None  # the estimate before the latest sample, where that sample fell below it
         self.measured_at: float | None = None  # the wall-clock time (time.time()) of the latest sample
 
     def observe(self, amount: float, seconds: float) -> None:
@@ -71,9 +78,16 @@ class RateEstimator:
         if amount == 0 or seconds == 0:
             return
         rate = amount / seconds
-        if self.follow is not None and self._samples and not \
-                self.estimate / self.follow <= rate <= self.estimate * self.follow:
-            self._samples.clear()
+        if self.follow is not None and self._samples:
+            estimate, fell_from, self._fell_from = self.estimate, self._fell_from, None
+            if rate > estimate * self.follow:
+                self._samples.clear()
+            elif fell_from is not None and rate < fell_from / self.follow:
+                fell = self._samples[-1]
+                self._samples.clear()
+                self._samples.append(fell)
+            elif rate < estimate / self.follow:
+                self._fell_from = estimate
         self._samples.append(rate)
         self.measured_at = time.time()
 
