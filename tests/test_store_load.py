@@ -160,21 +160,21 @@ def _loaded(store, ids, **planner) -> list[int | str]:
 class Link(MemoryTier):
     """Memory behind a link of ``rate`` bytes/s that the test can change; every read is logged (key, offset)."""
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, round_trip: float = 0.0) -> None:
         super().__init__(None)
-        self.rate, self.reads = rate, []
+        self.rate, self.round_trip, self.reads = rate, round_trip, []
 
     def get(self, key, max_bytes=None):
         value = super().get(key, max_bytes)
         self.reads.append((key, 0))
-        time.sleep(0 if value is None else len(value) / self.rate)
+        time.sleep(0 if value is None else self.round_trip + len(value) / self.rate)
         return value
 
     def get_range(self, key, offset, length, max_bytes=None):
         value = MemoryTier.get(self, key, max_bytes)  # (not this link's get: one piece crosses it)
         piece = None if value is None else value[offset:offset + length]
         self.reads.append((key, offset))
-        time.sleep(0 if piece is None else len(piece) / self.rate)
+        time.sleep(0 if piece is None else self.round_trip + len(piece) / self.rate)
         return piece
 
 
@@ -252,6 +252,26 @@ def test_a_load_checks_a_slow_estimate_before_handing_everything_to_the_engine(m
     reads = len(link.reads)
     assert _loaded(store, ids, recompute_tps=len(ids) / 0.02)[0] == "recompute"
     assert len(link.reads) - reads <= 2
+
+
+def test_a_probe_piece_as_short_as_a_round_trip_is_followed_by_one_that_times_the_link():
+    """Regression (bench/vllm_link.py): a fresh engine whose predecessor measured 100 Mbit/s, on a link back at
+    1 Gbit/s, handed every raw load to vLLM.  Its 32 KiB probe piece took about a round trip, which looked no faster
+    than the old estimate.  Here 1.5 MB chunks cross a link in 4 ms plus a 3 ms round trip; the store remembers a
+    link 50x slower, at which recomputing (0.4 s) is sooner.  The load reads a 160 KiB piece after the short one,
+    sees the link, and loads."""
+    g = torch.Generator().manual_seed(0)
+    kv = KVCache([(torch.randn(8, 1024, 64, generator=g).half(), torch.randn(8, 1024, 64, generator=g).half())
+                  for _ in range(3)], model="m")
+    link = Link(1.0, round_trip=0.003)
+    store = KVStore([link], model="m", codec="raw", chunk_tokens=256)
+    ids = list(range(1000, 2024))
+    store.put(ids, kv)
+    link.rate = store.source.value_sizes([store.variant_keys(ids)[0][2][0]])[0][0] / 0.004
+    store.telemetry.decode_rate = lambda codec: Pinned(1e9)
+    store.telemetry.link(link.name).throughput.prior = link.rate / 50  # restored from a predecessor: not timed
+    assert _loaded(store, ids, recompute_tps=len(ids) / 0.4) == [0, 0, 0, 0]
+    assert store.telemetry.link(link.name).throughput.estimate > link.rate / 20
 
 
 def test_two_variants_load_from_both_ends(monkeypatch):

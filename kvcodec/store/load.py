@@ -77,7 +77,7 @@ from kvcodec.store.chunks import ChunkShape, FetchedChunk
 from kvcodec.store.plan import (BUDGET_FULL, LARGE_IN_TIME, LARGE_NOT_COMING, LARGE_PROBED, LARGE_TOO_LATE,
                                 ONE_VARIANT, RECOMPUTE, SMALL_PAYS, SMALL_UNMEASURED, Decision, LoadPlanner, Option)
 from kvcodec.store.source import ChunkSource
-from kvcodec.store.telemetry import LINK_FOLLOW
+from kvcodec.store.telemetry import LINK_FOLLOW, ROUND_TRIP_S
 
 log = logging.getLogger(__name__)
 
@@ -412,8 +412,9 @@ class PrefixLoad:
 
     def _check_link(self, i: int, option: Option, key: str) -> bool:
         """Once per load, before any other read of it: read a ``PROBE_BYTES`` piece of ``option`` (chunk ``i``'s
-        value under ``key``) and, where it looks like a rise, a ``CONFIRM_BYTES`` piece at once (a shaper's bucket
-        makes a short read after an idle link look fast), which moves the estimate.  Whether it read.  Without it a
+        value under ``key``) and, where it looks like a rise (a shaper's bucket makes a short read after an idle link
+        look fast) or took too short a time to measure the link (a round trip's), a ``CONFIRM_BYTES`` piece at once,
+        which moves the estimate.  Whether it read.  Without it a
         link that rose after a slow spell is never measured again, as every load recomputes: inside vLLM, after a
         request at 20 Mbit/s, the link back at 1 Gbit/s was still taken for 20 Mbit/s request after request.  The
         pieces are kept for a large read of the value to go on from."""
@@ -429,7 +430,10 @@ class PrefixLoad:
         if not piece:
             return False
         parts = [piece]
-        if len(piece) > LINK_FOLLOW * estimate * seconds and len(piece) < option.nbytes:
+        # a piece as short as a round trip says nothing of a link faster than it: inside vLLM over 1 Gbit/s a fresh
+        # engine whose predecessor had measured 100 Mbit/s handed every raw load to vLLM on the 32 KiB piece alone
+        # (bench/vllm_link.py: 9.2 s first request, 6.5 s warm, recompute's times); with this piece, 4.2 s and 1.7 s
+        if (seconds < ROUND_TRIP_S or len(piece) > LINK_FOLLOW * estimate * seconds) and len(piece) < option.nbytes:
             more = self.source.read_range(option.tier, key, len(piece), CONFIRM_BYTES, tokens)
             parts += [more] if more else []
         else:
