@@ -33,8 +33,9 @@ Three rules keep both stages busy without a byte or a decode spent where it does
 - A large value is read in pieces (``get_range``) and given up between two pieces once the decoder took that chunk's
   small variant (a video player's abandonment rule), or once its rest can no longer be in in time.  A large read
   starts only where it is in time on a link ``INSURANCE`` times slower than estimated.  Each piece measures the
-  link: the estimate follows a change of regime at once, up or down (:data:`~kvcodec.store.telemetry.LINK_FOLLOW`),
-  and the read's own last piece counts until another read measured the link.  A read given up while its chunk may
+  link: the estimate follows a rise at once and most of a drop within one piece
+  (:data:`~kvcodec.store.telemetry.LINK_FOLLOW`), and the read's own last piece counts until another read measured
+  the link.  A read given up while its chunk may
   still come large keeps its pieces, and a later read of that value goes on from them (a warm load inside vLLM on
   the drop trace gave up a first 256 KiB piece that looked slow and then read the same value from its start).  Once
   every small variant is in, the fetch keeps a probe under way: the lowest chunk's large variant in ``PROBE_BYTES``
