@@ -77,9 +77,9 @@ def test_round_trip_through_kvstore(master, codec):
     try:
         store = KVStore([tier], model=MODEL, codec=codec)
         ids, kv = list(range(600)), _kv(600)
-        assert store.lookup(ids) == (0, []) and store.get(ids) is None
+        assert store.lookup(ids) == (0, [], 0) and store.get(ids) is None
         assert store.put(ids, kv) == 3
-        assert store.lookup(ids) == (600, [tier.name] * 3)
+        assert store.lookup(ids) == (600, [tier.name] * 3, 600)
         got = store.get(ids)
         assert got is not None and got.num_tokens == 600
         if codec == "raw":

@@ -58,11 +58,11 @@ def test_chained_keys():
 def test_prefix_lookup_real_kv(real_kv):
     ids = real_kv.token_ids
     store = KVStore([MemoryTier(None)], model=real_kv.model, codec="raw")
-    assert store.lookup(ids) == (0, [])
+    assert store.lookup(ids) == (0, [], 0)
     assert store.get(ids) is None
     assert store.put(ids, real_kv) == 2
     assert store.put(ids, real_kv) == 0  # already stored: nothing encoded again
-    assert store.lookup(ids) == (512, ["cpu", "cpu"])
+    assert store.lookup(ids) == (512, ["cpu", "cpu"], 512)
     assert store.lookup(ids[:300]).num_tokens == 256  # the partial chunk 256..300 was never stored
     assert store.lookup(ids + [1, 2, 3]).num_tokens == 512
     assert store.lookup(ids[:256] + [0] + ids[257:]).num_tokens == 256  # differs inside the second chunk
@@ -80,7 +80,7 @@ def test_partial_last_chunk(real_kv):
                          token_ids=ids, rope="post")
     store = KVStore([MemoryTier(None)], model=real_kv.model, codec="raw")
     assert store.put(ids, kv) == 2
-    assert store.lookup(ids) == (300, ["cpu", "cpu"])
+    assert store.lookup(ids) == (300, ["cpu", "cpu"], 300)
     assert store.lookup(real_kv.token_ids).num_tokens == 256  # the longer request's second chunk is a full one
     assert store.get(ids).equal(kv)
 
@@ -156,7 +156,7 @@ def test_gpu_tier_on_cuda(real_kv):
     tier = GPUTier(capacity_bytes=1 << 30)
     store = KVStore([tier, MemoryTier(None)], model=real_kv.model, codec="raw")
     store.put(real_kv.token_ids, real_kv)
-    assert store.lookup(real_kv.token_ids) == (512, ["gpu", "gpu"])
+    assert store.lookup(real_kv.token_ids) == (512, ["gpu", "gpu"], 512)
     assert store.get(real_kv.token_ids).equal(real_kv)
 
 
@@ -169,14 +169,14 @@ def test_demote_and_promote():
     cpu, disk = MemoryTier(capacity_bytes=one + 10), MemoryTier(None, name="disk")
     store = KVStore([cpu, disk], model=MODEL, codec="raw", chunk_tokens=4)
     store.put(ids, kv)  # writes to the fastest tier; two of the three chunks are demoted as the budget overflows
-    assert store.lookup(ids) == (12, ["disk", "disk", "cpu"]) and store.stats["demoted"] == 2
+    assert store.lookup(ids) == (12, ["disk", "disk", "cpu"], 12) and store.stats["demoted"] == 2
     assert store.get(ids[:4]).equal(kvcodec.KVCache([(l.keys[:, :4], l.values[:, :4]) for l in kv.layers]))
     assert store.lookup(ids).where[0] == "cpu" and store.stats["promoted"] == 1  # the hit was promoted
     assert store.lookup(ids).where[2] == "disk"  # and the coldest chunk went down
     assert store.evict(ids, tiers=["cpu"]) == 1
-    assert store.lookup(ids) == (12, ["disk", "disk", "disk"])
+    assert store.lookup(ids) == (12, ["disk", "disk", "disk"], 12)
     assert store.promote(ids[:4], to="cpu") == 1 and store.lookup(ids).where == ["cpu", "disk", "disk"]
-    assert store.evict(ids) == 4 and store.lookup(ids) == (0, [])
+    assert store.evict(ids) == 4 and store.lookup(ids) == (0, [], 0)
 
 
 # --- disk tier -------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def test_corrupt_chunk_is_evicted_and_recomputed(tmp_path, real_kv):
     assert store.lookup(ids).num_tokens == 512  # lookup does not read payloads
     got = store.get(ids)
     assert got.num_tokens == 256 and store.stats["corrupt"] == 1  # the damaged chunk is a miss ...
-    assert not disk.contains(second) and store.lookup(ids) == (256, ["disk"])  # ... and evicted
+    assert not disk.contains(second) and store.lookup(ids) == (256, ["disk"], 256)  # ... and evicted
     assert store.put(ids, real_kv) == 1  # the caller recomputes and stores it again
     assert store.get(ids).equal(real_kv)
 
@@ -339,12 +339,12 @@ def test_redis_down_slow_and_restarted(redis_server, real_kv):
     ids = real_kv.token_ids
     tier = RedisTier(port=redis_server.port, timeout_s=0.2, down_for_s=0.5)
     store = KVStore([tier], model=real_kv.model, codec="raw")
-    assert store.put(ids, real_kv) == 2 and store.lookup(ids) == (512, ["redis", "redis"])
+    assert store.put(ids, real_kv) == 2 and store.lookup(ids) == (512, ["redis", "redis"], 512)
 
     redis_server.kill()  # dead: connection refused
     for _ in range(3):
         t = time.monotonic()
-        assert store.lookup(ids) == (0, [])
+        assert store.lookup(ids) == (0, [], 0)
         assert store.get(ids) is None
         assert store.put(ids, real_kv) == 0
         assert tier.keys() == [] and tier.size() == 0 and not tier.delete("x")
@@ -353,22 +353,22 @@ def test_redis_down_slow_and_restarted(redis_server, real_kv):
 
     redis_server.start()  # restarted on the same port, empty (no persistence)
     time.sleep(0.6)  # the tier retries after down_for_s
-    assert store.lookup(ids) == (0, [])
+    assert store.lookup(ids) == (0, [], 0)
     assert store.put(ids, real_kv) == 2 and store.get(ids).equal(real_kv)
 
     redis_server.pause()  # hung: every call would wait; the socket timeout bounds it
     try:
         t = time.monotonic()
-        assert store.lookup(ids) == (0, [])
+        assert store.lookup(ids) == (0, [], 0)
         first = time.monotonic() - t
         t = time.monotonic()
-        assert store.lookup(ids) == (0, []) and store.get(ids) is None
+        assert store.lookup(ids) == (0, [], 0) and store.get(ids) is None
         again = time.monotonic() - t
         assert first < 0.2 * 3 and again < 0.05, (first, again)  # then no network at all while marked down
     finally:
         redis_server.resume()
     time.sleep(0.6)
-    assert store.lookup(ids) == (512, ["redis", "redis"])
+    assert store.lookup(ids) == (512, ["redis", "redis"], 512)
 
 
 def test_redis_behind_memory(redis_server, real_kv):
@@ -377,10 +377,10 @@ def test_redis_behind_memory(redis_server, real_kv):
     a = KVStore([MemoryTier(None), RedisTier(port=redis_server.port)], model=real_kv.model, codec="raw")
     b = KVStore([MemoryTier(None), RedisTier(port=redis_server.port)], model=real_kv.model, codec="raw")
     a.put(ids, real_kv)
-    assert a.lookup(ids) == (512, ["cpu", "cpu"])
-    assert b.lookup(ids) == (512, ["redis", "redis"])
+    assert a.lookup(ids) == (512, ["cpu", "cpu"], 512)
+    assert b.lookup(ids) == (512, ["redis", "redis"], 512)
     assert b.get(ids).equal(real_kv)
-    assert b.lookup(ids) == (512, ["cpu", "cpu"])
+    assert b.lookup(ids) == (512, ["cpu", "cpu"], 512)
     redis_server.kill()
     assert b.get(ids).equal(real_kv)  # the local copy still serves
 
@@ -407,12 +407,12 @@ def test_lookup_asks_each_tier_once_for_the_whole_prompt(redis_server):
     for key, _, _ in store.keys_for(ids)[::2]:  # even chunks only in Redis, odd ones in both tiers
         cpu.delete(key)
     redis.batches = redis.single = 0
-    assert store.lookup(ids) == (40, ["redis", "cpu"] * 5)
+    assert store.lookup(ids) == (40, ["redis", "cpu"] * 5, 40)
     assert (redis.batches, redis.single) == (1, 0)
     assert redis.contains_many([k for k, _, _ in store.keys_for(ids)] + ["missing"]) == [True] * 10 + [False]
     assert redis.contains_many([]) == []
     redis_server.kill()
-    assert store.lookup(ids) == (0, [])  # Redis gone: the even chunks are missing, the prefix ends at once
+    assert store.lookup(ids) == (0, [], 0)  # Redis gone: the even chunks are missing, the prefix ends at once
 
 
 def test_a_tier_that_raises_is_a_miss():
@@ -431,7 +431,7 @@ def test_a_tier_that_raises_is_a_miss():
     kv = _small_kv(8)
     store = KVStore([Broken(None)], model=MODEL, codec="raw", chunk_tokens=4)
     assert store.put(list(range(8)), kv) == 0
-    assert store.lookup(list(range(8))) == (0, []) and store.get(list(range(8))) is None
+    assert store.lookup(list(range(8))) == (0, [], 0) and store.get(list(range(8))) is None
     assert store.evict(list(range(8))) == 0 and store.promote(list(range(8))) == 0
 
 
@@ -496,7 +496,7 @@ def test_redis_cluster(redis_cluster, real_kv):
     assert tier.hash_tag
     store = KVStore([tier], model=real_kv.model, codec="raw", chunk_tokens=64)  # 8 chunks spread over the slots
     assert store.put(real_kv.token_ids, real_kv) == 8
-    assert store.lookup(real_kv.token_ids) == (512, ["redis"] * 8)
+    assert store.lookup(real_kv.token_ids) == (512, ["redis"] * 8, 512)
     assert store.get(real_kv.token_ids).equal(real_kv)
     assert sorted(tier.keys()) == sorted(k for k, _, _ in store.keys_for(real_kv.token_ids))
     slots = {client.keyslot(tier._k(k)[0]) for k in tier.keys()}

@@ -563,8 +563,10 @@ def test_kvtc_is_calibrated_in_the_background_while_another_codec_serves(tmp_pat
 
 # --- one identity: what the keys cover --------------------------------------------------------------
 
-def _saved_by(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, *, stored: int = 0, **request) -> None:
-    """A request carrying ``request``'s inputs finds ``stored`` tokens, is computed whole and saved."""
+def _saved_by(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, *, stored: int = 0, saved: bool = True,
+              **request) -> None:
+    """A request carrying ``request``'s inputs finds ``stored`` tokens, is computed whole and saved (unless
+    ``saved`` is False: then the scheduler must schedule no save)."""
     req = SimpleNamespace(request_id=rid, prompt_token_ids=ids, **request)
     assert sched.get_num_new_matched_tokens(req, 0) == (stored, False)
     sched.update_state_after_alloc(req, None, 0)
@@ -572,7 +574,7 @@ def _saved_by(sched, worker, caches, rid: str, ids: list[int], kv: KVCache, *, s
     for name, layer in zip(NAMES, kv.layers):
         write_paged(caches[name], layer.keys, layer.values, slot_mapping(torch.tensor(blocks), 0, len(ids), BS))
     meta = sched.build_connector_meta(_sched_out(rid, ids, blocks))
-    assert [s.req_id for s in meta.saves] == [rid]
+    assert [s.req_id for s in meta.saves] == ([rid] if saved else [])
     _forward(worker, meta, caches, sched)
     sched.request_finished(req, (blocks,))
 
@@ -750,10 +752,28 @@ def test_a_save_logs_one_line_as_a_load_does(caplog):
     assert value_bytes > 0 and "saved 4 new chunk(s) of tokens 0-100" in saved[0].getMessage()
     assert f", {value_bytes} bytes, variants ['raw']" in saved[0].getMessage()
     caplog.clear()
-    with caplog.at_level("INFO"):  # the same prompt again: nothing new is saved, and nothing is said
-        _saved_by(sched, worker, caches, "again", _ids(100), _kv(100), stored=96)
+    with caplog.at_level("INFO"):  # the same prompt again: nothing new to save, nothing scheduled, nothing said
+        _saved_by(sched, worker, caches, "again", _ids(100), _kv(100), stored=96, saved=False)
     assert store.stats["put_bytes"] == value_bytes
     assert not [r for r in caplog.records if "saved" in r.getMessage()]
+
+
+def test_a_prompt_stored_in_every_variant_is_not_copied_out_to_be_saved_again():
+    """Every request's save copied its prompt's KV out of vLLM's memory during the forward pass, and the store then
+    wrote nothing where it held every chunk (a 2,048-token hit copied 94 MB, on a fresh engine's first request
+    too).  Now such a save is not scheduled; a prompt missing one variant of one chunk is still saved, and that
+    variant written."""
+    store = KVStore([MemoryTier(None)], model="m", codec=["cachegen", "raw"], chunk_tokens=CHUNK)
+    sched, worker, caches = _pair(store)
+    ids = _ids(100)
+    _saved_by(sched, worker, caches, "first", ids, _kv(100))
+    assert store.lookup(ids).in_every_variant == 100
+    _saved_by(sched, worker, caches, "again", ids, _kv(100), stored=96, saved=False)
+    missing = store.variant_keys(ids)[1][2][0]  # chunk 1's cachegen value
+    store.delete(missing)
+    assert store.lookup(ids).num_tokens == 100 and store.lookup(ids).in_every_variant == CHUNK
+    _saved_by(sched, worker, caches, "third", ids, _kv(100), stored=96)
+    assert store.holds(missing)
 
 
 # --- saves behind the step: a slow tier delays no token, and a prompt still finds what an earlier one saved -----

@@ -4,7 +4,7 @@
 >>> store = KVStore([MemoryTier(2 << 30), DiskTier("/var/cache/kv"), RedisTier("127.0.0.1", 6379)],
 ...                 model="SmolLM2-135M-Instruct", codec="cachegen")
 >>> store.put(token_ids, kv)              # chunks of 256 tokens, each a single-chunk container
->>> n, where = store.lookup(token_ids)    # stored prefix length, tier of each chunk
+>>> store.lookup(token_ids).num_tokens  # stored prefix length (.where: the tier of each chunk)
 >>> prefix_kv = store.get(token_ids)      # decoded KVCache of the stored prefix (or None)
 
 Engine hooks load through :meth:`KVStore.prefix_load`: a :class:`PrefixLoad` (:mod:`kvcodec.store.load`) that

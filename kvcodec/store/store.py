@@ -44,10 +44,13 @@ VARIANT_CONTEXT = b"variant-of\0"  # a variant's key of an engine's chunk (KVSto
 
 
 class Lookup(NamedTuple):
-    """``num_tokens``: how many leading tokens are stored; ``where``: the tier name of each stored chunk."""
+    """``num_tokens``: how many leading tokens are stored (in any variant); ``where``: the tier name of each stored
+    chunk; ``in_every_variant``: how many leading tokens are stored in every variant (a put of them writes
+    nothing)."""
 
     num_tokens: int
     where: list[str]
+    in_every_variant: int = 0
 
 
 class KVStore:
@@ -313,16 +316,19 @@ class KVStore:
 
     # reading -----------------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int], *, salt: str | bytes | None = None) -> Lookup:
-        """How many leading tokens of ``token_ids`` are stored (in any variant), and in which tier each chunk is."""
+        """How many leading tokens of ``token_ids`` are stored in any variant and in every variant, and in which
+        tier each chunk is."""
         chunks = self.variant_keys(token_ids, salt=salt)
         holder = self.source.holders([k for _, _, ks in chunks for k in ks])
-        n, where, v = 0, [], len(self.variants)
+        n, where, v, every = 0, [], len(self.variants), 0
         for c, (_, e, _) in enumerate(chunks):
-            name = next((h for h in holder[c * v:(c + 1) * v][::-1] if h is not None), None)
+            held = holder[c * v:(c + 1) * v]
+            name = next((h for h in held[::-1] if h is not None), None)
             if name is None:
                 break
             n, where = e, where + [name]
-        return Lookup(n, where)
+            every = e if every == chunks[c][0] and None not in held else every
+        return Lookup(n, where, every)
 
     def holds(self, key: str) -> bool:
         """Whether some tier holds ``key``."""

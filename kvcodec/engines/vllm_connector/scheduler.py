@@ -37,7 +37,7 @@ from kvcodec.engines.vllm_connector.metadata import KVCodecConnectorMetadata, Lo
 from kvcodec.engines.vllm_connector.requests import SegmentRequest, request_key_salt, segment_request, segment_spans
 from kvcodec.engines.vllm_connector.setup import engine_logger
 from kvcodec.errors import InvalidInputError, UnsupportedError
-from kvcodec.store import KVStore
+from kvcodec.store import KVStore, Lookup
 
 log = engine_logger(__name__)
 
@@ -72,6 +72,7 @@ class SchedulerSide:
         self._matched: dict[str, tuple[int, int]] = {}  # req id -> (num_computed_tokens, external tokens)
         self._need_load: dict[str, tuple[int, int]] = {}  # req id -> (start, end)
         self._unsaved: dict[str, dict[str, Any]] = {}  # req id -> prompt ids, block ids, tokens done, salt
+        self._held: dict[str, int] = {}  # req id -> its prompt's tokens stored in every variant at its lookup
         self._keyed: dict[str, str | None] = {}  # req id -> its salt, for requests the store can key
         self._unkeyable_said: set[str] = set()
         self._saving: dict[str, SaveSpec] = {}  # req id -> its save, queued on the workers and not reported run
@@ -103,10 +104,12 @@ class SchedulerSide:
         if not keyable or len(ids) < 2:
             return 0, False
         try:
-            found = self.store.lookup(ids, salt=salt).num_tokens  # the whole prompt's chunks (a last one counts)
+            stored = self.store.lookup(ids, salt=salt)  # the whole prompt's chunks (a last one counts)
         except Exception:
             log.warning("store lookup failed; treating it as a miss", exc_info=True)
-            found = 0
+            stored = Lookup(0, [])
+        found = stored.num_tokens
+        self._held[request.request_id] = stored.in_every_variant
         ask = self._ask(request, salt, ids)
         if self._saving and self._awaits_save(ids, salt, found, ask):
             return None, False
@@ -252,15 +255,18 @@ class SchedulerSide:
         for rid in list(self._unsaved):
             st = self._unsaved[rid]
             if st["done"] >= len(st["ids"]):  # the prompt's prefill completes in this step
-                ids = st["ids"]
-                if not self.store.save_partial:
-                    ids = ids[: len(ids) // self.store.chunk_tokens * self.store.chunk_tokens]
+                ids = self._saved_ids(st["ids"])
                 if ids:
                     spec = SaveSpec(rid, ids, st["blocks"], st["salt"], st["segment"])
                     meta.saves.append(spec)
                     self._saving[rid] = spec
                 del self._unsaved[rid]
         return meta
+
+    def _saved_ids(self, ids: list[int]) -> list[int]:
+        """The tokens of a prompt ``ids`` that its save stores (whole chunks only, unless the store saves a partial
+        last one)."""
+        return ids if self.store.save_partial else ids[: len(ids) // self.store.chunk_tokens * self.store.chunk_tokens]
 
     def _new_request(self, req: Any, scheduled: dict[str, int], meta: KVCodecConnectorMetadata) -> None:
         rid = req.req_id
@@ -278,9 +284,13 @@ class SchedulerSide:
                 meta.loads.append(LoadSpec(rid, ids[:fused_end], blocks, start, end, None, ask.segments, ask.share))
                 return  # a fused context is not a prefill's KV: never saved under the prompt's keys
             meta.loads.append(LoadSpec(rid, ids[:self._chunks_end(ids, end)], blocks, start, end, salt))
+        segment = bool(ask is not None and ask.store_segment)
+        if not segment and self._held.pop(rid, 0) >= len(self._saved_ids(ids)):
+            # every chunk the save would write is stored: it would copy the prompt's KV out of vLLM's memory during
+            # the forward pass (94 MB for a 2,048-token hit here) and then write nothing
+            return
         done = int(getattr(req, "num_computed_tokens", 0)) + int(scheduled.get(rid, len(ids)))
-        self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done, "salt": salt,
-                              "segment": bool(ask is not None and ask.store_segment)}
+        self._unsaved[rid] = {"ids": ids, "blocks": blocks, "done": done, "salt": salt, "segment": segment}
 
     def _cached_requests(self, cached: Any, scheduled: dict[str, int]) -> None:
         """Follow running requests' new blocks and progress (a request resumed from preemption has new blocks)."""
@@ -303,7 +313,7 @@ class SchedulerSide:
     def finished(self, request: Any) -> None:
         """Forget ``request`` (but its save, if under way, until the workers report it)."""
         rid = request.request_id
-        for state in (self._unsaved, self._need_load, self._matched, self._keyed, self._asks):
+        for state in (self._unsaved, self._need_load, self._matched, self._keyed, self._asks, self._held):
             state.pop(rid, None)
         self._fusing.discard(rid)
         self._left.discard(rid)
