@@ -59,6 +59,19 @@ def test_raw_continuation_is_identical(smollm2, prompts):
     assert b.tokens == _in_memory(smollm2, second[:256], second[256:], NEW_TOKENS)
 
 
+def test_a_prompt_stored_whole_is_not_copied_out_to_be_saved_again(smollm2, prompts, monkeypatch):
+    """After every first token the hook copied the whole prompt's KV out of the model's cache to save it, and the
+    store then wrote nothing where it held every chunk (vLLM's connector did the same inside the forward pass)."""
+    first, _ = prompts
+    store = KVStore([MemoryTier(None)], model=smollm2.model_id, codec="raw")
+    hook = TransformersKVHook(smollm2, store)
+    assert hook.generate(first, max_new_tokens=1).saved_chunks == 1
+    copies, real = [], KVCache.from_hf
+    monkeypatch.setattr(KVCache, "from_hf", lambda *a, **k: copies.append(1) or real(*a, **k))
+    assert hook.generate(first, max_new_tokens=1).saved_chunks == 0 and not copies
+    assert hook.generate(first + [7], max_new_tokens=1).saved_chunks == 1 and copies  # a new (partial) chunk
+
+
 def test_layers_arrive_in_order_and_overlap(smollm2, prompts):
     first, _ = prompts
     store = KVStore([MemoryTier(None)], model=smollm2.model_id, codec="raw")

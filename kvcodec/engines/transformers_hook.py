@@ -271,6 +271,8 @@ class TransformersKVHook:
         from kvcodec.cache import KVCache
 
         try:
+            if self.store.lookup(token_ids).in_every_variant >= self.store.put_end(len(token_ids)):
+                return 0  # stored whole: copying the prompt's KV out of the cache would write nothing
             kv = KVCache.from_hf(cache, model=self.store.model, token_ids=token_ids, rope="post")
             if self.save_dtype is not None:
                 kv = kv.to(dtype=self.save_dtype)

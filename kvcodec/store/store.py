@@ -148,6 +148,12 @@ class KVStore:
         return self._state[1][-1]
 
     # keys ------------------------------------------------------------------------------------
+    def put_end(self, num_tokens: int) -> int:
+        """How many leading tokens of a ``num_tokens`` sequence a :meth:`put` stores: all, or with ``save_partial``
+        off only its whole chunks.  A put writes nothing where :meth:`lookup`'s ``in_every_variant`` reaches it."""
+        bounds = chunk_bounds(num_tokens, self.chunk_tokens, self.save_partial)
+        return bounds[-1][1] if bounds else 0
+
     def keys_for(self, token_ids: Sequence[int], *, salt: str | bytes | None = None,
                  variant: int = -1) -> list[tuple[str, int, int]]:
         """``(key, start, end)`` of every chunk of ``token_ids`` in ``variant`` (an index into :attr:`variants`;

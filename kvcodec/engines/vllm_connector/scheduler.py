@@ -255,18 +255,13 @@ class SchedulerSide:
         for rid in list(self._unsaved):
             st = self._unsaved[rid]
             if st["done"] >= len(st["ids"]):  # the prompt's prefill completes in this step
-                ids = self._saved_ids(st["ids"])
+                ids = st["ids"][:self.store.put_end(len(st["ids"]))]
                 if ids:
                     spec = SaveSpec(rid, ids, st["blocks"], st["salt"], st["segment"])
                     meta.saves.append(spec)
                     self._saving[rid] = spec
                 del self._unsaved[rid]
         return meta
-
-    def _saved_ids(self, ids: list[int]) -> list[int]:
-        """The tokens of a prompt ``ids`` that its save stores (whole chunks only, unless the store saves a partial
-        last one)."""
-        return ids if self.store.save_partial else ids[: len(ids) // self.store.chunk_tokens * self.store.chunk_tokens]
 
     def _new_request(self, req: Any, scheduled: dict[str, int], meta: KVCodecConnectorMetadata) -> None:
         rid = req.req_id
@@ -285,7 +280,7 @@ class SchedulerSide:
                 return  # a fused context is not a prefill's KV: never saved under the prompt's keys
             meta.loads.append(LoadSpec(rid, ids[:self._chunks_end(ids, end)], blocks, start, end, salt))
         segment = bool(ask is not None and ask.store_segment)
-        if not segment and self._held.pop(rid, 0) >= len(self._saved_ids(ids)):
+        if not segment and self._held.pop(rid, 0) >= self.store.put_end(len(ids)):
             # every chunk the save would write is stored: it would copy the prompt's KV out of vLLM's memory during
             # the forward pass (94 MB for a 2,048-token hit here) and then write nothing
             return
