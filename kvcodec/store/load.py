@@ -35,9 +35,9 @@ Three rules keep both stages busy without a byte or a decode spent where it does
   starts only where it is in time on a link ``INSURANCE`` times slower than estimated.  Each piece measures the
   link: the estimate follows a rise at once and most of a drop within one piece
   (:data:`~kvcodec.store.telemetry.LINK_FOLLOW`), and the read's own last piece counts until another read measured
-  the link.  A read given up while its chunk may
-  still come large keeps its pieces, and a later read of that value goes on from them (a warm load inside vLLM on
-  the drop trace gave up a first 256 KiB piece that looked slow and then read the same value from its start).  Once
+  the link.  A read given up while its chunk may still come large keeps its pieces, and a later read of that value
+  goes on from them (a warm load inside vLLM on the drop trace gave up a first 256 KiB piece that looked slow and
+  then read the same value from its start).  Once
   every small variant is in, the fetch keeps a probe under way: the lowest chunk's large variant in ``PROBE_BYTES``
   pieces, within a budget of ``PROBE_SHARE`` of the small variants' bytes spread over the decodes still queued, so
   that a link that rises is seen within one piece and the rest of that chunk comes large when it can be in in
@@ -415,10 +415,10 @@ class PrefixLoad:
         """Once per load, before any other read of it: read a ``PROBE_BYTES`` piece of ``option`` (chunk ``i``'s
         value under ``key``) and, where it looks like a rise (a shaper's bucket makes a short read after an idle link
         look fast) or took too short a time to measure the link (a round trip's), a ``CONFIRM_BYTES`` piece at once,
-        which moves the estimate.  Whether it read.  Without it a
-        link that rose after a slow spell is never measured again, as every load recomputes: inside vLLM, after a
-        request at 20 Mbit/s, the link back at 1 Gbit/s was still taken for 20 Mbit/s request after request.  The
-        pieces are kept for a large read of the value to go on from."""
+        which moves the estimate.  Whether it read.  Without it a link that rose after a slow spell is never measured
+        again, as every load recomputes: inside vLLM, after a request at 20 Mbit/s, the link back at 1 Gbit/s was
+        still taken for 20 Mbit/s request after request.  The pieces are kept for a large read of the value to go on
+        from."""
         with self._cond:
             if self._link_checked or any(c.nbytes or c.wasted_bytes for c in self.chunks):
                 return False

@@ -19,8 +19,8 @@ decoding a small variant pays at all where the decoder and the link share a mach
 Fetching takes a variant's bytes over the estimated throughput of the tier holding it, decoding takes its tokens at
 the variant's decode rate, both from the store's own recent reads and decodes
 (:class:`~kvcodec.store.telemetry.Telemetry`: the harmonic mean of the last few, started over by a read 4x faster,
-or by two in a row 4x slower, so that it follows a rise within one read and most of a drop within one).  :mod:`kvcodec.store.load` argues the rules with
-measurements.
+or by two in a row 4x slower, so that it follows a rise within one read and most of a drop within one).
+:mod:`kvcodec.store.load` argues the rules with measurements.
 
 Each chunk's choice is kept as a :class:`Decision`: the rule that decided and the estimates it saw then.
 """

@@ -327,13 +327,13 @@ class KVStore:
         chunks = self.variant_keys(token_ids, salt=salt)
         holder = self.source.holders([k for _, _, ks in chunks for k in ks])
         n, where, v, every = 0, [], len(self.variants), 0
-        for c, (_, e, _) in enumerate(chunks):
+        for c, (s, e, _) in enumerate(chunks):
             held = holder[c * v:(c + 1) * v]
             name = next((h for h in held[::-1] if h is not None), None)
             if name is None:
                 break
             n, where = e, where + [name]
-            every = e if every == chunks[c][0] and None not in held else every
+            every = e if every == s and None not in held else every
         return Lookup(n, where, every)
 
     def holds(self, key: str) -> bool:
