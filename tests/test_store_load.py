@@ -254,24 +254,53 @@ def test_a_load_checks_a_slow_estimate_before_handing_everything_to_the_engine(m
     assert len(link.reads) - reads <= 2
 
 
+def _raw_chunks_behind(link: Link, chunk_s: float) -> tuple[KVStore, list[int], int]:
+    """Four 256-token raw chunks of 1.5 MB behind ``link``, which is set to take ``chunk_s`` per chunk; raw decodes
+    at once.  The store, the prompt and a chunk's bytes."""
+    g = torch.Generator().manual_seed(0)
+    kv = KVCache([(torch.randn(8, 1024, 64, generator=g).half(), torch.randn(8, 1024, 64, generator=g).half())
+                  for _ in range(3)], model="m")
+    store = KVStore([link], model="m", codec="raw", chunk_tokens=256)
+    ids = list(range(1000, 2024))
+    store.put(ids, kv)
+    chunk_bytes = store.source.value_sizes([store.variant_keys(ids)[0][2][0]])[0][0]
+    link.rate = chunk_bytes / chunk_s
+    store.telemetry.decode_rate = lambda codec: Pinned(1e9)
+    return store, ids, chunk_bytes
+
+
 def test_a_probe_piece_as_short_as_a_round_trip_is_followed_by_one_that_times_the_link():
     """Regression (bench/vllm_link.py): a fresh engine whose predecessor measured 100 Mbit/s, on a link back at
     1 Gbit/s, handed every raw load to vLLM.  Its 32 KiB probe piece took about a round trip, which looked no faster
     than the old estimate.  Here 1.5 MB chunks cross a link in 4 ms plus a 3 ms round trip; the store remembers a
     link 50x slower, at which recomputing (0.4 s) is sooner.  The load reads a 160 KiB piece after the short one,
     sees the link, and loads."""
-    g = torch.Generator().manual_seed(0)
-    kv = KVCache([(torch.randn(8, 1024, 64, generator=g).half(), torch.randn(8, 1024, 64, generator=g).half())
-                  for _ in range(3)], model="m")
     link = Link(1.0, round_trip=0.003)
-    store = KVStore([link], model="m", codec="raw", chunk_tokens=256)
-    ids = list(range(1000, 2024))
-    store.put(ids, kv)
-    link.rate = store.source.value_sizes([store.variant_keys(ids)[0][2][0]])[0][0] / 0.004
-    store.telemetry.decode_rate = lambda codec: Pinned(1e9)
+    store, ids, _ = _raw_chunks_behind(link, chunk_s=0.004)
     store.telemetry.link(link.name).throughput.prior = link.rate / 50  # restored from a predecessor: not timed
     assert _loaded(store, ids, recompute_tps=len(ids) / 0.4) == [0, 0, 0, 0]
     assert store.telemetry.link(link.name).throughput.estimate > link.rate / 20
+
+
+def test_a_load_of_one_variant_gives_up_a_chunk_whose_rest_would_come_later_than_recomputing_it():
+    """Regression (bench/vllm_link.py): a fresh raw engine at 20 Mbit/s, whose estimate was a faster link's, read its
+    first 256-token chunk whole (4.7 s) before it handed the prompt to vLLM: 13.1 s to the first token against
+    8.6 s recomputing.  Here a chunk takes 1 s on a link the store has just measured 50x faster, and the engine
+    computes the prompt in 0.3 s.  The load gives the first chunk up after one piece and hands the prompt over."""
+    link = Link(1.0)
+    store, ids, chunk_bytes = _raw_chunks_behind(link, chunk_s=1.0)
+    learnt = Measured(link.rate * 50)
+    learnt.observe(int(link.rate * 50), 1.0)  # timed by this process just now
+    store.telemetry.links = {link.name: learnt}
+    t0 = time.perf_counter()
+    result = store.prefix_load(ids, DenseSink(), recompute_tps=len(ids) / 0.3).start().finish()
+    took = time.perf_counter() - t0
+    assert [c.status for c in result.chunks] == ["recompute", "skipped", "skipped", "skipped"]
+    assert took < 0.5 and result.wasted_bytes < chunk_bytes / 2, (took, result.wasted_bytes)
+    # a link as fast as measured: every chunk loads, in pieces
+    link.rate *= 50
+    assert _loaded(store, ids, recompute_tps=len(ids) / 0.3) == [0, 0, 0, 0]
+    assert len({offset for _, offset in link.reads}) > 1
 
 
 def test_two_variants_load_from_both_ends(monkeypatch):
