@@ -392,7 +392,9 @@ class PrefixLoad:
 
     def _fetch_in_order(self) -> None:
         """One variant stored: its chunks from the front, while loading each and the rest ends sooner than the
-        engine recomputing them (when the engine's prefill speed is known: one size question per tier first)."""
+        engine recomputing them (when the engine's prefill speed is known: one size question per tier first, and
+        each value read in pieces where its tier reads ranges, given up partway once it would be later:
+        :meth:`_read_unless_late`)."""
         sizes = None
         if self.planner.recompute_tps is not None:
             sizes = self.source.value_sizes([c.key for c in self.chunks], [c.end - c.start for c in self.chunks])
