@@ -409,11 +409,10 @@ class PrefixLoad:
                     self._decided(i, self.planner.decide(RECOMPUTE, None, (option,)))
                     self._end_at(i, "recompute")
                     return
-                if self.source.tier(option.tier).ranged_reads:
-                    if not self._read_into(i, outcome.key, front=True, until_late=option):
-                        return
-                    continue
-            if not self._read_into(i, outcome.key, front=True):
+                in_pieces = option if self.source.tier(option.tier).ranged_reads else None
+            else:
+                in_pieces = None
+            if not self._read_into(i, outcome.key, front=True, until_late=in_pieces):
                 return
 
     def _loading_pays(self, i: int, option: Option, key: str, worth: Callable[..., bool]) -> bool:
@@ -451,7 +450,7 @@ class PrefixLoad:
         else:
             self.source.observe(option.tier, len(piece), seconds)
         self._served(i, sum(map(len, parts)))
-        if len(self.variants) > 1 or self.source.tier(option.tier).ranged_reads:
+        if self.source.tier(option.tier).ranged_reads:  # (a read in pieces goes on from them)
             with self._cond:
                 self._resume[i] = parts
         return True
@@ -492,23 +491,42 @@ class PrefixLoad:
                 self._end_at(i, "recompute")
                 return None
             length = self._piece_bytes(link, last)
-            length = option.nbytes - got if option.nbytes - got < 2 * length else length
-            t0 = time.perf_counter()
-            piece = self.source.read_range(option.tier, key, got, length, tokens)
-            seconds = time.perf_counter() - t0
+            if option.nbytes - got < 2 * length:
+                length = option.nbytes - got
+            piece, seconds = self._read_piece(i, option, key, got, length)
             if not piece:
                 return self._read(i, key)  # gone here: any tier holding it
-            self._served(i, len(piece))
-            self._pieces_read += 1
             parts.append(piece)
             got, last, read_s = got + len(piece), len(piece), read_s + seconds
             if seconds > 0 and link.measures(len(piece), seconds):
                 bps = len(piece) / seconds
-        link.read_whole(read_s)
+        chunk = self._pieces_checked(i, option, key, parts, read_s)
+        return chunk if chunk is not None else self._read(i, key)
+
+    def _read_piece(self, i: int, option: Option, key: str, offset: int, length: int, *,
+                    observe: bool = True) -> tuple[bytes | None, float]:
+        """At most ``length`` bytes from ``offset`` of chunk ``i``'s value ``option`` under ``key``, counted as served
+        and as a piece read (None where its tier no longer holds it), and the seconds they took; ``observe``: see
+        :meth:`ChunkSource.read_range`."""
+        outcome = self.chunks[i]
+        t0 = time.perf_counter()
+        piece = self.source.read_range(option.tier, key, offset, length, outcome.end - outcome.start, observe=observe)
+        seconds = time.perf_counter() - t0
+        if piece:
+            self._served(i, len(piece))
+            self._pieces_read += 1
+        return piece, seconds
+
+    def _pieces_checked(self, i: int, option: Option, key: str, parts: list[bytes],
+                        read_s: float) -> FetchedChunk | None:
+        """Chunk ``i``'s value ``option`` under ``key``, read in ``parts`` over ``read_s`` seconds of reading, checked
+        whole (not evicted where it fails: a concurrent rewrite can tear a value read in pieces); None where it
+        fails."""
+        outcome = self.chunks[i]
+        self.telemetry.link(option.tier).read_whole(read_s)
         chunk = self.source.accept(key, option.tier, b"".join(parts), outcome.start, outcome.end, evict=False)
-        if chunk is None:
-            return self._read(i, key)
-        self._value_bytes[i, key] = got
+        if chunk is not None:
+            self._value_bytes[i, key] = sum(map(len, parts))
         return chunk
 
     def _piece_bytes(self, link: Link, last: int) -> int:
@@ -745,8 +763,7 @@ class PrefixLoad:
         decoder could now need, and give the value up once the decoder took the chunk (a video player's abandonment
         rule); a value given up otherwise keeps its pieces for the next read of it.  The chunk, or None; and the
         rule it was read by."""
-        outcome, source = self.chunks[i], self.source
-        link = self.telemetry.link(large.tier)
+        source, link = self.source, self.telemetry.link(large.tier)
         with self._cond:
             parts = self._resume.pop(i, [])  # what an earlier read of this value gave up: it goes on from there
         got, last = sum(map(len, parts)), len(parts[-1]) if parts else 0
@@ -778,16 +795,12 @@ class PrefixLoad:
                 if began is None:
                     began = (time.perf_counter(), self._decoder_state())
             hint = rule is None and length < CONFIRM_BYTES  # a probe piece: judged before it moves the estimate
-            t0 = time.perf_counter()
-            piece = source.read_range(large.tier, key, got, length, outcome.end - outcome.start, observe=not hint)
-            seconds = time.perf_counter() - t0
+            piece, seconds = self._read_piece(i, large, key, got, length, observe=not hint)
             if not piece:
                 return self._read(i, key), rule  # gone here: any tier holding it
-            self._served(i, len(piece))
             confirm = hint and len(piece) > LINK_FOLLOW * link.throughput.estimate * seconds
             if hint and not confirm:  # a burst only makes a read look faster: a steady or slower piece is the link
                 source.observe(large.tier, len(piece), seconds)
-            self._pieces_read += 1
             parts.append(piece)
             read_s += seconds
             got, last = got + len(piece), len(piece)
@@ -805,13 +818,11 @@ class PrefixLoad:
                                                       self._decodes_queued_s() / pieces_left)
                     while i not in self._taken and not self._stop.is_set() and time.perf_counter() < until:
                         self._cond.wait(until - time.perf_counter())
-        link.read_whole(read_s)
-        chunk = source.accept(key, large.tier, b"".join(parts), outcome.start, outcome.end, evict=False)
+        chunk = self._pieces_checked(i, large, key, parts, read_s)
         if chunk is None:
             return self._read(i, key), rule
         if began is not None and not probed:
             self._observe(large, got - resumed, time.perf_counter() - began[0], began[1])
-        self._value_bytes[i, key] = got
         return chunk, rule
 
     def _decoder_state(self) -> tuple[bool, int]:
